@@ -1,0 +1,189 @@
+"""GPT configuration: one dataclass, presets by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+__all__ = ["GPTConfig", "PRESETS"]
+
+_NORMS = ("layernorm", "rmsnorm")
+_ACTIVATIONS = ("gelu", "swiglu")
+_POSITIONS = ("learned", "rope")
+_KERNELS = ("torch", "triton")
+_ATTENTION = ("auto", "triton", "sdpa")
+
+
+def _pad(n: int, multiple: int) -> int:
+    return ((n + multiple - 1) // multiple) * multiple
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    """Shape and options of a decoder-only transformer.
+
+    ``vocab_size`` is the tokenizer's vocabulary; the embedding and head use
+    ``padded_vocab_size`` (rounded up to ``pad_vocab_multiple``, 64 by default) so
+    the head matmul has tensor-core friendly shapes (GPT-2's 50257 -> 50304).
+    """
+
+    name: str = "custom"
+    block_size: int = 1024  # longest sequence the model accepts (learned positions / RoPE table)
+    vocab_size: int = 50257
+    pad_vocab_multiple: int = 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: Optional[int] = None  # None = n_head (multi-head); fewer = grouped-query attention
+    n_embd: int = 768
+    intermediate_size: Optional[int] = None  # MLP hidden width; None = 4*d (gelu) or Llama's 8/3*d rule (swiglu)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    positions: Literal["learned", "rope"] = "learned"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    bias: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    kernels: Literal["torch", "triton"] = "torch"
+    attention: Literal["auto", "triton", "sdpa"] = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.intermediate_size is None:
+            if self.activation == "swiglu":
+                # Llama rule: 2/3 of 4d, rounded up to a multiple of 256
+                self.intermediate_size = _pad(int(8 * self.n_embd / 3), 256)
+            else:
+                self.intermediate_size = 4 * self.n_embd
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` with the numbers when the shape is impossible."""
+        for field, allowed in (
+            ("norm", _NORMS),
+            ("activation", _ACTIVATIONS),
+            ("positions", _POSITIONS),
+            ("kernels", _KERNELS),
+            ("attention", _ATTENTION),
+        ):
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(f"GPTConfig.{field}={value!r} is not one of {allowed}")
+        for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{field} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
+                f"{self.n_embd} / {self.n_head} = {self.n_embd / self.n_head:.3f}"
+            )
+        if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
+            raise ValueError(
+                f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head}) for grouped-query attention"
+            )
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim, got n_embd/n_head = {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return _pad(self.vocab_size, self.pad_vocab_multiple)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "GPTConfig":
+        """A preset by name (``GPTConfig.from_name("gpt2-124m", block_size=512)``)."""
+        key = name.lower()
+        if key not in PRESETS:
+            raise ValueError(f"Unknown GPT preset {name!r}. Known presets: {', '.join(sorted(PRESETS))}")
+        fields = dict(PRESETS[key])
+        fields.update(overrides)
+        return cls(name=key, **fields)
+
+    def replace(self, **changes: Any) -> "GPTConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- sizes -------------------------------------------------------------------------------
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count of the model this config builds (computed, not instantiated).
+
+        ``include_embedding=False`` leaves out the token and position embeddings but keeps
+        the LM head (counted once when tied: the tied matrix does the head's matmul).
+        """
+        d, V, L = self.n_embd, self.padded_vocab_size, self.n_layer
+        kv = self.n_kv_head * self.head_dim
+        b = 1 if self.bias else 0
+        norm = d * (2 if self.norm == "layernorm" else 1)  # layernorm has a bias
+        attn = d * d + 2 * d * kv + d * d + b * (d + 2 * kv + d)
+        f = self.intermediate_size
+        if self.activation == "swiglu":
+            mlp = 3 * d * f + b * (2 * f + d)
+        else:
+            mlp = 2 * d * f + b * (f + d)
+        block = attn + mlp + 2 * norm
+        body = L * block + norm  # + final norm
+        tok = V * d
+        pos = self.block_size * d if self.positions == "learned" else 0
+        head = V * d
+        if include_embedding:
+            return body + tok + pos + (0 if self.tie_embeddings else head)
+        return body + head
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """Model FLOPs per trained token (forward + backward), causal attention counted once.
+
+        ``6 * N + 6 * L * d * T`` where N is the non-embedding parameter count including
+        the LM head (every parameter does a multiply-add per token forward, twice that
+        backward) and ``6 * L * d * T`` is the attention score and value matmuls
+        (``2 * 2 * d * T`` forward per layer over the full square, halved for the causal
+        mask, times three for backward). PaLM, nanoGPT and torchtitan use
+        ``12 * L * d * T`` (the full square); see :meth:`flops_per_token_full_attention`.
+        """
+        T = self.block_size if seq_len is None else seq_len
+        return 6 * self.num_params(include_embedding=False) + 6 * self.n_layer * self.n_embd * T
+
+    def flops_per_token_full_attention(self, seq_len: Optional[int] = None) -> int:
+        """The PaLM / nanoGPT / torchtitan convention: attention counted over the full square."""
+        T = self.block_size if seq_len is None else seq_len
+        return 6 * self.num_params(include_embedding=False) + 12 * self.n_layer * self.n_embd * T
+
+
+_GPT2 = dict(vocab_size=50257, norm="layernorm", activation="gelu", positions="learned", tie_embeddings=True, bias=True)
+_LLAMA3 = dict(
+    vocab_size=128256,
+    norm="rmsnorm",
+    activation="swiglu",
+    positions="rope",
+    rope_theta=500000.0,
+    tie_embeddings=False,
+    bias=False,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # byte-level vocabulary (256 bytes + 4 specials, padded to 320); ~3.3M parameters, for CPU demos
+    "tiny": dict(
+        vocab_size=260, block_size=256, n_layer=4, n_head=4, n_embd=256, norm="layernorm",
+        activation="gelu", positions="learned", tie_embeddings=True, bias=True,
+    ),
+    # same size, Llama style (RMSNorm, RoPE, SwiGLU, GQA 4:2, untied head)
+    "tiny-llama": dict(
+        vocab_size=260, block_size=256, n_layer=4, n_head=4, n_kv_head=2, n_embd=256, norm="rmsnorm",
+        activation="swiglu", positions="rope", tie_embeddings=False, bias=False,
+    ),
+    "gpt2-124m": dict(_GPT2, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-350m": dict(_GPT2, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-774m": dict(_GPT2, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-1.5b": dict(_GPT2, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    # the nanoGPT-shaped 1.3B of PERFORMANCE.md's baselines
+    "gpt-1.3b": dict(_GPT2, block_size=2048, n_layer=24, n_head=16, n_embd=2048),
+    # Llama 3.2 1B / 3B and Llama 3.1 8B shapes (head untied here)
+    "llama-1b": dict(_LLAMA3, block_size=4096, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192),
+    "llama-3b": dict(_LLAMA3, block_size=4096, n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, intermediate_size=8192),
+    "llama-8b": dict(_LLAMA3, block_size=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336),
+}

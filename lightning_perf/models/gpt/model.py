@@ -1,0 +1,237 @@
+"""A decoder-only transformer: GPT-2 and Llama shapes from one config.
+
+Read top to bottom: norm -> rotary -> attention -> MLP -> block -> model.
+Built on any device (``meta`` included: nothing is allocated there), then
+``init_weights()`` fills the parameters, also after they were sharded.
+Blocks live in an ``nn.ModuleDict`` keyed by layer index, so a pipeline stage
+can keep a contiguous range of them under their original names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from lightning_perf.models.gpt import ops
+from lightning_perf.models.gpt.config import GPTConfig
+
+__all__ = ["GPT", "Block", "Attention", "MLP", "Norm", "rope_cache", "apply_rope"]
+
+
+class Norm(nn.Module):
+    """LayerNorm (weight + optional bias) or RMSNorm (weight only), dispatched through ``ops.norm``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.kind = config.norm
+        self.eps = config.norm_eps
+        self.impl = config.kernels
+        self.weight = nn.Parameter(torch.empty(config.n_embd))
+        use_bias = config.norm == "layernorm" and config.bias
+        self.bias = nn.Parameter(torch.empty(config.n_embd)) if use_bias else None
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.norm(x, self.weight, self.bias, kind=self.kind, eps=self.eps, impl=self.impl)
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_dim // 2), computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) by the position angle. x: (B, nh, T, hd)."""
+    T = x.shape[-2]
+    cos, sin = cos[:T].to(x.dtype), sin[:T].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q/k/v projections (column-parallel friendly) and GQA."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d, hd = config.n_embd, config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, hd
+        self.q_proj = nn.Linear(d, config.n_head * hd, bias=config.bias)
+        self.k_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.bias)
+        self.v_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.bias)
+        self.o_proj = nn.Linear(config.n_head * hd, d, bias=config.bias)
+        self.rope = config.positions == "rope"
+        self.impl = config.attention
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        # heads are read from the projection width so a tensor-parallel shard sees its local heads
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.rope:
+            assert rope is not None
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = ops.attention(q, k, v, causal=True, impl=self.impl)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """GPT-2: down(gelu_tanh(up(x))). Llama: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d, f = config.n_embd, config.intermediate_size
+        self.kind = config.activation
+        self.impl = config.kernels
+        self.up_proj = nn.Linear(d, f, bias=config.bias)
+        self.gate_proj = nn.Linear(d, f, bias=config.bias) if self.kind == "swiglu" else None
+        self.down_proj = nn.Linear(f, d, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is not None:
+            h = ops.mlp_activation(self.gate_proj(x), self.up_proj(x), kind="swiglu", impl=self.impl)
+        else:
+            h = ops.mlp_activation(self.up_proj(x), None, kind="gelu", impl=self.impl)
+        return self.down_proj(h)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = Norm(config)
+        self.attn = Attention(config)
+        self.mlp_norm = Norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Token embedding -> blocks -> final norm -> LM head (tied to the embedding or not).
+
+    ``forward(idx)`` returns logits (B, T, V_padded); ``forward(idx, targets)`` returns the
+    mean cross-entropy without materialising logits outside the loss entry point.
+    A pipeline stage keeps a subset: ``tok_emb`` / ``pos_emb`` on the first stage,
+    ``norm`` / ``lm_head`` on the last; a missing embedding means the input is already
+    hidden states, a missing head means the output is hidden states.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        V, d = config.padded_vocab_size, config.n_embd
+        self.tok_emb: Optional[nn.Embedding] = nn.Embedding(V, d)
+        self.pos_emb: Optional[nn.Embedding] = (
+            nn.Embedding(config.block_size, d) if config.positions == "learned" else None
+        )
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.norm: Optional[Norm] = Norm(config)
+        self.lm_head: Optional[nn.Linear] = None if config.tie_embeddings else nn.Linear(d, V, bias=False)
+        # RoPE tables are derived, never saved: rebuilt by init_rope() on the real device
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+
+    # ---- initialisation ------------------------------------------------------------------
+
+    def init_rope(self) -> None:
+        if self.config.positions != "rope":
+            return
+        device = self._device()
+        cos, sin = rope_cache(self.config.block_size, self.config.head_dim, self.config.rope_theta, device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 init: N(0, 0.02) for matrices, residual outputs scaled by 1/sqrt(2L), zero biases.
+
+        Works on materialised sharded parameters (DTensors) as well as plain tensors.
+        """
+        std = self.config.init_std
+        resid_std = std / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_resid = name.endswith("o_proj") or name.endswith("down_proj")
+                nn.init.normal_(module.weight, mean=0.0, std=resid_std if is_resid else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, Norm):
+                module.reset_parameters()
+        self.init_rope()
+
+    def _device(self) -> torch.device:
+        for p in self.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    # ---- forward -------------------------------------------------------------------------
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self.tok_emb is None:
+            raise RuntimeError("this stage has a tied head but no embedding to tie it to")
+        return self.tok_emb.weight
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, d)."""
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {T} exceeds the model's block_size {self.config.block_size}; "
+                f"use a shorter seq_len or a config with block_size >= {T}"
+            )
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+        return x
+
+    def rope(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        if self.config.positions != "rope":
+            return None
+        if self.rope_cos.numel() == 0 or self.rope_cos.device != self._device():
+            self.init_rope()
+        return self.rope_cos, self.rope_sin
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        rope = self.rope()
+        for block in self.blocks.values():
+            x = block(x, rope)
+        return x
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embed(idx) if self.tok_emb is not None else idx  # (B, T, d)
+        x = self.forward_blocks(x)
+        if self.norm is None:
+            return x  # an inner pipeline stage hands hidden states on
+        x = self.norm(x)
+        if targets is None:
+            return ops.lm_logits(x, self.head_weight)  # (B, T, V_padded)
+        return ops.lm_loss(x, self.head_weight, targets, impl=self.config.kernels)
+
+    # ---- sizes ---------------------------------------------------------------------------
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        return self.config.num_params(include_embedding)
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """``6 * N + 6 * L * d * T``: see :meth:`GPTConfig.flops_per_token`."""
+        return self.config.flops_per_token(seq_len)
