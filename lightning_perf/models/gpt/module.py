@@ -1,0 +1,257 @@
+"""GPTLightningModule: the GPT with its optimizer, schedule, metrics and generation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lightning_perf.models.gpt.config import GPTConfig
+from lightning_perf.models.gpt.generate import generate
+from lightning_perf.models.gpt.model import GPT
+from lightning_perf.models.gpt.transforms import AC_MODES, COMPILE_MODES, apply_activation_checkpointing, apply_compile
+
+__all__ = ["GPTLightningModule", "cosine_with_warmup"]
+
+
+def cosine_with_warmup(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup from 1/warmup to 1, then cosine decay to ``min_lr_ratio``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class GPTLightningModule(L.LightningModule):
+    """Train, validate and sample a :class:`GPT`.
+
+    Args:
+        config: a preset name (``"tiny"``, ``"gpt2-124m"``, ``"llama-8b"``, ...) or a :class:`GPTConfig`.
+        learning_rate: peak AdamW learning rate.
+        min_lr_ratio: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
+        warmup_steps: linear warmup length in optimizer steps.
+        weight_decay: applied to matrices (linear and embedding weights) only, never to biases or norms.
+        betas, eps: AdamW.
+        fused_adam: fused AdamW kernel; ``None`` uses it whenever the parameters are on CUDA.
+        compile: ``torch.compile`` each block: ``None`` (off), ``"default"``, ``"reduce-overhead"``
+            (CUDA graphs, for small models), ``"max-autotune"``.
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per block.
+        vocab_size, block_size: override the preset's (e.g. to match a tokenizer or a data module).
+    """
+
+    def __init__(
+        self,
+        config: Union[str, GPTConfig] = "tiny",
+        *,
+        learning_rate: float = 6e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        fused_adam: Optional[bool] = None,
+        compile: Optional[str] = None,
+        activation_checkpointing: str = "none",
+        vocab_size: Optional[int] = None,
+        block_size: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(config, str):
+            cfg = GPTConfig.from_name(config)
+        elif isinstance(config, dict):  # from a checkpoint's hyperparameters
+            cfg = GPTConfig(**config)
+        elif isinstance(config, GPTConfig):
+            cfg = config
+        else:
+            raise TypeError(f"config must be a preset name or a GPTConfig, got {type(config).__name__}")
+        overrides = {k: v for k, v in (("vocab_size", vocab_size), ("block_size", block_size)) if v is not None}
+        if overrides:
+            cfg = cfg.replace(**overrides)
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile={compile!r} is not one of {COMPILE_MODES}")
+        if activation_checkpointing not in AC_MODES:
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of {AC_MODES}")
+        if learning_rate <= 0 or not 0.0 <= min_lr_ratio <= 1.0 or warmup_steps < 0:
+            raise ValueError(
+                f"need learning_rate > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0; got "
+                f"{learning_rate}, {min_lr_ratio}, {warmup_steps}"
+            )
+        self.config = cfg
+        self.save_hyperparameters(ignore=["config", "vocab_size", "block_size"])
+        # plain types only, so the checkpoint loads with weights_only=True
+        self.hparams["config"] = dataclasses.asdict(cfg)
+        self.model: Optional[GPT] = None
+        self.val_loss = MeanMetric()
+        self._batch_shape: Optional[tuple[int, int]] = None
+
+    # ---- model ---------------------------------------------------------------------------
+
+    @override
+    def configure_model(self) -> None:
+        """Build the GPT (on the device or meta context the strategy provides), then AC and compile."""
+        if self.model is not None:
+            return
+        self.model = GPT(self.config)
+        blocks = list(self.model.blocks.values())
+        apply_activation_checkpointing(blocks, self.hparams.activation_checkpointing)
+        apply_compile(blocks, self.hparams.compile)
+
+    def _gpt(self) -> GPT:
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        return self.model
+
+    @override
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._gpt()(idx, targets)
+
+    def init_weights(self) -> None:
+        """Initialise the GPT's parameters in place (after a strategy materialised them from meta)."""
+        self._gpt().init_weights()
+
+    # ---- FLOPs ---------------------------------------------------------------------------
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """Model FLOPs per trained token, causal attention counted once (see GPTConfig)."""
+        return self.config.flops_per_token(seq_len)
+
+    @property
+    def flops_per_batch(self) -> Optional[int]:
+        """FLOPs of the last training batch (fwd + bwd), for Lightning's ThroughputMonitor."""
+        if self._batch_shape is None:
+            return None
+        B, T = self._batch_shape
+        return self.flops_per_token(T) * B * T
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def _check_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("GPTLightningModule expects batches of (inputs, targets) token tensors")
+        x, y = batch
+        T = x.shape[-1]
+        if T > self.config.block_size:
+            raise ValueError(
+                f"batch sequence length {T} exceeds the model's block_size {self.config.block_size}: "
+                f"lower the data module's seq_len or raise block_size"
+            )
+        return x, y
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = self._check_batch(batch)
+        self._batch_shape = (x.shape[0], x.shape[1])
+        loss = self(x, y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = self._check_batch(batch)
+        loss = self(x, y)
+        self.val_loss.update(loss, weight=y.numel())
+        return loss
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # torchmetrics reduces across ranks
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(loss), sync_dist=False)
+        self.val_loss.reset()
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = self._check_batch(batch)
+        loss = self(x, y)
+        self.log("test/loss", loss, sync_dist=True)
+        return loss
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).argmax(dim=-1)
+
+    # ---- optimisation --------------------------------------------------------------------
+
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """AdamW groups: weight decay on matrices (dim >= 2), none on biases and norm weights."""
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        return [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    @override
+    def configure_optimizers(self) -> Any:
+        params = list(self.parameters())
+        if not params:
+            raise ValueError("GPTLightningModule has no parameters: configure_model() was not called")
+        fused = self.hparams.fused_adam
+        if fused is None:
+            fused = all(p.device.type == "cuda" for p in params)
+        optimizer = torch.optim.AdamW(
+            self.parameter_groups(),
+            lr=self.hparams.learning_rate,
+            betas=tuple(self.hparams.betas),
+            eps=self.hparams.eps,
+            fused=bool(fused),
+        )
+        total = self._total_steps()
+        schedule = {
+            "scheduler": torch.optim.lr_scheduler.LambdaLR(
+                optimizer,
+                lambda step: cosine_with_warmup(
+                    step,
+                    warmup_steps=self.hparams.warmup_steps,
+                    total_steps=total,
+                    min_lr_ratio=self.hparams.min_lr_ratio,
+                ),
+            ),
+            "interval": "step",
+        }
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+    def _total_steps(self) -> int:
+        trainer = self._trainer
+        if trainer is None:
+            return 10**9
+        try:
+            total = int(trainer.estimated_stepping_batches)
+        except Exception:  # no dataloader length known yet
+            total = trainer.max_steps
+        if total is None or total < 0 or total == float("inf"):
+            total = 10**9
+        return total
+
+    # ---- sampling ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
+        eos_id: Optional[int] = None, seed: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` after the prompt ``idx`` (B, T); returns (B, T + new)."""
+        return generate(
+            self._gpt(), idx, max_new_tokens, temperature=temperature, top_k=top_k, eos_id=eos_id, seed=seed
+        )
+
+    @override
+    def on_fit_start(self) -> None:
+        gpt = self._gpt()
+        rank_zero_info(
+            f"GPT {self.config.name}: {gpt.num_params() / 1e6:.2f}M parameters, "
+            f"{self.flops_per_token() / 1e6:.1f} MFLOP/token at T={self.config.block_size}"
+        )
