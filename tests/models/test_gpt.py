@@ -1,0 +1,216 @@
+"""GPT model: shapes, causality, a hand-written reference forward, sizes and FLOPs, bad input."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_perf.models import GPT, GPTConfig, GPTLightningModule, generate
+from lightning_perf.models.gpt.module import cosine_with_warmup
+from lightning_perf.models.gpt.transforms import apply_activation_checkpointing
+
+
+def _small(name: str, **kw) -> GPTConfig:
+    return GPTConfig.from_name(name, n_layer=2, block_size=32, **kw)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_causality(name):
+    torch.manual_seed(0)
+    model = GPT(_small(name)).eval()
+    idx = torch.randint(0, 260, (2, 24))
+    changed = idx.clone()
+    changed[:, 15:] = torch.randint(0, 260, (2, 9))
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :15], b[:, :15], rtol=1e-5, atol=1e-5)
+    assert (a[:, 15:] - b[:, 15:]).abs().max() > 1e-3  # later positions do see the change
+
+
+def _reference_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The same maths written out by hand: explicit softmax attention, explicit norms and MLPs."""
+    cfg = model.config
+    B, T = idx.shape
+    hd = cfg.head_dim
+
+    def norm(x, mod):
+        xf = x.float()
+        if cfg.norm == "layernorm":
+            mu = xf.mean(-1, keepdim=True)
+            var = ((xf - mu) ** 2).mean(-1, keepdim=True)
+            y = (xf - mu) / torch.sqrt(var + cfg.norm_eps) * mod.weight
+            return y + mod.bias if mod.bias is not None else y
+        return xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + cfg.norm_eps) * mod.weight
+
+    def rope(x):  # x: (B, h, T, hd)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+        ang = torch.arange(T).float()[:, None] * inv[None, :]
+        cos, sin = ang.cos(), ang.sin()
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    x = model.tok_emb.weight[idx]
+    if cfg.positions == "learned":
+        x = x + model.pos_emb.weight[:T]
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    for blk in model.blocks.values():
+        h = norm(x, blk.attn_norm)
+        a = blk.attn
+        q = (h @ a.q_proj.weight.T + (a.q_proj.bias if a.q_proj.bias is not None else 0)).view(B, T, cfg.n_head, hd)
+        k = (h @ a.k_proj.weight.T + (a.k_proj.bias if a.k_proj.bias is not None else 0)).view(B, T, cfg.n_kv_head, hd)
+        v = (h @ a.v_proj.weight.T + (a.v_proj.bias if a.v_proj.bias is not None else 0)).view(B, T, cfg.n_kv_head, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cfg.positions == "rope":
+            q, k = rope(q), rope(k)
+        rep = cfg.n_head // cfg.n_kv_head
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)
+        x = x + F.linear(y, a.o_proj.weight, a.o_proj.bias)
+        h = norm(x, blk.mlp_norm)
+        m = blk.mlp
+        if cfg.activation == "swiglu":
+            g = F.linear(h, m.gate_proj.weight, m.gate_proj.bias)
+            u = F.linear(h, m.up_proj.weight, m.up_proj.bias)
+            z = g * torch.sigmoid(g) * u
+        else:
+            u = F.linear(h, m.up_proj.weight, m.up_proj.bias)
+            z = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+        x = x + F.linear(z, m.down_proj.weight, m.down_proj.bias)
+    x = norm(x, model.norm)
+    head = model.lm_head.weight if model.lm_head is not None else model.tok_emb.weight
+    logits = x @ head.T
+    logp = logits.log_softmax(-1)
+    return -logp.gather(-1, targets[..., None]).mean()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_loss_matches_hand_written_reference(name):
+    torch.manual_seed(1)
+    model = GPT(_small(name))
+    idx = torch.randint(0, 260, (2, 20))
+    tgt = torch.randint(0, 260, (2, 20))
+    loss = model(idx, tgt)
+    ref = _reference_loss(model, idx, tgt)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    # the logits path agrees with the loss path
+    logits = model(idx)
+    torch.testing.assert_close(F.cross_entropy(logits.flatten(0, 1), tgt.flatten()), loss, rtol=1e-5, atol=1e-6)
+
+
+def test_preset_parameter_counts():
+    # GPT-2 small with the vocabulary padded to 50304, tied head: 124.4M (nanoGPT's count)
+    cfg = GPTConfig.from_name("gpt2-124m")
+    assert cfg.padded_vocab_size == 50304
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == cfg.num_params() == 124_475_904
+    assert round(n / 1e6, 1) == 124.5 or round(n / 1e6, 1) == 124.4  # ~124.4-124.5M depending on rounding
+    # Llama 3.1 8B's published size
+    cfg = GPTConfig.from_name("llama-8b")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params() == 8_030_261_248
+    assert cfg.n_kv_head == 8 and not cfg.tie_embeddings
+
+
+def test_flops_per_token_hand_count():
+    cfg = GPTConfig.from_name("gpt2-124m")
+    d, L, T, V = 768, 12, 1024, 50304
+    per_layer = 4 * d * d + 4 * d + 2 * 4 * d * d + 4 * d + d + 2 * 2 * d  # attn + mlp + 2 layernorms
+    non_embedding = L * per_layer + 2 * d + V * d  # + final norm + head (tied: counted as the head's matmul)
+    assert cfg.num_params(include_embedding=False) == non_embedding
+    assert cfg.flops_per_token(T) == 6 * non_embedding + 6 * L * d * T == 798_759_936
+    assert cfg.flops_per_token_full_attention(T) == 6 * non_embedding + 12 * L * d * T
+    assert GPTLightningModule("gpt2-124m").flops_per_token(T) == 798_759_936
+
+
+def test_meta_build_then_init_weights():
+    cfg = _small("tiny-llama")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+    assert model.blocks["0"].attn_norm.weight.eq(1).all()
+    std = model.blocks["0"].attn.q_proj.weight.std().item()
+    assert 0.015 < std < 0.025
+    resid = model.blocks["0"].attn.o_proj.weight.std().item()
+    assert resid < std * 0.8  # scaled by 1/sqrt(2L)
+    idx = torch.randint(0, 260, (1, 8))
+    assert torch.isfinite(model(idx, idx))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_same_gradients(mode):
+    torch.manual_seed(0)
+    cfg = _small("tiny-llama")
+    a, b = GPT(cfg), GPT(cfg)
+    b.load_state_dict(a.state_dict())
+    apply_activation_checkpointing(list(b.blocks.values()), mode)
+    idx = torch.randint(0, 260, (2, 16))
+    a(idx, idx).backward()
+    b(idx, idx).backward()
+    assert set(a.state_dict()) == set(b.state_dict())  # names unchanged
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_generate_greedy_and_eos():
+    torch.manual_seed(0)
+    model = GPT(_small("tiny"))
+    prompt = torch.randint(0, 256, (2, 5))
+    out1 = generate(model, prompt, 6, temperature=0)
+    out2 = generate(model, prompt, 6, temperature=0)
+    assert out1.shape == (2, 11) and torch.equal(out1, out2) and torch.equal(out1[:, :5], prompt)
+    assert out1.max() < model.config.vocab_size  # never a padding token
+    sampled = generate(model, prompt, 40, temperature=1.0, top_k=5, seed=3)
+    assert torch.equal(sampled, generate(model, prompt, 40, temperature=1.0, top_k=5, seed=3))
+    # eos: stop as soon as every row has produced it (force it by greedy on a model biased to eos)
+    with torch.no_grad():
+        e = torch.randn(model.config.n_embd)
+        model.norm.weight.zero_()
+        model.norm.bias.copy_(e)  # every final hidden state is e
+        model.tok_emb.weight[257] = 10 * e  # so the tied head's largest logit is token 257
+    out = generate(model, prompt, 30, temperature=0, eos_id=257)
+    assert out.shape == (2, 6) and out[:, -1].eq(257).all()
+
+
+def test_schedule():
+    f = lambda s: cosine_with_warmup(s, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)  # noqa: E731
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55)
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+
+
+def test_weight_decay_on_matrices_only():
+    module = GPTLightningModule(_small("tiny"), weight_decay=0.1)
+    module.configure_model()
+    decay, no_decay = module.parameter_groups()
+    assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(module.parameters()))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="Unknown GPT preset 'gpt5'.*gpt2-124m"):
+        GPTConfig.from_name("gpt5")
+    with pytest.raises(ValueError, match="n_embd \\(100\\) must be divisible by n_head \\(3\\)"):
+        GPTConfig(n_embd=100, n_head=3)
+    with pytest.raises(ValueError, match="multiple of n_kv_head"):
+        GPTConfig(n_embd=64, n_head=4, n_kv_head=3)
+    with pytest.raises(ValueError, match="norm='batchnorm'"):
+        GPTConfig(norm="batchnorm")
+    model = GPT(_small("tiny"))
+    with pytest.raises(ValueError, match="sequence length 40 exceeds the model's block_size 32"):
+        model(torch.zeros(1, 40, dtype=torch.long))
+    with pytest.raises(ValueError, match="activation_checkpointing='some'"):
+        GPTLightningModule("tiny", activation_checkpointing="some")
+    with pytest.raises(ValueError, match="compile='fast'"):
+        GPTLightningModule("tiny", compile="fast")
