@@ -1,0 +1,242 @@
+"""``TokenDataModule``: the Lightning side of the token datasets.
+
+Thin: the datasets (``datasets.py``, ``memmap.py``, ``builtin.py``) and the resumable
+loader (``loader.py``) hold the logic. Three sources:
+
+- ``"builtin"``: the Python standard library's sources, byte-tokenized (vocab 260);
+- ``"memmap"``: ``train.bin`` / ``val.bin`` token files in ``data_dir`` (see ``prepare``);
+- ``"synthetic"``: uniform random tokens of any ``vocab_size`` (benchmarks).
+
+Batches are ``(inputs, targets)``, int64 tensors of shape ``(batch_size, seq_len)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+from torch.utils.data import Dataset
+from typing_extensions import override
+
+from lightning_perf.data.builtin import DEFAULT_MAX_BYTES, build_stdlib_corpus
+from lightning_perf.data.datasets import SyntheticTokenDataset, TokenWindowDataset
+from lightning_perf.data.loader import ResumableDataLoader, ResumableSampler
+from lightning_perf.data.memmap import MemmapTokenDataset, read_meta
+from lightning_perf.data.tokenizer import ByteTokenizer
+
+__all__ = ["SOURCES", "TokenDataModule"]
+
+SOURCES = ("builtin", "memmap", "synthetic")
+
+
+class TokenDataModule(L.LightningDataModule):
+    """Fixed-length next-token windows from one of three sources.
+
+    Every epoch visits every training window once in a permutation seeded by
+    ``seed + epoch``; the position within the epoch is saved in Lightning checkpoints,
+    so a run resumed mid-epoch continues with the next unseen batch. Under a
+    distributed strategy the data is split by the strategy's data-parallel rank
+    (``strategy.distributed_sampler_kwargs``), not by the global rank.
+
+    Args:
+        source: ``"builtin"``, ``"memmap"`` or ``"synthetic"``.
+        data_dir: directory with ``train.bin``/``val.bin`` (+ ``.json``), for ``"memmap"``.
+        vocab_size: for ``"synthetic"``, the range of the tokens (required). For the
+            others, optional: the model's vocabulary, checked to be >= the data's.
+            The :attr:`vocab_size` property reports what the model needs.
+        seq_len: tokens per sample (each sample reads ``seq_len + 1``).
+        batch_size: samples per batch on each data-parallel rank.
+        num_workers: loader worker processes.
+        pin_memory: ``None`` pins when the Trainer runs on CUDA.
+        seed: shuffle seed (and the synthetic data's seed).
+        synthetic_train_samples, synthetic_val_samples: sizes of the synthetic splits.
+        builtin_max_bytes: cap on the stdlib source bytes read for ``"builtin"``.
+        shuffle: shuffle the training windows each epoch.
+
+    Example::
+
+        data = TokenDataModule(source="synthetic", vocab_size=320, seq_len=64, batch_size=8)
+        data = TokenDataModule(source="builtin", seq_len=128, batch_size=8)
+    """
+
+    def __init__(
+        self,
+        source: Literal["builtin", "memmap", "synthetic"] = "builtin",
+        data_dir: str | None = None,
+        vocab_size: int | None = None,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        seed: int = 1234,
+        synthetic_train_samples: int = 10_000,
+        synthetic_val_samples: int = 64,
+        builtin_max_bytes: int = DEFAULT_MAX_BYTES,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        if source not in SOURCES:
+            raise ValueError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
+        for name, value, low in (
+            ("seq_len", seq_len, 1),
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 0),
+            ("seed", seed, 0),
+            ("synthetic_train_samples", synthetic_train_samples, 1),
+            ("synthetic_val_samples", synthetic_val_samples, 1),
+            ("builtin_max_bytes", builtin_max_bytes, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        if source == "synthetic" and vocab_size is None:
+            raise ValueError("source='synthetic' needs vocab_size (the range of the random tokens)")
+        if source == "builtin" and vocab_size is not None and vocab_size < ByteTokenizer.vocab_size:
+            raise ValueError(
+                f"vocab_size={vocab_size} is smaller than the byte tokenizer's {ByteTokenizer.vocab_size}"
+                " (256 bytes + 4 special tokens) used by the built-in corpus"
+            )
+        if source == "memmap" and data_dir is None:
+            raise ValueError("source='memmap' needs data_dir: a directory with train.bin/val.bin from `prepare`")
+        self.save_hyperparameters()
+        self.source = source
+        self.data_dir = None if data_dir is None else Path(data_dir)
+        self.requested_vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.seed = seed
+        self.synthetic_train_samples = synthetic_train_samples
+        self.synthetic_val_samples = synthetic_val_samples
+        self.builtin_max_bytes = builtin_max_bytes
+        self.shuffle = shuffle
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+
+    # ------------------------------------------------------------------ vocab
+    def data_vocab_size(self) -> int:
+        """Largest token id + 1 that the data can contain (reads the memmap metadata)."""
+        if self.source == "synthetic":
+            assert self.requested_vocab_size is not None
+            return self.requested_vocab_size
+        if self.source == "builtin":
+            return ByteTokenizer.vocab_size
+        assert self.data_dir is not None
+        return max(read_meta(self.data_dir / split).vocab_size for split in ("train", "val"))
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the model needs: ``vocab_size`` if given (validated to cover
+        the data), else the data's own."""
+        data_vocab = self.data_vocab_size()
+        if self.requested_vocab_size is None:
+            return data_vocab
+        if self.requested_vocab_size < data_vocab:
+            raise ValueError(
+                f"vocab_size={self.requested_vocab_size} is smaller than the vocabulary of the {self.source}"
+                f" data ({data_vocab}); token ids up to {data_vocab - 1} would index past the embedding"
+            )
+        return self.requested_vocab_size
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, stage: str) -> None:
+        vocab = self.vocab_size  # validates files / vocabulary before anything is built
+        self._check_against_model(vocab)
+        if self.train_dataset is not None:
+            return
+        if self.source == "synthetic":
+            self.train_dataset = SyntheticTokenDataset(
+                vocab, self.seq_len, self.synthetic_train_samples, seed=self.seed, stream=0
+            )
+            self.val_dataset = SyntheticTokenDataset(vocab, self.seq_len, self.synthetic_val_samples, seed=self.seed, stream=1)
+        elif self.source == "builtin":
+            corpus = build_stdlib_corpus(self.builtin_max_bytes)
+            self.train_dataset = TokenWindowDataset(corpus.train_tokens, self.seq_len, name="builtin corpus (train)")
+            self.val_dataset = TokenWindowDataset(corpus.val_tokens, self.seq_len, name="builtin corpus (val)")
+        else:
+            assert self.data_dir is not None
+            self.train_dataset = MemmapTokenDataset(self.data_dir / "train", self.seq_len)
+            self.val_dataset = MemmapTokenDataset(self.data_dir / "val", self.seq_len)
+        for split, ds in (("train", self.train_dataset), ("val", self.val_dataset)):
+            if len(ds) == 0:  # type: ignore[arg-type]
+                raise ValueError(
+                    f"the {split} split of the {self.source} data ({ds!r}) has fewer than seq_len + 1 ="
+                    f" {self.seq_len + 1} tokens: lower seq_len or provide more data"
+                )
+
+    def _check_against_model(self, vocab: int) -> None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        config = getattr(module, "config", None)
+        model_vocab = getattr(config, "vocab_size", None)
+        if isinstance(model_vocab, int) and model_vocab < self.data_vocab_size():
+            raise ValueError(
+                f"the model's vocab_size ({model_vocab}) is smaller than the {self.source} data's"
+                f" ({self.data_vocab_size()}): build the model with vocab_size >= {self.data_vocab_size()}"
+            )
+        block_size = getattr(config, "block_size", None)
+        if isinstance(block_size, int) and self.seq_len > block_size:
+            raise ValueError(f"seq_len={self.seq_len} is longer than the model's block_size={block_size}")
+
+    def _trainer_attached(self) -> bool:
+        return self.trainer is not None
+
+    def _replicas(self) -> tuple[int, int]:
+        """``(num_replicas, rank)`` of data parallelism from the strategy, else ``(1, 0)``."""
+        if not self._trainer_attached():
+            return 1, 0
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
+        if not kwargs:
+            return 1, 0
+        num_replicas, rank = int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+        return max(num_replicas, 1), rank
+
+    def _pin(self) -> bool:
+        if self.pin_memory is not None:
+            return self.pin_memory
+        if self._trainer_attached():
+            return self.trainer.strategy.root_device.type == "cuda"
+        return torch.cuda.is_available()
+
+    def _loader(self, dataset: Dataset | None, *, train: bool) -> ResumableDataLoader:
+        if dataset is None:
+            raise RuntimeError("TokenDataModule.setup() must run before the dataloaders are requested")
+        num_replicas, rank = self._replicas()
+        sampler = ResumableSampler(
+            len(dataset),  # type: ignore[arg-type]
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=self.shuffle and train,
+            seed=self.seed,
+        )
+        if train and len(sampler) < self.batch_size:
+            raise ValueError(
+                f"the train split has {len(sampler)} samples of seq_len={self.seq_len} per data-parallel rank"
+                f" ({len(dataset)} in all over {num_replicas} rank(s)), fewer than batch_size={self.batch_size}"  # type: ignore[arg-type]
+            )
+        return ResumableDataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=train,
+            num_workers=self.num_workers,
+            pin_memory=self._pin(),
+            persistent_workers=train and self.num_workers > 0,
+        )
+
+    @override
+    def train_dataloader(self) -> ResumableDataLoader:
+        return self._loader(self.train_dataset, train=True)
+
+    @override
+    def val_dataloader(self) -> ResumableDataLoader:
+        return self._loader(self.val_dataset, train=False)
+
+    @override
+    def test_dataloader(self) -> ResumableDataLoader:
+        """The validation split (there is no separate test split)."""
+        return self._loader(self.val_dataset, train=False)
