@@ -6,6 +6,7 @@ from lightning_perf.data.datamodule import TokenDataModule
 from lightning_perf.data.datasets import SyntheticTokenDataset, TokenWindowDataset
 from lightning_perf.data.loader import ResumableDataLoader, ResumableSampler
 from lightning_perf.data.memmap import MemmapTokenDataset, TokenFileMeta, read_token_file, write_token_file
+from lightning_perf.data.prepare import prepare
 from lightning_perf.data.tokenizer import ByteTokenizer
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "TokenFileMeta",
     "TokenWindowDataset",
     "build_stdlib_corpus",
+    "prepare",
     "read_token_file",
     "write_token_file",
 ]

@@ -3,8 +3,8 @@
 Every machine that runs this package has them, so a real (if small) language
 modelling task needs no download. The files of the running interpreter's stdlib
 directory (``sysconfig.get_paths()["stdlib"]``) are read at run time, without
-``site-packages`` and the test suites, byte-tokenized, and joined with ``<eos>``
-after every file.
+``site-packages`` and the test suites, byte-tokenized, each file written as
+``<bos> bytes <eos>`` (the layout ``prepare`` writes too).
 
 Determinism: which files are used and their order depend only on the file paths
 (relative to the stdlib directory) and ``max_bytes``; the train/val split is by file,
@@ -64,7 +64,7 @@ class StdlibCorpus:
     root: str
     train_files: tuple[str, ...]
     val_files: tuple[str, ...]
-    train_tokens: np.ndarray = field(repr=False)  # uint16, read-only; each file followed by <eos>
+    train_tokens: np.ndarray = field(repr=False)  # uint16, read-only; <bos> file <eos> per file
     val_tokens: np.ndarray = field(repr=False)
 
     @property
@@ -122,9 +122,11 @@ def _build_cached(max_bytes: int, val_fraction: float, root: str) -> StdlibCorpu
 
 
 def _tokenize_files(root: str, rels: list[str]) -> np.ndarray:
+    bos = np.array([ByteTokenizer.bos_id], dtype=np.uint16)
     eos = np.array([ByteTokenizer.eos_id], dtype=np.uint16)
     parts = []
     for rel in rels:
+        parts.append(bos)
         parts.append(np.frombuffer(Path(root, rel).read_bytes(), dtype=np.uint8).astype(np.uint16))
         parts.append(eos)
     tokens = np.concatenate(parts)

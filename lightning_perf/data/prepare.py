@@ -1,0 +1,151 @@
+"""``prepare``: tokenize text files into the ``train.bin`` / ``val.bin`` token files
+that ``TokenDataModule(source="memmap", data_dir=...)`` reads.
+
+    lightning-perf prepare --input my_texts/ notes.txt --out_dir data/mine
+
+Each input file is one document, written as ``<bos> bytes <eos>``. Directories are
+walked recursively (hidden entries skipped; files with a NUL byte in their first
+8 KiB are taken for binary and skipped). Documents are processed in sorted path order
+and go to validation when a hash of their path is below ``val_fraction``, so the split
+is deterministic and no document is in both files. With too few documents for that
+(e.g. one big text file) the last ``val_fraction`` of the token stream is used instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from lightning_perf.data.memmap import TokenFileMeta, dtype_for_vocab
+from lightning_perf.data.tokenizer import ByteTokenizer
+
+__all__ = ["collect_documents", "main", "prepare"]
+
+_TOKENIZERS = {"byte": ByteTokenizer}
+
+
+def _is_binary(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
+def collect_documents(inputs: Sequence[str | os.PathLike]) -> list[tuple[Path, str]]:
+    """``(path, key)`` of the text files named by ``inputs`` (files, or directories
+    walked recursively), sorted by key, without duplicates. ``key`` is the path
+    relative to the input directory (the file name for a file input), so the split
+    does not depend on where the data lies. Raises ``FileNotFoundError`` for an input
+    that does not exist."""
+    found: dict[Path, str] = {}
+    for item in inputs:
+        path = Path(item)
+        if path.is_file():
+            found.setdefault(path.resolve(), path.name)
+        elif path.is_dir():
+            for dirpath, dirnames, filenames in os.walk(path):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                for name in filenames:
+                    file = Path(dirpath, name)
+                    if not name.startswith(".") and file.is_file() and not _is_binary(file):
+                        found.setdefault(file.resolve(), file.relative_to(path).as_posix())
+        else:
+            raise FileNotFoundError(f"prepare input {path} does not exist")
+    return sorted(found.items(), key=lambda item: (item[1], str(item[0])))
+
+
+def _in_val(key: str, val_fraction: float) -> bool:
+    digest = hashlib.sha1(key.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+def prepare(
+    inputs: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    val_fraction: float = 0.01,
+    tokenizer: str = "byte",
+) -> dict[str, TokenFileMeta]:
+    """Tokenize ``inputs`` into ``out_dir/{train,val}.{bin,json}``.
+
+    Args:
+        inputs: text files and/or directories.
+        out_dir: created if needed; existing token files there are replaced.
+        val_fraction: share of the documents (or, with too few documents, of the
+            tokens) held out for validation, in (0, 1).
+        tokenizer: ``"byte"`` (the only one built in).
+
+    Returns:
+        ``{"train": TokenFileMeta, "val": TokenFileMeta}``, as written to the sidecars.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if tokenizer not in _TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; available: {', '.join(sorted(_TOKENIZERS))}")
+    tok = _TOKENIZERS[tokenizer]()
+    docs = collect_documents(inputs)
+    if not docs:
+        raise ValueError(f"no text files found in {[str(i) for i in inputs]}")
+    val_docs = {d for d, key in docs if _in_val(key, val_fraction)}
+    by_document = 0 < len(val_docs) < len(docs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = dtype_for_vocab(tok.vocab_size)
+
+    # Byte tokens: a document of n bytes is n + 2 tokens, known before reading it.
+    total = sum(d.stat().st_size + 2 for d, _ in docs)
+    val_start = total - max(1, math.ceil(total * val_fraction))  # used when splitting the stream
+    counts = {"train": 0, "val": 0}
+    tmp = {split: out / f"{split}.bin.tmp" for split in counts}
+    with open(tmp["train"], "wb") as f_train, open(tmp["val"], "wb") as f_val:
+        files = {"train": f_train, "val": f_val}
+        pos = 0
+        for doc, _ in docs:
+            ids = tok.encode(doc.read_bytes(), bos=True, eos=True, as_numpy=True).astype(dtype)
+            if by_document:
+                split = "val" if doc in val_docs else "train"
+                ids.tofile(files[split])
+                counts[split] += ids.size
+            else:
+                cut = min(max(val_start - pos, 0), ids.size)
+                ids[:cut].tofile(f_train)
+                ids[cut:].tofile(f_val)
+                counts["train"] += cut
+                counts["val"] += ids.size - cut
+            pos += ids.size
+    metas = {}
+    for split, n in counts.items():
+        meta = TokenFileMeta(dtype=dtype, num_tokens=n, vocab_size=tok.vocab_size, tokenizer=tok.name)
+        os.replace(tmp[split], out / f"{split}.bin")
+        (out / f"{split}.json").write_text(json.dumps(asdict(meta), indent=2) + "\n")
+        metas[split] = meta
+    return metas
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``lightning-perf prepare`` / ``python -m lightning_perf.data.prepare``."""
+    p = argparse.ArgumentParser(
+        prog="lightning-perf prepare",
+        description="Tokenize text files into train.bin/val.bin token files for TokenDataModule(source='memmap').",
+    )
+    p.add_argument("--input", nargs="+", action="extend", required=True, help="text files or directories")
+    p.add_argument("--out_dir", required=True, help="directory for train.bin, val.bin and their .json metadata")
+    p.add_argument("--val_fraction", type=float, default=0.01, help="share held out for validation (default 0.01)")
+    p.add_argument("--tokenizer", default="byte", choices=sorted(_TOKENIZERS))
+    args = p.parse_args(argv)
+    try:
+        metas = prepare(args.input, args.out_dir, val_fraction=args.val_fraction, tokenizer=args.tokenizer)
+    except (FileNotFoundError, ValueError) as err:
+        p.error(str(err))
+    for split, meta in metas.items():
+        print(f"{Path(args.out_dir) / split}.bin: {meta.num_tokens:,} tokens ({meta.dtype}, vocab {meta.vocab_size})")
+    print(f"use it with: --data.source memmap --data.data_dir {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
