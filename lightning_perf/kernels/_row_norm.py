@@ -1,0 +1,271 @@
+"""Row-wise LayerNorm / RMSNorm kernels (shared by ``layer_norm.py`` and ``rms_norm.py``).
+
+Per row h = x (+ residual), N features, statistics in fp32:
+    LayerNorm: mu = mean(h), rstd = 1 / sqrt(var(h) + eps), xhat = (h - mu) * rstd, y = xhat * w + b
+    RMSNorm:   mu = 0,       rstd = 1 / sqrt(mean(h^2) + eps), xhat = h * rstd,    y = xhat * w
+Backward with g = dy * w:
+    dh = rstd * (g - xhat * mean(g * xhat) - mean(g))   (the last term LayerNorm only) (+ d residual_out)
+    dw = sum_rows(dy * xhat), db = sum_rows(dy)
+dw / db are reduced per program into an fp32 (programs, N) buffer, then summed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_perf.kernels._utils import ELEMENTWISE_DTYPES, can_launch, next_power_of_2, num_sms
+from lightning_perf.kernels.autotune import default_tuner, shape_bucket
+
+__all__ = ["norm_fwd", "norm_bwd", "norm_supported", "norm_op", "NormFunction"]
+
+_MAX_N = 65536
+
+
+@triton.jit
+def _norm_fwd_kernel(X, R, W, B, Y, H, MEAN, RSTD, M, N, eps,
+                     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols[None, :] < N)
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
+    if IS_RMS:
+        xc = h
+    else:
+        mean = tl.sum(h, axis=1) / N
+        xc = tl.where(mask, h - mean[:, None], 0.0)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, rows_per_program,
+                     IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for r0 in range(row_start, row_end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            xhat = h * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / N
+        if IS_RMS:
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / N
+            dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if HAS_DRES:
+            dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_BIAS:
+            db_acc += tl.sum(dy, axis=0)
+    tl.store(DW_PART + pid * N + cols, dw_acc, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PART + pid * N + cols, db_acc, mask=col_mask)
+
+
+def _fwd_configs(block_n: int, cuda: bool) -> list[dict]:
+    if not cuda:
+        return [dict(BLOCK_M=2, num_warps=4)]
+    out = []
+    for bm in (1, 2, 4, 8, 16):
+        if bm * block_n > 32768 or (bm > 1 and block_n >= 8192):
+            continue
+        for w in (4, 8, 16):
+            if w * 32 * 2 <= bm * block_n or w == 4:  # at least ~2 elements per thread
+                out.append(dict(BLOCK_M=bm, num_warps=w))
+    return out
+
+
+def _bwd_configs(block_n: int, cuda: bool) -> list[dict]:
+    if not cuda:
+        return [dict(BLOCK_M=2, num_warps=4, PROGRAMS_PER_SM=1)]
+    out = []
+    for bm in (1, 2, 4, 8):
+        if bm * block_n > 16384 or (bm > 1 and block_n >= 8192):
+            continue
+        for w in (4, 8, 16):
+            for p in (1, 2, 4):
+                out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p))
+    return out
+
+
+def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
+    """x (..., N) -> y, new residual (x + residual, or an empty tensor), mean (empty for RMS), rstd; all (M, ...)."""
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N).contiguous()
+    M = x2.shape[0]
+    y = torch.empty_like(x2)
+    has_res = residual is not None
+    r2 = residual.reshape(-1, N).contiguous() if has_res else x2
+    h = torch.empty_like(x2) if has_res else x2.new_empty(0)
+    mean = torch.empty(M if not is_rms else 0, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    block_n = next_power_of_2(N)
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else w
+
+    def run(cfg):
+        _norm_fwd_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
+            x2, r2, w, b, y, h if has_res else y, mean if not is_rms else rstd, rstd, M, N, eps,
+            IS_RMS=is_rms, HAS_RES=has_res, HAS_BIAS=bias is not None, BLOCK_N=block_n, **cfg)
+
+    cfg = default_tuner().pick("norm_fwd", (block_n, shape_bucket(M), x.dtype, is_rms, has_res),
+                               _fwd_configs(block_n, x.is_cuda), run, x.device)
+    run(cfg)
+    return y.view(x.shape), (h.view(x.shape) if has_res else h), mean, rstd
+
+
+def norm_bwd(h, weight, bias, mean, rstd, dy, dres, is_rms: bool):
+    """Gradients (dx, dw, db-or-empty) of :func:`norm_fwd`; ``h`` is the normalised input (x + residual)."""
+    N = h.shape[-1]
+    h2 = h.reshape(-1, N).contiguous()
+    dy2 = dy.reshape(-1, N).contiguous()
+    M = h2.shape[0]
+    has_dres = dres is not None
+    dres2 = dres.reshape(-1, N).contiguous() if has_dres else dy2
+    dx = torch.empty_like(h2)
+    block_n = next_power_of_2(N)
+    has_bias = bias is not None
+    w = weight.contiguous()
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def run(cfg):
+        programs = max(1, min(M, num_sms(h.device) * cfg["PROGRAMS_PER_SM"]))
+        rows_per_program = triton.cdiv(M, programs)
+        programs = triton.cdiv(M, rows_per_program)
+        dw_part = torch.empty((programs, N), dtype=torch.float32, device=h.device)
+        db_part = torch.empty((programs, N), dtype=torch.float32, device=h.device) if has_bias else dw_part
+        kw = {k: v for k, v in cfg.items() if k != "PROGRAMS_PER_SM"}
+        _norm_bwd_kernel[(programs,)](
+            h2, w, dy2, dres2, mean if not is_rms else rstd, rstd, dx, dw_part, db_part, M, N, rows_per_program,
+            IS_RMS=is_rms, HAS_DRES=has_dres, HAS_BIAS=has_bias, BLOCK_N=block_n, **kw)
+        parts[0] = (dw_part, db_part)
+
+    cfg = default_tuner().pick("norm_bwd", (block_n, shape_bucket(M), h.dtype, is_rms, has_dres, has_bias),
+                               _bwd_configs(block_n, h.is_cuda), run, h.device)
+    run(cfg)
+    dw_part, db_part = parts[0]
+    dw = dw_part.sum(0).to(weight.dtype)
+    db = db_part.sum(0).to(bias.dtype) if has_bias else dw.new_empty(0)
+    return dx.view(h.shape), dw, db
+
+
+def norm_supported(x, weight, bias=None, residual=None) -> bool:
+    N = x.shape[-1]
+    if weight.shape != (N,) or (bias is not None and bias.shape != (N,)) or N > _MAX_N or x.numel() == 0:
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        return False
+    return x.dtype in ELEMENTWISE_DTYPES and can_launch(_norm_fwd_kernel, x, weight)
+
+
+# ---- torch.compile: custom ops -----------------------------------------------------------------
+
+
+@torch.library.custom_op("lightning_perf::row_norm", mutates_args=())
+def norm_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+            eps: float, is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, h, mean, rstd = norm_fwd(x, weight, bias, residual, eps, is_rms)
+    return y, h, mean, rstd
+
+
+@norm_op.register_fake
+def _(x, weight, bias, residual, eps, is_rms):
+    M = x.numel() // x.shape[-1]
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    h = torch.empty_like(y) if residual is not None else x.new_empty(0)
+    mean = x.new_empty(0 if is_rms else M, dtype=torch.float32)
+    return y, h, mean, x.new_empty(M, dtype=torch.float32)
+
+
+@torch.library.custom_op("lightning_perf::row_norm_bwd", mutates_args=())
+def _norm_bwd_op(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], mean: torch.Tensor,
+                 rstd: torch.Tensor, dy: torch.Tensor, dres: Optional[torch.Tensor],
+                 is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_bwd(h, weight, bias, mean, rstd, dy, dres, is_rms)
+
+
+@_norm_bwd_op.register_fake
+def _(h, weight, bias, mean, rstd, dy, dres, is_rms):
+    db = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+    return torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(weight), db
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, residual, eps, is_rms = inputs
+    _, h, mean, rstd = output
+    ctx.is_rms, ctx.has_bias, ctx.has_res = is_rms, bias is not None, residual is not None
+    ctx.save_for_backward(h if residual is not None else x, weight, bias, mean, rstd)
+
+
+def _backward(ctx, dy, dh, dmean, drstd):
+    h, weight, bias, mean, rstd = ctx.saved_tensors
+    dres = dh if (ctx.has_res and dh is not None) else None
+    dx, dw, db = _norm_bwd_op(h, weight, bias if ctx.has_bias else None, mean, rstd, dy, dres, ctx.is_rms)
+    return dx, dw, (db if ctx.has_bias else None), (dx if ctx.has_res else None), None, None
+
+
+norm_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- eager autograd ----------------------------------------------------------------------------
+
+
+class NormFunction(torch.autograd.Function):
+    """Eager path of LayerNorm / RMSNorm with optional fused residual add."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps: float, is_rms: bool):
+        y, h, mean, rstd = norm_fwd(x, weight, bias, residual, eps, is_rms)
+        ctx.is_rms, ctx.has_bias, ctx.has_res = is_rms, bias is not None, residual is not None
+        ctx.save_for_backward(h if residual is not None else x, weight, bias, mean, rstd)
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, h, mean, rstd
+
+    @staticmethod
+    def backward(ctx, dy, dh, dmean, drstd):
+        h, weight, bias, mean, rstd = ctx.saved_tensors
+        dres = dh if ctx.has_res else None
+        dx, dw, db = norm_bwd(h, weight, bias, mean, rstd, dy, dres, ctx.is_rms)
+        return dx, dw, (db if ctx.has_bias else None), (dx if ctx.has_res else None), None, None
+
+
+def apply_norm(x, weight, bias, residual, eps: float, is_rms: bool):
+    if torch.compiler.is_compiling():
+        y, h, _, _ = norm_op(x, weight, bias, residual, eps, is_rms)
+    else:
+        y, h, _, _ = NormFunction.apply(x, weight, bias, residual, eps, is_rms)
+    return y if residual is None else (y, h)

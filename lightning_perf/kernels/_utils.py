@@ -1,0 +1,55 @@
+"""Small helpers shared by the kernel files: where a kernel can run, launch sizes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = [
+    "is_interpreted",
+    "can_launch",
+    "next_power_of_2",
+    "num_sms",
+    "ELEMENTWISE_DTYPES",
+]
+
+# dtypes the kernels accept: fp32 runs on the GPU and in the interpreter, the half types on the GPU
+ELEMENTWISE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_interpreted(kernel: Any) -> bool:
+    """True when ``kernel`` was built by Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def can_launch(kernel: Any, *tensors: torch.Tensor) -> bool:
+    """Whether ``kernel`` can run on the tensors' device.
+
+    A compiled kernel needs CUDA tensors; an interpreted one (built while
+    ``TRITON_INTERPRET=1`` was set) needs CPU tensors. Mixed devices never launch.
+    """
+    devices = {t.device.type for t in tensors if t is not None}
+    if len(devices) != 1:
+        return False
+    (device,) = devices
+    if is_interpreted(kernel):
+        return device == "cpu"
+    return device == "cuda"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small fixed number elsewhere (interpreter)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
