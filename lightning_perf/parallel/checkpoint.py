@@ -1,0 +1,272 @@
+"""Sharded, atomic, reshardable checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Layout of one checkpoint directory::
+
+    ckpt/                      one directory per checkpoint
+      .metadata, __0_0.distcp  DCP: {"model": model state, "optim": {"state": optimizer state}}
+      extra.pt                 rank 0: caller's extra state (loss scaler, loop counters,
+                               ...) and the optimizer hyper-parameters, loadable with
+                               ``torch.load(weights_only=True)``
+
+Model and optimizer states come from ``get_state_dict`` / go back through
+``set_state_dict``, so FSDP2 and tensor-parallel DTensors, plain replicated modules and
+the rank-local optimizer of a ``ZeroRedundancyOptimizer`` all save their own shard, keyed
+by parameter name. Loading reads whatever slices the new layout needs: a checkpoint saved
+by 4 ranks loads on 2 (or under a different mesh).
+
+Saves are atomic: every rank writes into ``<ckpt>.tmp``; rank 0 renames it into place
+only after all ranks finished, so a crash mid-save leaves the previous checkpoint
+intact (and ``load_checkpoint`` falls back to ``<ckpt>.old`` if it crashed between the two
+renames of an overwrite). :func:`update_link` moves a ``last`` symlink atomically.
+
+:func:`consolidate` turns a checkpoint into one ``state_dict`` file that a plain
+single-device model loads (``GPT(config).load_state_dict(torch.load(f, weights_only=True))``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim import Optimizer
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "is_checkpoint",
+    "read_extra",
+    "consolidate",
+    "update_link",
+    "full_model_state_dict",
+    "main",
+]
+
+EXTRA_FILE = "extra.pt"
+_FORMAT = 1
+PathLike = Union[str, os.PathLike]
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    return dist.get_rank(group) if _dist() else 0
+
+
+def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+    if _dist():
+        dist.barrier(group=group)
+
+
+def _local_optimizers(optimizers: Sequence[Optimizer]) -> list[Optimizer]:
+    from lightning_perf.parallel.zero1 import local_optimizer
+
+    return [local_optimizer(o) for o in optimizers]
+
+
+def _hyperparams(osd: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])]
+
+
+def is_checkpoint(path: PathLike) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / ".metadata").is_file() and (p / EXTRA_FILE).is_file()
+
+
+def save_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer] = (),
+    extra: Optional[dict[str, Any]] = None,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+) -> Path:
+    """Save ``model`` + ``optimizers`` shards (every rank) and ``extra`` (rank 0) to directory ``path``.
+
+    ``extra`` must hold only what ``torch.load(weights_only=True)`` accepts (tensors,
+    numbers, strings, lists, tuples, dicts). Collective: every rank of ``group`` calls it.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    rank = _rank(group)
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier(group)
+    optims = _local_optimizers(optimizers)
+    msd, osd = get_state_dict(model, optims) if optims else (get_model_state_dict(model), {})
+    state: dict[str, Any] = {"model": msd}
+    if optims:
+        state["optim"] = {"state": osd["state"]}
+    dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _dist())
+    if rank == 0:
+        blob = {"format": _FORMAT, "extra": extra or {}, "param_groups": _hyperparams(osd), "has_optim": bool(optims)}
+        torch.save(blob, tmp / EXTRA_FILE)
+    _barrier(group)
+    if rank == 0:
+        if path.exists() or path.is_symlink():
+            old = path.with_name(path.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    _barrier(group)
+    return path
+
+
+def _resolve(path: PathLike) -> Path:
+    p = Path(path)
+    if is_checkpoint(p):
+        return p
+    old = p.with_name(p.name + ".old")
+    if not p.exists() and is_checkpoint(old):
+        return old  # a crash between the two renames of an overwrite
+    raise FileNotFoundError(f"{p} is not a checkpoint directory (expected .metadata and {EXTRA_FILE} inside)")
+
+
+def read_extra(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
+    """The ``extra.pt`` blob of a checkpoint (``extra``, optimizer hyper-parameters)."""
+    return torch.load(_resolve(path) / EXTRA_FILE, map_location="cpu", weights_only=weights_only)
+
+
+def load_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer] = (),
+    *,
+    strict: bool = True,
+    weights_only: bool = True,
+    group: Optional[dist.ProcessGroup] = None,
+) -> dict[str, Any]:
+    """Load shards into ``model`` (+ ``optimizers``), resharding as needed; return ``extra``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    path = _resolve(path)
+    blob = read_extra(path, weights_only=weights_only)
+    optims = _local_optimizers(optimizers)
+    if optims and not blob.get("has_optim", False):
+        raise ValueError(f"{path} holds no optimizer state; load it with optimizers=()")
+    msd, osd = get_state_dict(model, optims) if optims else (get_model_state_dict(model), {})
+    state: dict[str, Any] = {"model": msd}
+    if optims:
+        state["optim"] = {"state": osd["state"]}
+    dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not _dist())
+    options = StateDictOptions(strict=strict)
+    if optims:
+        osd["state"] = state["optim"]["state"]
+        for group_now, saved in zip(osd["param_groups"], blob["param_groups"]):
+            group_now.update(saved)
+        set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=osd, options=options)
+    else:
+        set_model_state_dict(model, state["model"], options=options)
+    return blob["extra"]
+
+
+def update_link(link: PathLike, target: PathLike) -> None:
+    """Point symlink ``link`` at ``target`` atomically (rename over the old link)."""
+    link, target = Path(link), Path(target)
+    tmp = link.with_name(link.name + ".linktmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(os.path.relpath(target, link.parent), tmp)
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    os.replace(tmp, link)
+
+
+def full_model_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model state dict on every rank (a collective for sharded models)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu))
+
+
+# ---- consolidation -------------------------------------------------------------------------
+
+
+def _strip_prefix(keys: list[str], prefix: Optional[str]) -> str:
+    if prefix is not None:
+        return prefix
+    # auto: strip a leading component shared by every key (e.g. a LightningModule's "model.")
+    out = ""
+    while keys and all("." in k for k in keys):
+        first = {k.split(".", 1)[0] for k in keys}
+        if len(first) != 1:
+            break
+        head = first.pop() + "."
+        out += head
+        keys = [k[len(head):] for k in keys]
+    return out
+
+
+def consolidate(ckpt_dir: PathLike, out_file: PathLike, *, prefix: Optional[str] = None) -> Path:
+    """Write the full model weights of a sharded checkpoint as one ``torch.save`` state dict.
+
+    Runs in one process, without a process group. ``prefix`` is stripped from every key;
+    ``None`` strips the leading components shared by all keys (``"model."`` of a
+    LightningModule holding the GPT as ``self.model``); ``torch.compile``'s ``_orig_mod.``
+    is always removed.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = _resolve(ckpt_dir)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    template: dict[str, torch.Tensor] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
+            template[key[len("model."):]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    if not template:
+        raise ValueError(f"{path} holds no model tensors")
+    dcp.load({"model": template}, checkpoint_id=str(path), no_dist=True)
+    names = [k.replace("_orig_mod.", "") for k in template]
+    strip = _strip_prefix(names, prefix)
+    out: dict[str, torch.Tensor] = {}
+    for key, name in zip(template, names):
+        if not name.startswith(strip):
+            raise ValueError(f"key {name!r} does not start with prefix {strip!r}")
+        out[name[len(strip):]] = template[key]
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(out_file.name + ".tmp")
+    torch.save(out, tmp)
+    os.replace(tmp, out_file)
+    return out_file
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``consolidate CKPT_DIR OUT_FILE [--prefix P]``: one full-state file from a sharded checkpoint."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-perf consolidate",
+        description="Merge a sharded (DCP) checkpoint into one state-dict file a plain model loads.",
+    )
+    parser.add_argument("ckpt_dir", help="checkpoint directory written by the zero strategies")
+    parser.add_argument("out_file", help="output file (torch.save'd state dict)")
+    parser.add_argument("--prefix", default=None, help="key prefix to strip (default: auto, e.g. 'model.')")
+    args = parser.parse_args(argv)
+    out = consolidate(args.ckpt_dir, args.out_file, prefix=args.prefix)
+    n = len(torch.load(out, map_location="cpu", weights_only=True))
+    print(f"wrote {out} ({n} tensors)")
+    return 0

@@ -1,0 +1,148 @@
+"""FSDP2 per transformer block, with explicit all-gather prefetch.
+
+``apply_fsdp`` shards each block as its own FSDP unit (one all-gather / reduce-scatter
+per block), then the root (embedding, final norm, head and anything left over).
+Communication overlaps compute three ways:
+
+- forward: while block i computes, block i+1..i+prefetch parameters are all-gathered
+  (``set_modules_to_forward_prefetch``);
+- backward: while block i computes gradients, block i-1..i-prefetch are all-gathered
+  (``set_modules_to_backward_prefetch``);
+- backward: each block's gradients are reduce-scattered as soon as they are complete.
+
+ZeRO-2 is ``reshard_after_forward=False`` (parameters stay gathered between forward and
+backward, gradients and optimizer state are sharded); ZeRO-3 is ``True`` (parameters are
+sharded at rest as well).
+
+Blocks are found with :func:`find_blocks`: our GPT's ``model.blocks`` (an
+``nn.ModuleDict``), else the largest ``nn.ModuleList``/``nn.ModuleDict`` of identical
+module classes (Hugging Face ``model.layers`` / ``transformer.h``), or a user policy
+(a callable ``module -> bool`` or a set of module classes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional, Union
+
+import torch.nn as nn
+
+__all__ = ["apply_fsdp", "find_blocks", "WrapPolicy", "set_gradient_sync", "is_fsdp_module"]
+
+WrapPolicy = Union[Callable[[nn.Module], bool], set, frozenset, tuple, list]
+
+
+def _fsdp_api() -> tuple[Any, Any, Any]:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    return fully_shard, FSDPModule, MixedPrecisionPolicy
+
+
+def is_fsdp_module(module: nn.Module) -> bool:
+    _, FSDPModule, _ = _fsdp_api()
+    return isinstance(module, FSDPModule)
+
+
+def _policy_matches(policy: WrapPolicy) -> Callable[[nn.Module], bool]:
+    if callable(policy) and not isinstance(policy, (set, frozenset, tuple, list)):
+        return policy
+    classes = tuple(policy)
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise ValueError(f"wrap_policy must be a callable module -> bool or a set of nn.Module classes, got {policy!r}")
+    return lambda m: isinstance(m, classes)
+
+
+def find_blocks(module: nn.Module, policy: Optional[WrapPolicy] = None) -> list[nn.Module]:
+    """The repeated blocks of ``module`` in forward order.
+
+    With a ``policy``: every submodule it matches, outermost first (a match inside a
+    match is left to its parent unit). Without: ``module.blocks`` when present (our GPT),
+    else the longest ``nn.ModuleList``/``nn.ModuleDict`` whose children all share one
+    class (Hugging Face decoder layers), else an empty list.
+    """
+    if policy is not None:
+        matches = _policy_matches(policy)
+        found: list[nn.Module] = []
+        inside: set[int] = set()
+        for sub in module.modules():
+            if sub is module or id(sub) in inside:
+                continue
+            if matches(sub):
+                found.append(sub)
+                inside.update(id(m) for m in sub.modules())
+        return found
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)) and len(blocks) > 0:
+        return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    best: list[nn.Module] = []
+    for sub in module.modules():
+        if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
+            children = list(sub.values() if isinstance(sub, nn.ModuleDict) else sub)
+            if len(children) > len(best) and len({type(c) for c in children}) == 1:
+                best = children
+    return best
+
+
+def apply_fsdp(
+    module: nn.Module,
+    dp_mesh: Any,
+    *,
+    blocks: Optional[Sequence[nn.Module]] = None,
+    reshard_after_forward: bool = True,
+    mp_policy: Optional[Any] = None,
+    prefetch: int = 1,
+    offload_policy: Optional[Any] = None,
+    wrap_policy: Optional[WrapPolicy] = None,
+) -> nn.Module:
+    """Shard ``module`` with FSDP2 over ``dp_mesh``: one unit per block, then the root.
+
+    Args:
+        module: the model (parameters may be on ``meta``; materialise after with
+            ``to_empty`` + init, see ``parallel.init``). Already TP-sharded DTensors are fine:
+            FSDP2 composes over the "dp" sub-mesh.
+        dp_mesh: the 1-D data-parallel ``DeviceMesh``.
+        blocks: the units; ``None`` = :func:`find_blocks` (with ``wrap_policy``).
+        reshard_after_forward: ``True`` = ZeRO-3, ``False`` = ZeRO-2.
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``None``: fp32).
+        prefetch: how many blocks ahead to all-gather in forward and backward (0 = FSDP2's
+            implicit one-ahead behaviour only).
+        offload_policy: FSDP2 ``CPUOffloadPolicy`` or ``None``.
+    Returns the same module object, now an FSDP module.
+    """
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if not any(True for _ in module.parameters()):
+        raise ValueError(f"{type(module).__name__} has no parameters: nothing to shard")
+    fully_shard, _, MixedPrecisionPolicy = _fsdp_api()
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    units = list(blocks) if blocks is not None else find_blocks(module, wrap_policy)
+    units = [u for u in units if any(True for _ in u.parameters())]
+    for i, unit in enumerate(units):
+        # the last block's parameters are needed again at once by backward: keep them gathered
+        last = i == len(units) - 1
+        fully_shard(unit, reshard_after_forward=reshard_after_forward and not last, **kwargs)
+    # the root keeps its (embedding / head) parameters gathered between forward and backward
+    fully_shard(module, reshard_after_forward=False if units else reshard_after_forward, **kwargs)
+    if prefetch > 0 and len(units) > 1:
+        _set_prefetch(units, prefetch)
+    return module
+
+
+def _set_prefetch(units: Sequence[nn.Module], depth: int) -> None:
+    n = len(units)
+    for i, unit in enumerate(units):
+        ahead = [units[j] for j in range(i + 1, min(i + 1 + depth, n))]
+        behind = [units[j] for j in range(i - 1, max(i - 1 - depth, -1), -1)]
+        if ahead:
+            unit.set_modules_to_forward_prefetch(ahead)
+        if behind:
+            unit.set_modules_to_backward_prefetch(behind)
+
+
+def set_gradient_sync(modules: Iterable[nn.Module], enabled: bool) -> None:
+    """Turn FSDP2 gradient reduce-scatter on/off (off on non-final accumulation micro-steps)."""
+    for m in modules:
+        if is_fsdp_module(m):
+            m.set_requires_gradient_sync(enabled, recurse=True)

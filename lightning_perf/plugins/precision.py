@@ -1,0 +1,207 @@
+"""``PerfPrecision``: one precision plugin for every strategy of the pack.
+
+=============  ===============================  =========================  ==============
+precision      FSDP2 (ZeRO-2/3, 3D)              DDP path (ZeRO-1)          loss scaling
+=============  ===============================  =========================  ==============
+32-true        fp32 everywhere                   fp32                       no
+bf16-mixed     params bf16, reduce fp32          autocast bf16              no
+16-mixed       params fp16, reduce fp32          autocast fp16              dynamic
+bf16-true      module cast to bf16               module cast to bf16        no
+=============  ===============================  =========================  ==============
+
+Master weights and optimizer state stay fp32 in the mixed modes (FSDP2 keeps the sharded
+fp32 parameters and casts the all-gathered copy; autocast casts per op). fp16 dynamic
+loss scaling uses :class:`~lightning_perf.parallel.loss_scaler.DistributedLossScaler`, whose
+inf/NaN flag is all-reduced over the whole world (every rank of every mesh dimension),
+so every rank skips the same steps. The scale and the skipped-step count are logged as
+``precision/loss_scale`` and ``precision/skipped_steps`` and saved in checkpoints.
+
+A pipeline schedule that computes the loss itself calls :meth:`PerfPrecision.scale_loss`
+inside its loss function and leaves unscaling, the overflow check, the skip and the
+scale update to :meth:`PerfPrecision.optimizer_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.fabric.utilities.types import Steppable
+from torch import Tensor
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_perf.parallel.loss_scaler import DistributedLossScaler
+
+__all__ = ["PerfPrecision", "PRECISIONS"]
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
+_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16}
+
+
+class _DefaultDtype:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __enter__(self) -> None:
+        self.previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *args: Any) -> None:
+        torch.set_default_dtype(self.previous)
+
+
+class PerfPrecision(Precision):
+    """Mixed / true precision with world-consistent fp16 loss scaling.
+
+    Args:
+        precision: ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"`` or ``"32-true"``.
+        init_scale, growth_factor, backoff_factor, growth_interval: fp16 loss scaling
+            (ignored by the other modes).
+        reduce_dtype: gradient reduction dtype of the FSDP2 policy (fp32 by default).
+        device_type: autocast device for the DDP path; the strategies set it.
+    """
+
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        reduce_dtype: torch.dtype = torch.float32,
+        device_type: Optional[str] = None,
+    ) -> None:
+        precision = _ALIASES.get(precision, precision)
+        if precision not in PRECISIONS:
+            raise ValueError(f"PerfPrecision does not support precision={precision!r}; choose one of {PRECISIONS}")
+        self.precision = precision  # type: ignore[assignment]
+        self.dtype = _DTYPES[precision]
+        self.reduce_dtype = reduce_dtype
+        self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        # set by the strategy: True when FSDP2's MixedPrecisionPolicy casts (no autocast then)
+        self.sharded_casting = False
+        self.scaler: Optional[DistributedLossScaler] = None
+        if precision == "16-mixed":
+            self.scaler = DistributedLossScaler(
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+            )
+        self.last_step_skipped = False
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.precision in ("bf16-mixed", "16-mixed")
+
+    @property
+    def is_true_half(self) -> bool:
+        return self.precision == "bf16-true"
+
+    # ---- for the strategies ----------------------------------------------------------------
+
+    def mp_policy(self) -> Any:
+        """The FSDP2 ``MixedPrecisionPolicy`` of this precision (fp32 policy for the true modes)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if not self.is_mixed:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=self.reduce_dtype)
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss * scale`` under fp16, ``loss`` otherwise; for losses computed inside a schedule."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale if self.scaler is not None else 1.0
+
+    # ---- Lightning hooks ---------------------------------------------------------------------
+
+    @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(dtype=self.dtype) if self.is_true_half else module
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return _DefaultDtype(self.dtype) if self.is_true_half else nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.is_mixed and not self.sharded_casting:
+            with torch.autocast(self.device_type, dtype=self.dtype):
+                yield
+        elif self.is_true_half:
+            with _DefaultDtype(self.dtype):
+                yield
+        else:
+            yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if not self.is_true_half:
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        def cast(t: Tensor) -> Tensor:
+            return t.to(self.dtype) if torch.is_floating_point(t) else t
+
+        return apply_to_collection(data, function=cast, dtype=Tensor)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
+        tensor = self.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Steppable,
+        model: "pl.LightningModule",
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        closure_result = closure()
+        # unscale before the hooks so gradient clipping and inspection see true values
+        found_inf = self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        self.last_step_skipped = found_inf
+        step_output = None
+        if not found_inf:
+            step_output = optimizer.step(**kwargs)
+        self.scaler.update(found_inf)
+        self._log(model)
+        return closure_result if step_output is None else step_output
+
+    def _log(self, model: "pl.LightningModule") -> None:
+        if self.scaler is None or getattr(model, "_trainer", None) is None:
+            return
+        if getattr(model, "_current_fx_name", None) != "optimizer_step":
+            return
+        model.log("precision/loss_scale", float(self.scaler.loss_scale), on_step=True, on_epoch=False)
+        model.log("precision/skipped_steps", float(self.scaler.skipped_steps), on_step=True, on_epoch=False)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
+
+    def __repr__(self) -> str:
+        return f"PerfPrecision({self.precision!r}, scaler={self.scaler!r})"
