@@ -227,6 +227,20 @@ class GPT(nn.Module):
             return ops.lm_logits(x, self.head_weight)  # (B, T, V_padded)
         return ops.lm_loss(x, self.head_weight, targets, impl=self.config.kernels)
 
+    # ---- 3D parallelism protocol (see parallelize.py) -----------------------------------
+
+    def tensor_parallel_plan(self, tp_mesh, *, sequence_parallel: bool = True) -> dict:
+        """The ``parallelize_module`` plan for tensor (and sequence) parallelism over ``tp_mesh``."""
+        from lightning_perf.models.gpt.parallelize import gpt_tensor_parallel_plan
+
+        return gpt_tensor_parallel_plan(self, tp_mesh, sequence_parallel=sequence_parallel)
+
+    def pipeline_stage(self, stage_idx: int, num_stages: int) -> "GPT":
+        """Stage ``stage_idx`` of ``num_stages``: a GPT sharing this one's modules under their names."""
+        from lightning_perf.models.gpt.parallelize import gpt_pipeline_stage
+
+        return gpt_pipeline_stage(self, stage_idx, num_stages)
+
     # ---- sizes ---------------------------------------------------------------------------
 
     def num_params(self, include_embedding: bool = True) -> int:

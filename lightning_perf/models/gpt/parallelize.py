@@ -1,0 +1,151 @@
+"""How the GPT splits for tensor and pipeline parallelism.
+
+``GPT.tensor_parallel_plan`` and ``GPT.pipeline_stage`` delegate here; the model file
+itself knows nothing of parallelism. The strategy (``Parallel3DStrategy``) calls the
+two protocol methods and composes them with FSDP2 in ``lightning_perf.parallel``.
+
+Tensor parallelism (Megatron style, with sequence parallelism by default)::
+
+    tok_emb   vocab-parallel embedding          -> (B, T/tp, d)   [sequence sharded]
+    pos_emb   rows (positions) sharded          -> (T/tp, d)
+    per block:
+      attn_norm / mlp_norm  sequence parallel   (B, T/tp, d) -> (B, T/tp, d)
+      attn / mlp input      all-gather sequence (B, T/tp, d) -> (B, T, d)
+      q/k/v, up/gate        column parallel     (B, T, d) -> (B, T, heads/tp * hd)
+      o_proj, down_proj     row parallel        -> reduce-scatter to (B, T/tp, d)
+    norm      sequence parallel, output gathered to a replicated DTensor (B, T, d)
+    head      vocab-parallel: logits DTensor (B, T, V/tp), loss via loss_parallel
+
+Attention reads its local head count from the projection width, so grouped-query
+attention needs only ``n_head % tp == 0`` and ``n_kv_head % tp == 0``.
+
+Pipeline parallelism: stage ``i`` of ``n`` keeps blocks ``[i*L/n, (i+1)*L/n)`` under
+their original ``blocks.<k>`` names (so checkpoints reshard across layouts); the first
+stage owns the embeddings, the last the final norm and head. A tied head would live on
+both the first and the last stage; that is refused for ``n > 1`` (untie it with
+``tie_embeddings=False``) rather than silently synchronising two copies.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from lightning_perf.models.gpt.config import GPTConfig
+    from lightning_perf.models.gpt.model import GPT
+
+__all__ = ["gpt_tensor_parallel_plan", "gpt_pipeline_stage", "check_gpt_layout"]
+
+
+def check_gpt_layout(config: "GPTConfig", *, tp: int = 1, pp: int = 1, stages_per_rank: int = 1) -> None:
+    """Raise ``ValueError`` with the numbers when the GPT cannot be split this way."""
+    if tp > 1:
+        for what, value in (
+            ("n_head", config.n_head),
+            ("n_kv_head", config.n_kv_head),
+            ("intermediate_size", config.intermediate_size),
+            ("padded_vocab_size", config.padded_vocab_size),
+        ):
+            if value % tp:
+                raise ValueError(
+                    f"{what} ({value}) is not divisible by tensor_parallel_size ({tp}): "
+                    f"{value} / {tp} = {value / tp:.3g}; each tensor-parallel rank needs whole "
+                    f"{'heads' if 'head' in what else 'rows'}"
+                )
+    stages = pp * stages_per_rank
+    if config.n_layer % stages:
+        raise ValueError(
+            f"n_layer ({config.n_layer}) is not divisible by pipeline stages: pp({pp}) * stages_per_rank"
+            f"({stages_per_rank}) = {stages}, {config.n_layer} / {stages} = {config.n_layer / stages:.3g}"
+        )
+    if stages > 1 and config.tie_embeddings:
+        raise ValueError(
+            f"{config.name!r} ties the LM head to the token embedding, which would live on both the first "
+            f"and the last of {stages} pipeline stages; build it with tie_embeddings=False "
+            f"(GPTConfig.from_name({config.name!r}, tie_embeddings=False)) to use pipeline parallelism"
+        )
+
+
+def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: bool = True) -> dict[str, Any]:
+    """The ``parallelize_module`` plan for ``model`` (a whole GPT or one pipeline stage of it)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from lightning_perf.parallel.tensor_parallel import ReplicatedOutputNorm
+
+    check_gpt_layout(model.config, tp=tp_mesh.size())
+    # the residual stream between modules: sequence-sharded local tensors, or replicated ones
+    resid = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {}
+    if model.tok_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=resid)
+        if model.pos_emb is not None and sequence_parallel:
+            # (T, d) position rows: sharded like the sequence so they add to (B, T/tp, d)
+            plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+    for key, block in model.blocks.items():
+        p = f"blocks.{key}"
+        plan[f"{p}.attn.q_proj"] = ColwiseParallel()
+        plan[f"{p}.attn.k_proj"] = ColwiseParallel()
+        plan[f"{p}.attn.v_proj"] = ColwiseParallel()
+        plan[f"{p}.attn.o_proj"] = RowwiseParallel(output_layouts=resid)
+        plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
+        if block.mlp.gate_proj is not None:
+            plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=resid)
+        if sequence_parallel:
+            plan[f"{p}.attn_norm"] = SequenceParallel()
+            plan[f"{p}.mlp_norm"] = SequenceParallel()
+            # the rope tables (second input) stay plain tensors
+            plan[f"{p}.attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            )
+            plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if model.norm is not None:
+        plan["norm"] = ReplicatedOutputNorm(sequence_parallel=sequence_parallel)
+        if model.lm_head is not None:
+            # only the weight's sharding matters: forward uses it through F.linear (head_weight)
+            plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def gpt_pipeline_stage(model: "GPT", stage_idx: int, num_stages: int) -> "GPT":
+    """A GPT holding stage ``stage_idx`` of ``num_stages``: the same module objects, original names.
+
+    The returned stage shares its submodules (and so its parameters) with ``model``.
+    Its ``forward(x)`` takes token ids on the first stage and hidden states (B, T, d)
+    elsewhere, and returns hidden states, or logits (B, T, V) on the last stage.
+    """
+    from lightning_perf.models.gpt.model import GPT
+
+    if not 0 <= stage_idx < num_stages:
+        raise ValueError(f"stage_idx {stage_idx} is outside 0..{num_stages - 1}")
+    keys = list(model.blocks.keys())
+    if len(keys) % num_stages:
+        raise ValueError(
+            f"{len(keys)} blocks do not split evenly into {num_stages} pipeline stages: "
+            f"{len(keys)} / {num_stages} = {len(keys) / num_stages:.3g}"
+        )
+    first, last = stage_idx == 0, stage_idx == num_stages - 1
+    if num_stages > 1 and model.lm_head is None:
+        check_gpt_layout(model.config, pp=num_stages)  # raises: tied head across stages
+    per_stage = len(keys) // num_stages
+    kept = keys[stage_idx * per_stage : (stage_idx + 1) * per_stage]
+
+    stage = GPT.__new__(GPT)
+    nn.Module.__init__(stage)
+    stage.config = model.config
+    stage.tok_emb = model.tok_emb if first else None
+    stage.pos_emb = model.pos_emb if first else None
+    stage.blocks = nn.ModuleDict({k: model.blocks[k] for k in kept})
+    stage.norm = model.norm if last else None
+    stage.lm_head = model.lm_head if last else None
+    stage.register_buffer("rope_cos", model.rope_cos, persistent=False)
+    stage.register_buffer("rope_sin", model.rope_sin, persistent=False)
+    return stage

@@ -1,0 +1,149 @@
+"""Tensor (and sequence) parallelism through ``parallelize_module``.
+
+The model supplies the plan (``model.tensor_parallel_plan(tp_mesh)``, the 3D model
+protocol); :func:`apply_tp` applies it. :class:`ReplicatedOutputNorm` is the one style
+torch does not ship: the final norm before a vocab-parallel head, whose output must be
+a replicated DTensor so that ``F.linear(x, head_weight)`` yields vocab-sharded logits
+that ``loss_parallel`` turns into a loss without gathering the vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "ReplicatedOutputNorm",
+    "apply_tp",
+    "find_protocol_module",
+    "require_protocol",
+    "to_local_output",
+]
+
+_PROTOCOL_HINT = {
+    "tensor_parallel_plan": "tensor_parallel_plan(self, tp_mesh) -> dict (a parallelize_module plan)",
+    "pipeline_stage": "pipeline_stage(self, stage_idx, num_stages) -> nn.Module (this stage's part)",
+}
+
+
+def _style_base() -> type:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    return ParallelStyle
+
+
+class ReplicatedOutputNorm(_style_base()):  # type: ignore[misc]
+    """A norm whose input is the residual stream and whose output is a replicated DTensor.
+
+    Parameters become replicated DTensors. The input is a local tensor sharded on the
+    sequence (``sequence_parallel=True``, normalised locally as in ``SequenceParallel``)
+    or replicated; the output is all-gathered along the sequence and kept as a DTensor
+    (backward: the partial gradient from the vocab-parallel head is reduce-scattered).
+    """
+
+    def __init__(self, *, sequence_parallel: bool = True) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                dparam = nn.Parameter(distribute_tensor(param.data, device_mesh, [Replicate()]), param.requires_grad)
+                module.register_parameter(name, dparam)
+        layout = Shard(1) if self.sequence_parallel else Replicate()
+
+        def to_dtensor(mod: nn.Module, args: tuple) -> tuple:
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [layout], run_check=False)
+            return (x, *args[1:])
+
+        def gather(mod: nn.Module, args: tuple, out: Any) -> Any:
+            return out.redistribute(device_mesh, [Replicate()])
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(gather)
+        return module
+
+
+def find_protocol_module(root: nn.Module, method: str) -> Optional[nn.Module]:
+    """The outermost submodule of ``root`` (``root`` included) that has a callable ``method``."""
+    for _, sub in root.named_modules():
+        if callable(getattr(sub, method, None)):
+            return sub
+    return None
+
+
+def require_protocol(root: nn.Module, method: str, why: str) -> nn.Module:
+    """:func:`find_protocol_module`, raising a ``ValueError`` that names the missing method."""
+    found = find_protocol_module(root, method)
+    if found is None:
+        raise ValueError(
+            f"{why} needs the model to implement `{_PROTOCOL_HINT.get(method, method)}`; "
+            f"no submodule of {type(root).__name__} defines `{method}`. Implement it (see "
+            f"examples/user_model_3d.py) or use data parallelism / ZeRO only (tensor and pipeline sizes 1)."
+        )
+    return found
+
+
+def _call_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> dict[str, Any]:
+    method = model.tensor_parallel_plan  # type: ignore[attr-defined]
+    params = inspect.signature(method).parameters
+    if "sequence_parallel" in params:
+        return method(tp_mesh, sequence_parallel=sequence_parallel)
+    return method(tp_mesh)
+
+
+def to_local_output(output: Any) -> Any:
+    """DTensor outputs back to plain tensors: a replicated one (a loss) locally, a sharded one gathered."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(output, DTensor):
+        if all(isinstance(p, Replicate) for p in output.placements):
+            return output.to_local()
+        return output.full_tensor()
+    if isinstance(output, tuple):
+        return tuple(to_local_output(o) for o in output)
+    return output
+
+
+def apply_tp(
+    model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True, local_output: bool = False
+) -> nn.Module:
+    """Shard ``model`` over ``tp_mesh`` with its own plan; returns the same module.
+
+    ``local_output=True`` converts the model's DTensor outputs back to plain tensors
+    (for code that calls the model directly, e.g. a LightningModule's ``training_step``);
+    a pipeline stage keeps DTensor logits for the vocab-parallel loss instead.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    require_protocol(model, "tensor_parallel_plan", f"tensor parallelism (tp={tp_mesh.size()})")
+    if not callable(getattr(model, "tensor_parallel_plan", None)):
+        raise ValueError(f"apply_tp needs the module that defines tensor_parallel_plan, got {type(model).__name__}")
+    plan = _call_plan(model, tp_mesh, sequence_parallel)
+    parallelize_module(model, tp_mesh, plan)
+    if local_output:
+        model.register_forward_hook(lambda mod, args, out: to_local_output(out))
+    return model
+
+
+def tp_sequence_check(seq_len: int, tp: int, sequence_parallel: bool) -> None:
+    """Sequence parallelism splits the sequence evenly over the tensor-parallel ranks."""
+    if sequence_parallel and tp > 1 and seq_len % tp:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by tensor_parallel_size {tp} "
+            f"({seq_len} / {tp} = {seq_len / tp:.3g}); sequence parallelism shards the sequence: "
+            f"use a seq_len that is a multiple of {tp} or sequence_parallel=False"
+        )
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of a DTensor, the tensor itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
