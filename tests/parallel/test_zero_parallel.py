@@ -1,0 +1,230 @@
+"""Pure torch.distributed pieces of the ZeRO stack on 2 CPU processes (gloo).
+
+One spawned group runs every check (spawning costs more than the checks): loss-scaler
+agreement, FSDP2 ZeRO-2/3 through ``apply_fsdp`` against a single-process run,
+per-rank memory fractions, sharded checkpoint save -> load -> continue, and the
+consolidated file loading into a plain GPT.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from lightning_perf.models.gpt import GPT, GPTConfig
+
+WORLD = 2
+STEPS = 4
+B, T = 2, 16  # per rank
+LR = 1e-2
+
+
+def tiny_config() -> GPTConfig:
+    return GPTConfig(name="t", vocab_size=100, block_size=T, n_layer=2, n_head=2, n_embd=32, pad_vocab_multiple=16,
+                     bias=False)  # a k_proj bias has a zero true gradient: Adam would amplify rounding noise
+
+
+def batches(n_steps: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n_steps):
+        x = torch.randint(0, 100, (world * B, T + 1), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, Path(out_dir))
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, out_dir: Path, timeout: float = 120.0) -> list[dict]:
+    """Run ``fn(rank, world, out_dir)`` on ``world`` processes; a hung or failed rank fails the test."""
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir)), nprocs=world, join=False,
+                             start_method="spawn")
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed test did not finish in {timeout}s")
+    except Exception as e:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        errs = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
+        pytest.fail(f"{e}\n{errs}")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+# ---- the distributed part ------------------------------------------------------------------
+
+
+def _fsdp_run(rank: int, world: int, stage: int, data, ckpt: Path | None):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_perf.parallel import apply_fsdp, load_checkpoint, save_checkpoint
+    from lightning_perf.parallel.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.init import materialize_from_rank0, take_full_state
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    if rank == 0:
+        model = GPT(tiny_config())  # the single-process random stream
+        full = take_full_state(model)
+    else:
+        with torch.device("meta"):
+            model = GPT(tiny_config())
+        full = None
+    apply_fsdp(model, mesh, reshard_after_forward=stage == 3, prefetch=1)
+    materialize_from_rank0(model, torch.device("cpu"), full)
+    init_state = full_model_state_dict(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    out: dict = {"init": init_state}
+    for i, (x, y) in enumerate(data):
+        xs, ys = x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]
+        loss = model(xs, ys)
+        loss.backward()
+        if i == 0:
+            out["grad_local"] = sum(p.grad.to_local().numel() for p in model.parameters())
+            out["param_local_at_rest"] = sum(p.to_local().numel() for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        l = loss.detach().clone()
+        dist.all_reduce(l)
+        losses.append(l.item() / world)
+        if ckpt is not None and i == 1:
+            save_checkpoint(ckpt, model, [opt], extra={"step": i + 1})
+            out["at_save"] = full_model_state_dict(model)
+    out["losses"] = losses
+    out["final"] = full_model_state_dict(model)
+    out["opt_local"] = sum(t.to_local().numel() for s in opt.state.values() for t in s.values() if t.dim() > 0)
+    if ckpt is not None:
+        # a fresh model (ZeRO-3 always: resharding between stages is free) resumes from step 2
+        with torch.device("meta"):
+            model2 = GPT(tiny_config())
+        apply_fsdp(model2, mesh, reshard_after_forward=True)
+        model2.to_empty(device="cpu")
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=LR)
+        extra = load_checkpoint(ckpt, model2, [opt2])
+        resumed = []
+        for x, y in data[extra["step"]:]:
+            xs, ys = x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]
+            loss = model2(xs, ys)
+            loss.backward()
+            opt2.step()
+            opt2.zero_grad()
+            l = loss.detach().clone()
+            dist.all_reduce(l)
+            resumed.append(l.item() / world)
+        out["resumed"] = resumed
+    return out
+
+
+def _worker(rank: int, world: int, out_dir: Path) -> dict:
+    from lightning_perf.parallel import DistributedLossScaler
+
+    res: dict = {}
+    # 1. loss scaler: an inf on rank 1 only -> every rank skips and halves the scale
+    scaler = DistributedLossScaler(init_scale=1024.0, growth_interval=2)
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 1024.0)
+    if rank == 1:
+        p.grad[2] = float("inf")
+    found = scaler.unscale_([p])
+    scaler.update(found)
+    p.grad = torch.full((4,), 512.0)
+    found2 = scaler.unscale_([p])
+    scaler.update(found2)
+    res["scaler"] = (found, found2, scaler.loss_scale, scaler.skipped_steps, p.grad.tolist())
+    # 2. FSDP2 ZeRO-2 / ZeRO-3 vs one process; ZeRO-3 also checkpoints and resumes
+    data = batches(STEPS, world)
+    res["zero2"] = _fsdp_run(rank, world, 2, data, None)
+    res["zero3"] = _fsdp_run(rank, world, 3, data, out_dir / "ckpt")
+    return res
+
+
+def reference(data, steps: int):
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, at = [], {}
+    for i, (x, y) in enumerate(data[:steps]):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if i == 1:
+            at = {k: v.clone() for k, v in model.state_dict().items()}
+    return init, losses, model.state_dict(), at
+
+
+def _close(a: dict, b: dict, rtol=1e-5, atol=1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+def test_zero_parallel_pieces(tmp_path: Path) -> None:
+    results = spawn(_worker, WORLD, tmp_path)
+    # loss scaler: both ranks saw the inf, both skipped, scale halved then unchanged (interval 2)
+    for r in results:
+        found, found2, scale, skipped, grad = r["scaler"]
+        assert found is True and found2 is False
+        assert scale == 512.0 and skipped == 1
+        assert grad == [1.0] * 4
+
+    data = batches(STEPS, WORLD)
+    init, losses, final, at_two = reference(data, STEPS)
+    n_params = sum(v.numel() for v in init.values())
+    for stage in (2, 3):
+        r0 = results[0][f"zero{stage}"]
+        _close(r0["init"], init, rtol=0, atol=0)  # rank 0's stream == one process's
+        torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+        _close(r0["final"], final)
+        for r in results:
+            z = r[f"zero{stage}"]
+            # every parameter is sharded on dim 0 (padding at most one row per tensor)
+            assert z["grad_local"] <= n_params / WORLD + 1000
+            assert z["param_local_at_rest"] <= n_params / WORLD + 1000
+            assert z["opt_local"] <= 2 * (n_params / WORLD + 1000)  # exp_avg + exp_avg_sq
+    # resume from the step-2 checkpoint = uninterrupted run
+    torch.testing.assert_close(torch.tensor(results[0]["zero3"]["resumed"]), torch.tensor(losses[2:]),
+                               rtol=1e-5, atol=1e-6)
+    # consolidate -> one file a plain GPT loads
+    from lightning_perf.parallel.checkpoint import main as consolidate_main
+
+    out = tmp_path / "full.pt"
+    assert consolidate_main([str(tmp_path / "ckpt"), str(out)]) == 0
+    plain = GPT(tiny_config())
+    plain.load_state_dict(torch.load(out, weights_only=True))
+    _close(plain.state_dict(), at_two)
+    assert not (tmp_path / "ckpt.tmp").exists()
