@@ -49,10 +49,10 @@ def stdlib_source_files(root: str | os.PathLike | None = None) -> list[tuple[str
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
         for name in filenames:
-            if name.endswith(".py"):
+            if name.endswith(".py"):  # empty files (many __init__.py) carry no text
                 path = Path(dirpath, name)
-                if path.is_file():
-                    files.append((path.relative_to(root).as_posix(), path.stat().st_size))
+                if path.is_file() and (size := path.stat().st_size) > 0:
+                    files.append((path.relative_to(root).as_posix(), size))
     files.sort(key=lambda item: (_unit_hash("order", item[0]), item[0]))
     return files
 
