@@ -1,0 +1,462 @@
+"""Flash attention (forward and backward) in Triton, causal or not, with grouped-query attention.
+
+For one head, S = scale * Q K^T (T x T), P = softmax(S) row-wise (causal: S[i, j] = -inf for j > i),
+O = P V. The forward streams K / V blocks through an online softmax (running max m, running sum l,
+base-2 exponentials with scale * log2(e) folded in) and saves LSE = m + log2(l) per row. The
+backward recomputes P = exp2(S * log2(e) - LSE) block by block:
+    dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta) with delta = rowsum(dO * O),
+    dK = scale * dS^T Q,  dQ = scale * dS K,
+in two kernels (dK/dV per key block, looping over the query heads of its group; dQ per query
+block), so no atomics are needed. Accumulation is fp32; blocks on the causal diagonal and the
+sequence tail are masked, all others run unmasked.
+
+Shapes: q (B, H, T, D), k / v (B, Hkv, T, D) with H % Hkv == 0, D a power of two in [16, 256],
+any T. The output is (B, H, T, D) laid out as (B, T, H, D) in memory, so the model's
+``transpose(1, 2).reshape(B, T, H * D)`` is free.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_perf.kernels._utils import can_launch
+from lightning_perf.kernels.autotune import default_tuner, shape_bucket
+
+__all__ = ["flash_attention", "attention_reference", "FlashAttentionFunction", "flash_attention_supported"]
+
+_LOG2E = 1.4426950408889634
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+# ---- forward -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, lo, hi, T, qk_scale,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = K_base + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :]
+        v_ptrs = V_base + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASK:
+            valid = offs_n[None, :] < T
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            qk = tl.where(valid, qk, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASK:
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE,
+                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+                H, T, GROUP, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m[:, None] < T
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :], mask=row_mask,
+                other=0.0)
+    K_base = K + b * skb + hk * skh
+    V_base = V + b * svb + hk * svh
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    if CAUSAL:
+        # blocks left of the diagonal need no mask; the diagonal block masks j > i and j >= T
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, 0, start_m, T,
+                                   qk_scale, False, CAUSAL, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, start_m,
+                                   tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, CAUSAL, BLOCK_N)
+    else:
+        full = (T // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, 0, full, T,
+                                   qk_scale, False, CAUSAL, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, full, T, T,
+                                   qk_scale, True, CAUSAL, BLOCK_N)
+    acc = acc / l_i[:, None]
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=offs_m < T)
+    tl.store(O + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sot + offs_d[None, :],
+             acc.to(O.dtype.element_ty), mask=row_mask)
+
+
+# ---- backward ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d, lo, hi, T,
+                    qk_scale, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ptrs = Q_base + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :]
+        do_ptrs = DO_base + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :]
+        if MASK:
+            q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+            lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            lse = tl.load(LSE_base + offs_m)
+        pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        if MASK:
+            valid = offs_m[None, :] < T
+            if CAUSAL:
+                valid = valid & (offs_m[None, :] >= offs_n[:, None])
+            pT = tl.where(valid, pT, 0.0)
+            do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
+            delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
+        else:
+            do = tl.load(do_ptrs)
+            delta = tl.load(DELTA_base + offs_m)
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot,
+                     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
+                     H, HK, T, GROUP, qk_scale, sm_scale,
+                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = (bhk // HK).to(tl.int64)
+    hk = (bhk % HK).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_mask = offs_n[:, None] < T
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :], mask=col_mask,
+                other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :], mask=col_mask,
+                other=0.0)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    full = (T // BLOCK_M) * BLOCK_M
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        Q_base = Q + b * sqb + h * sqh
+        DO_base = DO + b * sdob + h * sdoh
+        LSE_base = LSE + (b * H + h) * T
+        DELTA_base = DELTA + (b * H + h) * T
+        lo = 0
+        if CAUSAL:
+            # queries before start_n see none of these keys; the diagonal block is masked
+            lo = start_n + BLOCK_N
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n,
+                                     offs_d, start_n, tl.minimum(lo, T), T, qk_scale, True, CAUSAL, BLOCK_M)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d,
+                                 lo, full, T, qk_scale, False, CAUSAL, BLOCK_M)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d,
+                                 tl.maximum(lo, full), T, T, qk_scale, True, CAUSAL, BLOCK_M)
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None].to(tl.int64) * sdkt + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=col_mask)
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None].to(tl.int64) * sdvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, lo, hi, T, qk_scale,
+                  MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = K_base + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :]
+        v_ptrs = V_base + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        if MASK:
+            valid = offs_n[None, :] < T
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
+                   H, T, GROUP, qk_scale, sm_scale,
+                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m[:, None] < T
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :], mask=row_mask,
+                other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :], mask=row_mask,
+                 other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
+    K_base = K + b * skb + hk * skh
+    V_base = V + b * svb + hk * svh
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    if CAUSAL:
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, 0, start_m, T, qk_scale,
+                           False, CAUSAL, BLOCK_N)
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, start_m,
+                           tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, CAUSAL, BLOCK_N)
+    else:
+        full = (T // BLOCK_N) * BLOCK_N
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, 0, full, T, qk_scale,
+                           False, CAUSAL, BLOCK_N)
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, full, T, T, qk_scale,
+                           True, CAUSAL, BLOCK_N)
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None].to(tl.int64) * sdqt + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)
+
+
+# ---- launch configurations ---------------------------------------------------------------------
+
+
+def _cfg(bm, bn, w, s):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+
+
+def _fwd_configs(D: int, cuda: bool) -> list[dict]:
+    if not cuda:
+        return [_cfg(16, 16, 4, 1)]
+    if D <= 64:
+        return [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 4), _cfg(128, 128, 4, 3),
+                _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 4)]
+    if D <= 128:
+        return [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3),
+                _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3), _cfg(64, 32, 4, 4)]
+    return [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(128, 32, 8, 2), _cfg(32, 32, 4, 2)]
+
+
+def _dkdv_configs(D: int, cuda: bool) -> list[dict]:
+    if not cuda:
+        return [_cfg(16, 16, 4, 1)]
+    if D <= 64:
+        return [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 64, 4, 3),
+                _cfg(32, 64, 4, 4)]
+    if D <= 128:
+        return [_cfg(64, 128, 8, 2), _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3),
+                _cfg(64, 64, 4, 2), _cfg(32, 64, 4, 3)]
+    return [_cfg(32, 64, 8, 2), _cfg(16, 64, 4, 2), _cfg(32, 32, 4, 2), _cfg(16, 32, 4, 2)]
+
+
+def _dq_configs(D: int, cuda: bool) -> list[dict]:
+    if not cuda:
+        return [_cfg(16, 16, 4, 1)]
+    if D <= 64:
+        return [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 4),
+                _cfg(64, 32, 4, 4)]
+    if D <= 128:
+        return [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3),
+                _cfg(128, 32, 4, 3), _cfg(64, 32, 4, 3)]
+    return [_cfg(64, 32, 8, 2), _cfg(64, 16, 4, 2), _cfg(32, 32, 4, 2), _cfg(32, 16, 4, 2)]
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _new_output(q: torch.Tensor) -> torch.Tensor:
+    B, H, T, D = q.shape
+    return torch.empty((B, T, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+
+
+# ---- launchers ---------------------------------------------------------------------------------
+
+
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """(o, lse): o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in base 2 (log2 of the softmax sums)."""
+    q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
+    B, H, T, D = q.shape
+    group = H // k.shape[1]
+    o = _new_output(q)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    qk_scale = scale * _LOG2E
+
+    def run(cfg):
+        grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)
+        _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                          H, T, group, qk_scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
+
+    cfg = default_tuner().pick("flash_attn_fwd", (D, causal, shape_bucket(T), q.dtype),
+                               _fwd_configs(D, q.is_cuda), run, q.device)
+    run(cfg)
+    return o, lse
+
+
+def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
+    """(dq, dk, dv) for the forward that produced ``o`` and ``lse``."""
+    q, k, v, do = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v), _last_contiguous(do)
+    B, H, T, D = q.shape
+    HK = k.shape[1]
+    group = H // HK
+    delta = (o.float() * do.float()).sum(-1)  # (B, H, T)
+    if not delta.is_contiguous():
+        delta = delta.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    qk_scale = scale * _LOG2E
+
+    def run_dkdv(cfg):
+        grid = (triton.cdiv(T, cfg["BLOCK_N"]), B * HK)
+        _bwd_dkdv_kernel[grid](q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
+                               *_strides(do), *_strides(dk), *_strides(dv), H, HK, T, group, qk_scale, scale,
+                               CAUSAL=causal, HEAD_DIM=D, **cfg)
+
+    def run_dq(cfg):
+        grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)
+        _bwd_dq_kernel[grid](q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
+                             *_strides(do), *_strides(dq), H, T, group, qk_scale, scale,
+                             CAUSAL=causal, HEAD_DIM=D, **cfg)
+
+    tuner = default_tuner()
+    key = (D, causal, shape_bucket(T), q.dtype, group > 1)
+    run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key, _dkdv_configs(D, q.is_cuda), run_dkdv, q.device))
+    run_dq(tuner.pick("flash_attn_bwd_dq", key, _dq_configs(D, q.is_cuda), run_dq, q.device))
+    return dq, dk, dv
+
+
+# ---- torch.compile: custom ops -----------------------------------------------------------------
+
+
+@torch.library.custom_op("lightning_perf::flash_attn", mutates_args=())
+def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attn_fwd(q, k, v, causal, scale)
+
+
+@_flash_op.register_fake
+def _(q, k, v, causal, scale):
+    B, H, T, D = q.shape
+    return _new_output(q), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("lightning_perf::flash_attn_bwd", mutates_args=())
+def _flash_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                  do: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_attn_bwd(q, k, v, o, lse, do, causal, scale)
+
+
+@_flash_bwd_op.register_fake
+def _(q, k, v, o, lse, do, causal, scale):
+    q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, o, lse)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd_op(q, k, v, o, lse, do, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_flash_op.register_autograd(_backward, setup_context=_setup)
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Eager path; saves q, k, v, o and the fp32 LSE (B, H, T) for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float):
+        o, lse = flash_attn_fwd(q, k, v, causal, scale)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attn_bwd(q, k, v, o, lse, do, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+# ---- reference and public function -------------------------------------------------------------
+
+
+def attention_reference(q, k, v, causal: bool = True, softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Plain softmax(scale * Q K^T) V in fp32 with k / v heads repeated for GQA; cast back to q's dtype."""
+    H, HK, T = q.shape[1], k.shape[1], q.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    kf = k.float().repeat_interleave(H // HK, dim=1)
+    vf = v.float().repeat_interleave(H // HK, dim=1)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return (s.softmax(-1) @ vf).to(q.dtype)
+
+
+def _check(q, k, v) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"flash_attention needs (B, H, T, D) tensors, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    B, H, T, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B={B}, Hkv, T={T}, D={D})")
+    if H % k.shape[1]:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({k.shape[1]})")
+    if D not in _HEAD_DIMS:
+        raise ValueError(f"head dim {D} is not supported; flash_attention takes {_HEAD_DIMS}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def flash_attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    try:
+        _check(q, k, v)
+    except ValueError:
+        return False
+    dtypes = (torch.float16, torch.bfloat16) if q.is_cuda else (torch.float32, torch.float16)
+    return q.dtype in dtypes and q.shape[2] > 0 and can_launch(_fwd_kernel, q, k, v)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(scale * q k^T [causal mask]) v for q (B, H, T, D), k / v (B, Hkv, T, D); scale 1/sqrt(D) by default."""
+    _check(q, k, v)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if torch.compiler.is_compiling():
+        return _flash_op(q, k, v, causal, scale)[0]
+    return FlashAttentionFunction.apply(q, k, v, causal, scale)

@@ -1,0 +1,130 @@
+"""Rotary position embedding (half-split convention of ``models.gpt.model.apply_rope``).
+
+With x = (x1, x2) the two halves of the head dim and (cos, sin) of the position:
+    y = (x1 * cos - x2 * sin,  x2 * cos + x1 * sin)
+The backward is the inverse rotation (sin -> -sin):
+    dx = (dy1 * cos + dy2 * sin,  dy2 * cos - dy1 * sin)
+x is (B, H, T, hd) with any strides whose last dim is contiguous (q / k straight
+from the projection's ``view(...).transpose(1, 2)``); cos / sin are (>= T, hd / 2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_perf.kernels._utils import ELEMENTWISE_DTYPES, can_launch, next_power_of_2
+from lightning_perf.kernels.autotune import default_tuner, shape_bucket
+
+__all__ = ["rotary_embedding", "rotary_embedding_reference", "RotaryFunction", "rotary_supported"]
+
+
+@triton.jit
+def _rotary_kernel(X, Y, COS, SIN, H, T, HALF,
+                   sxb, sxh, sxt, syb, syh, syt, scos,
+                   INVERSE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    mask = (t[:, None] < T) & (d[None, :] < HALF)
+    x_base = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t[:, None].to(tl.int64) * sxt + d[None, :]
+    y_base = Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + t[:, None].to(tl.int64) * syt + d[None, :]
+    x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_base + HALF, mask=mask, other=0.0).to(tl.float32)
+    cs_off = t[:, None] * scos + d[None, :]
+    cos = tl.load(COS + cs_off, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + cs_off, mask=mask, other=0.0).to(tl.float32)
+    if INVERSE:
+        sin = -sin
+    tl.store(y_base, (x1 * cos - x2 * sin).to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_base + HALF, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=mask)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    B, H, T, D = x.shape
+    half = D // 2
+    y = torch.empty_like(x)
+    if y.stride(-1) != 1:
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block_d = next_power_of_2(half)
+    configs = ([dict(BLOCK_T=bt, num_warps=w) for bt in (16, 32, 64) for w in (2, 4, 8)]
+               if x.is_cuda else [dict(BLOCK_T=8, num_warps=4)])
+
+    def run(cfg):
+        _rotary_kernel[(B * H, triton.cdiv(T, cfg["BLOCK_T"]))](
+            x, y, cos, sin, H, T, half, *x.stride()[:3], *y.stride()[:3], cos.stride(0),
+            INVERSE=inverse, BLOCK_D=block_d, **cfg)
+
+    run(default_tuner().pick("rotary", (block_d, shape_bucket(T), shape_bucket(B * H), x.dtype), configs, run,
+                             x.device))
+    return y
+
+
+@torch.library.custom_op("lightning_perf::rotary", mutates_args=())
+def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    return _rotate(x, cos, sin, inverse)
+
+
+@_rotary_op.register_fake
+def _(x, cos, sin, inverse):
+    return torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output):
+    _, cos, sin, inverse = inputs
+    ctx.inverse = inverse
+    ctx.save_for_backward(cos, sin)
+
+
+def _backward(ctx, dy):
+    cos, sin = ctx.saved_tensors
+    return _rotary_op(dy, cos, sin, not ctx.inverse), None, None, None
+
+
+_rotary_op.register_autograd(_backward, setup_context=_setup)
+
+
+class RotaryFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(dy, cos, sin, True), None, None
+
+
+def rotary_embedding_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` in fp32, cast back."""
+    T = x.shape[-2]
+    c, s = cos[:T].float(), sin[:T].float()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def rotary_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    return (
+        x.dim() == 4 and x.shape[-1] % 2 == 0 and cos.shape == sin.shape and cos.dim() == 2
+        and cos.shape[0] >= x.shape[-2] and cos.shape[1] == x.shape[-1] // 2
+        and x.dtype in ELEMENTWISE_DTYPES and can_launch(_rotary_kernel, x, cos, sin)
+    )
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, hd) by the angles whose cos / sin are (>= T, hd / 2); returns a new tensor."""
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"rotary_embedding needs x of shape (B, H, T, hd) with even hd, got {tuple(x.shape)}")
+    T, half = x.shape[-2], x.shape[-1] // 2
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] < T or cos.shape[1] != half:
+        raise ValueError(f"cos/sin must be (>= {T}, {half}), got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if torch.compiler.is_compiling():
+        return _rotary_op(x, cos, sin, False)
+    return RotaryFunction.apply(x, cos, sin)
