@@ -1,0 +1,32 @@
+"""Performance maths and tools, independent of Lightning: device peaks, FLOP and byte
+counting, throughput/MFU under any parallel layout, roofline, overlap of communication,
+host-device sync detection, dataloader stalls, and the end-of-run summary."""
+
+from lightning_perf.perf.comm import BUS_FACTORS, LINKS, CommAnalysis, analyze_comm_trace, bus_bandwidth, expected_link
+from lightning_perf.perf.dataloader import StallWindow, dataloader_advice, exposed_wait
+from lightning_perf.perf.flops import CATEGORIES, FlopCount, OpCounter, OpRecord, count_flops, op_category
+from lightning_perf.perf.intervals import OverlapStats, intersect, overlap_stats, total, union
+from lightning_perf.perf.peaks import DTYPES, PEAKS, DevicePeak, compute_dtype_name, device_peak, lookup_peak
+from lightning_perf.perf.report import PerfSummary, breakdown, recommendations, render_markdown
+from lightning_perf.perf.roofline import RooflineGroup, build_groups, classify, plot_roofline, profiler_op_times
+from lightning_perf.perf.sync import CudaSyncCatcher, DispatchSyncDetector, SyncPointError, SyncRecorder, SyncSite
+from lightning_perf.perf.throughput import (
+    ParallelLayout,
+    StepClock,
+    Throughput,
+    compute_throughput,
+    host_clock,
+    measure_matmul_ceiling,
+)
+
+__all__ = [
+    "BUS_FACTORS", "LINKS", "CommAnalysis", "analyze_comm_trace", "bus_bandwidth", "expected_link",
+    "StallWindow", "dataloader_advice", "exposed_wait",
+    "CATEGORIES", "FlopCount", "OpCounter", "OpRecord", "count_flops", "op_category",
+    "OverlapStats", "intersect", "overlap_stats", "total", "union",
+    "DTYPES", "PEAKS", "DevicePeak", "compute_dtype_name", "device_peak", "lookup_peak",
+    "PerfSummary", "breakdown", "recommendations", "render_markdown",
+    "RooflineGroup", "build_groups", "classify", "plot_roofline", "profiler_op_times",
+    "CudaSyncCatcher", "DispatchSyncDetector", "SyncPointError", "SyncRecorder", "SyncSite",
+    "ParallelLayout", "StepClock", "Throughput", "compute_throughput", "host_clock", "measure_matmul_ceiling",
+]

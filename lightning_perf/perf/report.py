@@ -1,0 +1,125 @@
+"""End-of-run performance summary: step-time breakdown, recommendations, Markdown.
+
+Breakdown of the mean step time (seconds per step):
+
+    step = compute + exposed communication + data wait + host overhead
+
+Data wait is the exposed input wait, host overhead the rest of the device idle gap
+between steps; compute is what remains (it includes kernel launch gaps inside a
+step, which the roofline reports as overhead-bound groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+__all__ = ["PerfSummary", "breakdown", "recommendations", "render_markdown"]
+
+
+@dataclass(kw_only=True)
+class PerfSummary:
+    step_time_s: float
+    steps: int = 0
+    data_wait_s: Optional[float] = None
+    between_steps_s: Optional[float] = None  # device idle gap between steps (data wait + host work)
+    exposed_comm_s: Optional[float] = None
+    tokens_per_sec: Optional[float] = None
+    tflops_per_gpu: Optional[float] = None
+    mfu: Optional[float] = None
+    hfu: Optional[float] = None
+    peak: Optional[str] = None
+    bound: Optional[str] = None  # the dominant roofline class by time
+    roofline: list[dict[str, Any]] = field(default_factory=list)  # category groups (as_dict)
+    user_sync_sites: list[str] = field(default_factory=list)
+    framework_sync_sites: list[str] = field(default_factory=list)
+    dataloader_advice: list[str] = field(default_factory=list)
+    comm: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["breakdown"] = breakdown(self)
+        out["recommendations"] = recommendations(self)
+        return out
+
+
+def breakdown(s: PerfSummary) -> dict[str, dict[str, float]]:
+    """Seconds and fraction of the step for compute, exposed comm, data wait and host overhead."""
+    step = max(s.step_time_s, 0.0)
+    comm = min(s.exposed_comm_s or 0.0, step)
+    data = min(s.data_wait_s or 0.0, step - comm)
+    gap = s.between_steps_s if s.between_steps_s is not None else data
+    host = min(max(0.0, gap - data), step - comm - data)
+    compute = step - comm - data - host
+    parts = {"compute": compute, "exposed_comm": comm, "data_wait": data, "host_overhead": host}
+    return {k: {"seconds": v, "fraction": (v / step if step > 0 else 0.0)} for k, v in parts.items()}
+
+
+def _share(s: PerfSummary, bound: str, names: tuple[str, ...] = ()) -> float:
+    return sum(g.get("time_share", 0.0) for g in s.roofline
+               if g.get("bound") == bound and (not names or g.get("name") in names))
+
+
+def recommendations(s: PerfSummary, *, top: int = 3) -> list[str]:
+    """The ``top`` suggestions, ranked by the share of the step they address."""
+    parts = breakdown(s)
+    tips: list[tuple[float, str]] = []
+    data = parts["data_wait"]["fraction"]
+    if data > 0.05:
+        first = s.dataloader_advice[0] if s.dataloader_advice else "use more DataLoader workers"
+        tips.append((data, f"Input pipeline: {100 * data:.1f}% of each step waits for data; {first}."))
+    comm = parts["exposed_comm"]["fraction"]
+    if comm > 0.10:
+        tips.append((comm, f"Communication: {100 * comm:.1f}% of each step is exposed; overlap it (DDP bucket size, "
+                           "FSDP prefetch, larger micro-batches) and check the link's bus bandwidth."))
+    if s.user_sync_sites:
+        sites = ", ".join(s.user_sync_sites[:3])
+        tips.append((0.5, f"Host-device syncs in your code stall the GPU queue: {sites}. Keep values on the "
+                          "device (log tensors, avoid .item()/nonzero/boolean masks in the step)."))
+    host = parts["host_overhead"]["fraction"]
+    if host > 0.05:
+        tips.append((host, f"Host overhead: the device idles {100 * host:.1f}% of each step between steps "
+                           "(hooks, logging, callbacks); log less often, or raise the batch size per step."))
+    mem = _share(s, "memory", ("elementwise", "norm", "copy"))
+    if mem > 0.2:
+        tips.append((0.5 * mem, f"Memory-bound elementwise/norm/copy ops take {100 * mem:.0f}% of kernel time; "
+                                "fuse them (torch.compile, fused kernels)."))
+    over = _share(s, "overhead")
+    if over > 0.2:
+        tips.append((0.5 * over, f"Overhead-bound ops take {100 * over:.0f}% of kernel time (launch latency); "
+                                 "larger batches, torch.compile, CUDA graphs."))
+    if s.mfu is not None and s.mfu < 0.3:
+        tips.append((0.3 - s.mfu, f"MFU is {100 * s.mfu:.1f}%: raise the micro-batch, use bf16 autocast, fused "
+                                  "AdamW and torch.compile."))
+    tips.sort(key=lambda t: -t[0])
+    return [t for _, t in tips[:top]]
+
+
+def _fmt(v: Optional[float], scale: float = 1.0, unit: str = "", digits: int = 3) -> str:
+    return "n/a" if v is None else f"{v * scale:.{digits}g}{unit}"
+
+
+def render_markdown(s: PerfSummary) -> str:
+    parts = breakdown(s)
+    lines = ["## Performance report", "", f"Steps measured: {s.steps}; mean step time {_fmt(s.step_time_s, 1e3, ' ms')}",
+             "", "| part | ms / step | share |", "| --- | --- | --- |"]
+    for name, v in parts.items():
+        lines.append(f"| {name.replace('_', ' ')} | {v['seconds'] * 1e3:.3f} | {100 * v['fraction']:.1f}% |")
+    lines += ["", "| metric | value |", "| --- | --- |",
+              f"| tokens/s (global) | {_fmt(s.tokens_per_sec, digits=4)} |",
+              f"| TFLOP/s per GPU | {_fmt(s.tflops_per_gpu, digits=4)} |",
+              f"| MFU | {_fmt(s.mfu, 100, '%')} |",
+              f"| HFU | {_fmt(s.hfu, 100, '%')} |",
+              f"| peak used | {s.peak or 'n/a'} |",
+              f"| bound | {s.bound or 'n/a'} |"]
+    if s.roofline:
+        lines += ["", "| op group | time share | TFLOP/s | GB/s | bound |", "| --- | --- | --- | --- | --- |"]
+        for g in s.roofline:
+            lines.append(f"| {g['name']} | {100 * g['time_share']:.1f}% | {g['achieved_tflops']:.3g} | "
+                         f"{g['achieved_gbps']:.4g} | {g['bound']} |")
+    if s.user_sync_sites or s.framework_sync_sites:
+        lines += ["", "Sync sites (user):"] + [f"- {x}" for x in s.user_sync_sites or ["none"]]
+        lines += ["", "Sync sites (framework):"] + [f"- {x}" for x in s.framework_sync_sites or ["none"]]
+    recs = recommendations(s)
+    lines += ["", "Top recommendations:"] + ([f"{i + 1}. {r}" for i, r in enumerate(recs)] or ["- none"])
+    return "\n".join(lines) + "\n"
