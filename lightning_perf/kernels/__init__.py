@@ -50,7 +50,7 @@ _WHERE = {
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        module = importlib.import_module(f"{__name__}.{_WHERE[name]}")
+        module = importlib.import_module(f"{__name__}.{_WHERE[name]}" if _WHERE[name] == "autotune" else f"{__name__}.ops.{_WHERE[name]}")
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -59,7 +59,7 @@ def sdpa(q, k, v, causal: bool, backend: Optional[str] = None) -> torch.Tensor:
 
 def _triton_attention(q, k, v, causal: bool) -> Optional[torch.Tensor]:
     try:
-        from lightning_perf.kernels.flash_attention import flash_attention, flash_attention_supported
+        from lightning_perf.kernels.ops.flash_attention import flash_attention, flash_attention_supported
     except ImportError:
         return None
     if not flash_attention_supported(q, k, v):
@@ -121,7 +121,7 @@ class AttentionSelector:
 
     def _time(self, name: str, q, k, v, causal: bool) -> float:
         if name == "triton":
-            from lightning_perf.kernels.flash_attention import flash_attention_supported
+            from lightning_perf.kernels.ops.flash_attention import flash_attention_supported
 
             if not flash_attention_supported(q, k, v):
                 raise ValueError("flash_attention does not take this shape / dtype")
@@ -164,7 +164,7 @@ class KernelDispatcher:
 
     def norm(self, x, weight, bias, *, kind: str, eps: float) -> Optional[torch.Tensor]:
         try:
-            from lightning_perf.kernels._row_norm import apply_norm, norm_supported
+            from lightning_perf.kernels.ops._row_norm import apply_norm, norm_supported
         except ImportError:
             return None
         if kind not in ("layernorm", "rmsnorm") or not norm_supported(x, weight, bias):
@@ -175,7 +175,7 @@ class KernelDispatcher:
 
     def mlp_activation(self, a, b, *, kind: str) -> Optional[torch.Tensor]:
         try:
-            from lightning_perf.kernels import gelu, swiglu
+            from lightning_perf.kernels.ops import gelu, swiglu
         except ImportError:
             return None
         if kind == "swiglu":
@@ -188,7 +188,7 @@ class KernelDispatcher:
 
     def lm_loss(self, x, head_weight, targets, *, ignore_index: int = -100) -> Optional[torch.Tensor]:
         try:
-            from lightning_perf.kernels import fused_linear_cross_entropy as flce
+            from lightning_perf.kernels.ops import fused_linear_cross_entropy as flce
         except ImportError:
             return None
         if not flce.fused_linear_cross_entropy_supported(x, head_weight, targets):

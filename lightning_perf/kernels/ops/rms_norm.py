@@ -13,7 +13,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from lightning_perf.kernels._row_norm import apply_norm, norm_supported
+from lightning_perf.kernels.ops._row_norm import apply_norm, norm_supported
 
 __all__ = ["rms_norm", "rms_norm_reference", "RMSNorm", "rms_norm_supported"]
 

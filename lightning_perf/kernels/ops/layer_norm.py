@@ -13,8 +13,8 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from lightning_perf.kernels._row_norm import apply_norm, norm_supported
-from lightning_perf.kernels.rms_norm import _check
+from lightning_perf.kernels.ops._row_norm import apply_norm, norm_supported
+from lightning_perf.kernels.ops.rms_norm import _check
 
 __all__ = ["layer_norm", "layer_norm_reference", "LayerNorm", "layer_norm_supported"]
 
