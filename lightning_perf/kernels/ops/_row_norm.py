@@ -36,8 +36,10 @@ def _norm_fwd_kernel(X, R, W, B, Y, H, MEAN, RSTD, M, N, eps,
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        h += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
+        # normalise the stored (rounded) sum, so the fused op equals norm(x + residual) exactly
+        hr = (h + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + offs, hr, mask=mask)
+        h = hr.to(tl.float32)
     if IS_RMS:
         xc = h
     else:

@@ -1,0 +1,101 @@
+"""Flash attention forward and backward against plain softmax attention (fp32 reference)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_perf.kernels import flash_attention
+from lightning_perf.kernels.ops.flash_attention import attention_reference, flash_attention_supported
+
+ON_GPU = torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+CPU_DTYPES = [(torch.float32, 2e-5, 2e-5), (torch.float16, 3e-3, 3e-3)]
+GPU_DTYPES = [(torch.bfloat16, 2e-2, 2e-2), (torch.float16, 4e-3, 4e-3)]
+
+# (B, H, Hkv, T, D): T odd / not a multiple of the 16-row interpreter block, T=1, GQA 2:1 and 4:1, head dims 16-128
+CPU_SHAPES = [
+    (1, 1, 1, 1, 16),
+    (1, 2, 2, 17, 16),
+    (2, 2, 1, 33, 32),
+    (1, 4, 1, 40, 16),
+    (1, 2, 1, 24, 64),
+    (1, 1, 1, 19, 128),
+]
+
+
+def _qkv(B, H, HK, T, D, dtype, device, layout="contiguous"):
+    gen = torch.Generator().manual_seed(B * 1000 + H * 100 + T + D)
+
+    def rnd(heads):
+        if layout == "projection":  # (B, T, h, D) memory viewed as (B, h, T, D)
+            t = torch.randn(B, T, heads, D, generator=gen).transpose(1, 2)
+        else:
+            t = torch.randn(B, heads, T, D, generator=gen)
+        return t.to(device=device, dtype=dtype).requires_grad_()
+
+    return rnd(H), rnd(HK), rnd(HK)
+
+
+def _check(q, k, v, causal, close, atol, rtol, scale=None):
+    out = flash_attention(q, k, v, causal=causal, softmax_scale=scale)
+    ref = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+    close(out, ref, atol, rtol, "output")
+    do = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    want = torch.autograd.grad(ref, (q, k, v), do)
+    for name, g, w in zip("qkv", got, want):
+        close(g, w, atol * 4, rtol * 4, f"d{name}")
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", CPU_DTYPES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=lambda s: "B{}H{}kv{}T{}D{}".format(*s))
+def test_flash_attention_matches_reference(shape, causal, dtype, atol, rtol, poison, close, device):
+    q, k, v = _qkv(*shape, dtype, device)
+    _check(q, k, v, causal, close, atol, rtol)
+
+
+def test_projection_layout_and_custom_scale(poison, close, device):
+    q, k, v = _qkv(2, 4, 2, 21, 32, torch.float32, device, layout="projection")
+    _check(q, k, v, True, close, 2e-5, 2e-5, scale=0.3)
+
+
+def test_output_layout_makes_head_merge_free(device):
+    q, k, v = _qkv(1, 2, 2, 8, 16, torch.float32, device)
+    out = flash_attention(q, k, v)
+    assert out.transpose(1, 2).is_contiguous()  # (B, T, H, D) in memory
+
+
+def test_large_logits_do_not_overflow(poison, close, device):
+    q, k, v = _qkv(1, 2, 2, 20, 16, torch.float32, device)
+    with torch.no_grad():
+        q.mul_(30.0)  # scores of several hundred: exp() would overflow without the running max
+    _check(q, k, v, True, close, 1e-4, 1e-4)
+
+
+def test_bad_inputs_raise(device):
+    q = torch.randn(1, 3, 8, 16, device=device)
+    k = torch.randn(1, 2, 8, 16, device=device)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        flash_attention(q, k, k)
+    q = torch.randn(1, 2, 8, 24, device=device)
+    with pytest.raises(ValueError, match="head dim 24"):
+        flash_attention(q, q, q)
+    assert not flash_attention_supported(q, q, q)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype,atol,rtol", GPU_DTYPES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", [(2, 8, 8, 1000, 64), (1, 16, 4, 2049, 128), (1, 4, 4, 515, 256),
+                                   (2, 12, 12, 1024, 64), (1, 8, 2, 4096, 128)],
+                         ids=lambda s: "B{}H{}kv{}T{}D{}".format(*s))
+def test_flash_attention_gpu(shape, causal, dtype, atol, rtol, poison, close):
+    q, k, v = _qkv(*shape, dtype, "cuda", layout="projection")
+    # compare to an fp32 reference; tolerance from the half-precision inputs, scaled for long rows
+    _check(q, k, v, causal, close, atol * math.sqrt(shape[3] / 64), rtol)
