@@ -1,0 +1,110 @@
+"""MFUMonitor against hand-computed values with a patched clock, and under a (dp=2, tp=2) layout."""
+
+from __future__ import annotations
+
+import os
+import json
+
+import pytest
+import torch
+
+from lightning.pytorch import Callback
+from lightning.pytorch.strategies import DDPStrategy
+
+import lightning_perf.perf.throughput as throughput
+from lightning_perf.callbacks import MFUMonitor
+from callback_toys import T, ToyLM, ToyLMWithFlops, forward_flops_per_token, loader, trainer
+
+STEP = 0.25  # seconds between two clock reads
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(throughput, "host_clock", lambda: next(ticks) * STEP)
+
+
+def test_mfu_counted_flops_match_hand_values(tmp_path, fake_clock):
+    B, peak = 4, 1e9
+    mon = MFUMonitor(peak_flops=peak, window=3, warmup_steps=1)
+    trainer(tmp_path, [mon], max_steps=6).fit(ToyLM(), loader(batch_size=B))
+    assert len(mon.history) == 5 - 1 + 1  # 6 intervals after the start mark, 1 warm-up dropped
+    fpt = 3 * forward_flops_per_token()
+    last = mon.history[-1]
+    assert last.step_time_s == pytest.approx(STEP)
+    assert last.tokens_per_sec == pytest.approx(B * T / STEP)
+    assert last.samples_per_sec == pytest.approx(B / STEP)
+    assert last.tflops_per_gpu == pytest.approx(fpt * B * T / STEP / 1e12)
+    assert last.mfu == pytest.approx(fpt * B * T / STEP / peak)
+    assert last.hfu is None
+    assert mon.peak_name.startswith("user peak_flops")
+
+
+def test_module_flops_per_token_is_used_and_hfu_counted(tmp_path, fake_clock):
+    B, peak = 2, 1e9
+    mon = MFUMonitor(peak_flops=peak, warmup_steps=0)
+    trainer(tmp_path, [mon], max_steps=3).fit(ToyLMWithFlops(), loader(batch_size=B))
+    assert mon.history[-1].mfu == pytest.approx((1000 + T) * B * T / STEP / peak)
+
+    mon = MFUMonitor(peak_flops=peak, warmup_steps=0, count_backward=True)
+    trainer(tmp_path, [mon], max_steps=3).fit(ToyLM(), loader(batch_size=B))
+    last = mon.history[-1]
+    # no recomputation: backward runs the 2 x forward matmuls, so HFU == MFU
+    assert last.hfu == pytest.approx(last.mfu)
+
+
+def test_logged_metrics_are_cpu_scalars(tmp_path, fake_clock):
+    mon = MFUMonitor(peak_flops=1e9, warmup_steps=0)
+    tr = trainer(tmp_path, [mon], max_steps=3)
+    tr.fit(ToyLM(), loader())
+    metrics = tr.callback_metrics
+    assert {"perf/mfu", "perf/tokens_per_sec", "perf/tflops_per_gpu"} <= set(metrics)
+    assert "perf/mfu" in tr.progress_bar_metrics
+    assert metrics["perf/mfu"].device.type == "cpu"
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="peak_flops"):
+        MFUMonitor(peak_flops=0)
+    with pytest.raises(ValueError, match="dtype"):
+        MFUMonitor(dtype="int8")
+
+
+class DP2TP2Strategy(DDPStrategy):
+    """Four forked CPU ranks, two data-parallel replicas of two (tensor-parallel) ranks each."""
+
+    @property
+    def distributed_sampler_kwargs(self):
+        return {"num_replicas": 2, "rank": self.global_rank // 2}
+
+
+class DumpLast(Callback):
+    """Each rank writes what its MFUMonitor measured (the monitor lives in the forked child)."""
+
+    def __init__(self, mon: MFUMonitor, out_dir: str) -> None:
+        self.mon, self.out_dir = mon, out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        last = self.mon.history[-1]
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(dict(world=self.mon.layout.world_size, dp=self.mon.layout.data_parallel_size,
+                           tokens_per_sec=last.tokens_per_sec, mfu=last.mfu), f)
+
+
+@pytest.mark.slow
+def test_mfu_under_dp2_tp2_layout(tmp_path, fake_clock):
+    """4 forked gloo ranks; the strategy reports 2 data-parallel replicas (tp=2 inside each)."""
+    B, peak = 2, 1e9
+    mon = MFUMonitor(peak_flops=peak, warmup_steps=0)
+    strategy = DP2TP2Strategy(process_group_backend="gloo", start_method="fork")
+    tr = trainer(tmp_path, [mon, DumpLast(mon, str(tmp_path))], max_steps=3, devices=4, strategy=strategy,
+                 use_distributed_sampler=False)
+    tr.fit(ToyLMWithFlops(), loader(batch_size=B, n=16))
+    fpt = 1000 + T
+    for rank in range(4):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            r = json.load(f)
+        assert r["world"] == 4 and r["dp"] == 2
+        # tokens once per replica: 2 replicas x B x T per step; FLOPs spread over 4 GPUs
+        assert r["tokens_per_sec"] == pytest.approx(2 * B * T / STEP)
+        assert r["mfu"] == pytest.approx(fpt * 2 * B * T / STEP / 4 / peak)
