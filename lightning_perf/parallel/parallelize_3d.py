@@ -1,0 +1,238 @@
+"""Compose pipeline, tensor and data parallelism on one model, in a fixed order.
+
+    1. pipeline split   model.pipeline_stage(i, n) for this rank's stages
+    2. activation ckpt  per block (parameter names unchanged)
+    3. tensor parallel  model.tensor_parallel_plan(tp_mesh) on every stage
+    4. data parallel    FSDP2 over the "dp" mesh (ZeRO 1-3), or a plain gradient all-reduce (ZeRO 0)
+    5. materialise      meta tensors -> device, the model's own init (only if built on meta)
+
+:class:`Parallel3DConfig` is checked with numbers alone (no process group);
+:func:`check_model` checks a model against it before any collective.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_perf.parallel.dims import ParallelDims
+from lightning_perf.parallel.pipeline import (
+    PipelineConfig,
+    PipelineRunner,
+    build_stage_modules,
+    lm_cross_entropy,
+    prune_to_stages,
+)
+from lightning_perf.parallel.tensor_parallel import apply_tp, require_protocol
+
+__all__ = [
+    "AC_MODES",
+    "Parallel3DConfig",
+    "Parallelized3D",
+    "parallelize_3d",
+    "check_model",
+    "allreduce_gradients",
+]
+
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass(kw_only=True)
+class Parallel3DConfig:
+    """Every layout option of the 3D strategy; validated at construction."""
+
+    data_parallel_size: Union[int, str] = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    zero_stage: int = 2
+    pipeline_schedule: str = "1f1b"
+    num_microbatches: Optional[int] = None
+    stages_per_rank: int = 1
+    sequence_parallel: bool = True
+    async_tensor_parallel: bool = False
+    activation_checkpointing: str = "none"
+    fsdp_prefetch: int = 1
+    pipeline: Optional[PipelineConfig] = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        dp = self.data_parallel_size
+        if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
+            raise ValueError(f"data_parallel_size must be 'auto' or a positive integer, got {dp!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "stages_per_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} is not one of {AC_MODES}")
+        if self.fsdp_prefetch < 0:
+            raise ValueError(f"fsdp_prefetch must be >= 0, got {self.fsdp_prefetch}")
+        # the schedule is checked even without pipeline parallelism, so a typo never waits for a pp run
+        self.pipeline = PipelineConfig(
+            pp=self.pipeline_parallel_size,
+            schedule=self.pipeline_schedule,
+            num_microbatches=self.num_microbatches,
+            stages_per_rank=self.stages_per_rank,
+        )
+        if self.pipeline_parallel_size == 1 and self.stages_per_rank > 1:
+            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
+
+    def dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(
+            dp=self.data_parallel_size,  # type: ignore[arg-type]
+            tp=self.tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            world_size=world_size,
+        )
+
+
+def check_model(model: nn.Module, config: Parallel3DConfig) -> nn.Module:
+    """The protocol submodule to parallelise; raises before any collective if the layout cannot work.
+
+    Without tensor or pipeline parallelism any model works (data parallelism needs
+    nothing from it); with them, the model must implement the protocol method.
+    A model exposing ``config`` with GPT fields is checked for divisibility too.
+    """
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    target = model
+    if pp > 1:
+        target = require_protocol(model, "pipeline_stage", f"pipeline parallelism (pp={pp})")
+    if tp > 1:
+        tp_target = require_protocol(target, "tensor_parallel_plan", f"tensor parallelism (tp={tp})")
+        target = target if pp > 1 else tp_target
+    cfg = getattr(target, "config", None)
+    if cfg is not None and all(hasattr(cfg, a) for a in ("n_head", "n_kv_head", "n_layer", "tie_embeddings")):
+        from lightning_perf.models.gpt.parallelize import check_gpt_layout
+
+        check_gpt_layout(cfg, tp=tp, pp=pp, stages_per_rank=config.stages_per_rank if pp > 1 else 1)
+    return target
+
+
+@dataclass
+class Parallelized3D:
+    """The result of :func:`parallelize_3d` on one rank."""
+
+    target: nn.Module  # the (pruned) protocol module, original parameter names
+    stages: dict[int, nn.Module]  # this rank's stage modules (``{0: target}`` without pp)
+    runner: Optional[PipelineRunner]  # the schedule, with pp > 1
+    fsdp: bool  # FSDP2 shards over "dp"
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    from lightning_perf.parallel.fsdp import find_blocks
+
+    return find_blocks(module)
+
+
+def _apply_ac(blocks: list[nn.Module], mode: str) -> None:
+    if mode == "none":
+        return
+    from lightning_perf.models.gpt.transforms import apply_activation_checkpointing
+
+    apply_activation_checkpointing(blocks, mode)
+
+
+def parallelize_3d(
+    model: nn.Module,
+    config: Parallel3DConfig,
+    mesh: Any,
+    *,
+    device: torch.device,
+    mp_policy: Optional[Any] = None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_cross_entropy,
+) -> Parallelized3D:
+    """Split, shard and (if built on meta) materialise ``model`` for this rank of ``mesh``.
+
+    ``mesh`` is the (pp, dp, tp) mesh of :meth:`ParallelDims.build_mesh`. With pipeline
+    parallelism ``model`` is pruned in place to this rank's stages (names unchanged).
+    """
+    target = check_model(model, config)
+    pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
+    dp = mesh["dp"].size()
+    pcfg = config.pipeline
+    assert pcfg is not None
+    if pp > 1:
+        stages = build_stage_modules(target, mesh["pp"].get_local_rank(), pcfg)
+    else:
+        stages = {0: target}
+    for stage in stages.values():
+        _apply_ac(_blocks(stage), config.activation_checkpointing)
+    if tp > 1:
+        if config.async_tensor_parallel:
+            _enable_async_tp(mesh["tp"], device)
+        for stage in stages.values():
+            # a whole model is called by user code (plain tensors out); a stage feeds the pipeline loss
+            apply_tp(stage, mesh["tp"], sequence_parallel=config.sequence_parallel, local_output=pp == 1)
+    use_fsdp = dp > 1 and config.zero_stage > 0
+    if use_fsdp:
+        from lightning_perf.parallel.fsdp import apply_fsdp
+
+        # under pp every microbatch would re-gather a resharded stage: keep it gathered (ZeRO-2 memory)
+        reshard = config.zero_stage == 3 and pp == 1
+        for stage in stages.values():
+            apply_fsdp(
+                stage,
+                mesh["dp"],
+                blocks=_blocks(stage),
+                reshard_after_forward=reshard,
+                mp_policy=mp_policy,
+                prefetch=config.fsdp_prefetch,
+            )
+    if pp > 1:
+        prune_to_stages(target, stages)
+    if any(t.is_meta for t in list(target.parameters()) + list(target.buffers())):
+        from lightning_perf.parallel.init import materialize_local
+
+        materialize_local(target, device)
+    runner = None
+    if pp > 1:
+        runner = PipelineRunner(pcfg, stages, mesh["pp"].get_group(), device, loss_fn=loss_fn)
+    return Parallelized3D(target=target, stages=stages, runner=runner, fsdp=use_fsdp)
+
+
+def _enable_async_tp(tp_mesh: Any, device: torch.device) -> None:
+    """Micro-pipelined TP (torch.compile + symmetric memory); CUDA only, a warning elsewhere."""
+    if device.type != "cuda":
+        warnings.warn("async_tensor_parallel needs CUDA (symmetric memory); running synchronous TP", stacklevel=3)
+        return
+    try:
+        from torch._inductor import config as inductor_config
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    except ImportError:  # pragma: no cover - torch builds without symmetric memory
+        warnings.warn("this torch build has no symmetric memory: running synchronous TP", stacklevel=3)
+        return
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+@torch.no_grad()
+def allreduce_gradients(params: list[torch.Tensor], group: Any) -> None:
+    """Average gradients over ``group`` (data parallelism without sharding, ZeRO 0).
+
+    Gradients are flattened into one buffer per dtype so there is one all-reduce per
+    dtype; DTensor gradients are reduced through their local shards.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    grads: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        local = g.to_local() if hasattr(g, "to_local") else g
+        grads.setdefault(local.dtype, []).append(local)
+    for tensors in grads.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors]).div_(size)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n

@@ -1,0 +1,433 @@
+"""``Parallel3DStrategy``: data x tensor x pipeline parallelism inside the Lightning Trainer.
+
+A thin adapter: the layout maths, the model split and the schedule live in
+``lightning_perf.parallel`` (``parallelize_3d``); this class wires them to the
+Trainer's hooks.
+
+Under pipeline parallelism the protocol model's ``forward(inputs, targets)`` runs the
+whole schedule (forward and backward of every microbatch) and returns the batch loss,
+detached and broadcast from the last stage, so a LightningModule whose
+``training_step`` does ``loss = self.model(x, y)`` works unchanged. Lightning's
+closure calls ``optimizer.zero_grad()`` *after* ``training_step`` and before
+``backward`` (LIGHTNING-NOTES item 2), so the gradients the schedule made are set
+aside in ``training_step`` and put back in ``backward``, which skips autograd but
+still fires the precision and callback hooks. Gradient accumulation scales each
+microbatch loss by ``1 / accumulate_grad_batches``. Validation runs forward only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_perf.parallel.parallelize_3d import (
+    Parallel3DConfig,
+    Parallelized3D,
+    allreduce_gradients,
+    parallelize_3d,
+)
+from lightning_perf.parallel.tensor_parallel import tp_sequence_check
+from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["Parallel3DStrategy"]
+
+
+def _as_perf_precision(plugin: Optional[Precision]) -> Optional[Precision]:
+    if plugin is None or isinstance(plugin, PerfPrecision):
+        return plugin
+    name = str(getattr(plugin, "precision", "32-true"))
+    if name not in PRECISIONS:
+        raise ValueError(
+            f"Parallel3DStrategy supports precision {PRECISIONS}, got {name!r} ({type(plugin).__name__})"
+        )
+    return PerfPrecision(name)
+
+
+class Parallel3DStrategy(ParallelStrategy):
+    """Pipeline x data (ZeRO) x tensor parallelism over one ("pp", "dp", "tp") device mesh.
+
+    Args:
+        data_parallel_size: replicas of the model (``"auto"``: world size / (tp * pp)).
+        tensor_parallel_size: ranks sharing each layer (the model's ``tensor_parallel_plan``).
+        pipeline_parallel_size: ranks holding consecutive stages (the model's ``pipeline_stage``).
+        zero_stage: 0 = replicated parameters, gradients all-reduced over "dp" after backward;
+            1 and 2 = FSDP2 with parameters kept gathered between forward and backward
+            (gradients and optimizer state sharded: stage 1 gives stage 2 here);
+            3 = FSDP2 resharding after forward (kept gathered under pipeline parallelism,
+            where each microbatch would otherwise re-gather).
+        pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+            ``"zero_bubble"`` (interleaved zero bubble) or ``"zbv_zero_bubble"`` (V placement).
+        num_microbatches: per step; ``None`` = the number of stages (at least pp).
+        stages_per_rank: model stages per pipeline rank (interleaved schedules).
+        sequence_parallel: shard norms and the residual stream along the sequence under TP.
+        async_tensor_parallel: micro-pipelined TP (CUDA and torch.compile only).
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per block.
+        meta_init: build the model on the meta device in ``configure_model`` and
+            initialise only the local shards after sharding (for models larger than a device).
+        fsdp_prefetch: blocks all-gathered ahead by FSDP2.
+    """
+
+    strategy_name = "parallel3d"
+
+    def __init__(
+        self,
+        data_parallel_size: Union[int, str] = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        zero_stage: int = 2,
+        pipeline_schedule: str = "1f1b",
+        num_microbatches: Optional[int] = None,
+        stages_per_rank: int = 1,
+        sequence_parallel: bool = True,
+        async_tensor_parallel: bool = False,
+        activation_checkpointing: str = "none",
+        meta_init: bool = False,
+        fsdp_prefetch: int = 1,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        # numbers only: a bad layout fails here, long before any process group exists
+        self.config = Parallel3DConfig(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            zero_stage=zero_stage,
+            pipeline_schedule=pipeline_schedule,
+            num_microbatches=num_microbatches,
+            stages_per_rank=stages_per_rank,
+            sequence_parallel=sequence_parallel,
+            async_tensor_parallel=async_tensor_parallel,
+            activation_checkpointing=activation_checkpointing,
+            fsdp_prefetch=fsdp_prefetch,
+        )
+        super().__init__(**kwargs)
+        self.meta_init = meta_init
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: Optional[Any] = None
+        self._parallel: Optional[Parallelized3D] = None
+        self._pp_grads: Optional[list[Optional[Tensor]]] = None
+        self.num_nodes = 1
+
+    # ---- layout ------------------------------------------------------------------------------
+
+    @property
+    def device_mesh(self) -> Any:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists only after setup_environment()")
+        return self._device_mesh
+
+    @property
+    def parallel(self) -> Parallelized3D:
+        if self._parallel is None:
+            raise RuntimeError("the model is parallelised in setup()")
+        return self._parallel
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else PerfPrecision("32-true")
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = _as_perf_precision(plugin)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self.config.dims(self.num_nodes * self.num_processes)  # raises on a bad layout, in the launching process
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        dims = self.config.dims(self.world_size)  # before the process group: a bad layout never hangs
+        reset_seed()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._device_mesh = dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        meta = torch.device("meta") if (self.meta_init or empty_init) else nullcontext()
+        with meta, self.precision_plugin.tensor_init_context():
+            yield
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        assert self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        precision = self.precision_plugin
+        mp_policy = None
+        if isinstance(precision, PerfPrecision):
+            mp_policy = precision.mp_policy()
+        self._parallel = parallelize_3d(
+            module, self.config, self.device_mesh, device=self.root_device, mp_policy=mp_policy
+        )
+        if isinstance(precision, PerfPrecision):
+            precision.sharded_casting = self._parallel.fsdp and precision.is_mixed
+        if self._parallel.runner is not None:
+            self._install_pipeline_forward(self._parallel)
+        self.model = precision.convert_module(module)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _install_pipeline_forward(self, parallel: Parallelized3D) -> None:
+        """``target(inputs, targets)`` runs the schedule; names and state dict stay the model's."""
+        runner = parallel.runner
+        assert runner is not None
+        strategy = self
+
+        def pipeline_forward(inputs: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+            if targets is None:
+                raise ValueError(
+                    "under pipeline parallelism the model is called as model(inputs, targets) and returns the "
+                    "loss; logits of the last stage never reach the other ranks"
+                )
+            tp = strategy.config.tensor_parallel_size
+            tp_sequence_check(inputs.shape[-1], tp, strategy.config.sequence_parallel)
+            with strategy._tp_loss_context():
+                if torch.is_grad_enabled():
+                    precision = strategy.precision_plugin
+                    scale = precision.scale_loss if isinstance(precision, PerfPrecision) else None
+                    trainer = strategy.lightning_module.trainer if strategy.lightning_module else None
+                    accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+                    return runner.train_step(inputs, targets, loss_factor=1.0 / accumulate, scale_loss=scale)
+                return runner.eval_step(inputs, targets)
+
+        parallel.target.forward = pipeline_forward  # type: ignore[method-assign]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _tp_loss_context(self) -> Any:
+        if self.config.tensor_parallel_size > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def _params(self) -> list[Tensor]:
+        assert self.lightning_module is not None
+        return list(self.lightning_module.parameters())
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._parallel is None or self._parallel.runner is None:
+            with self._tp_loss_context():
+                return super().training_step(*args, **kwargs)
+        params = self._params()
+        earlier = [p.grad for p in params]  # accumulated by earlier micro-steps, if any
+        for p in params:
+            p.grad = None
+        try:
+            out = super().training_step(*args, **kwargs)
+        finally:
+            # set this step's gradients aside: Lightning calls zero_grad() before backward()
+            self._pp_grads = [p.grad for p in params]
+            for p, g in zip(params, earlier):
+                p.grad = g
+        return out
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._tp_loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._tp_loss_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        assert self.lightning_module is not None
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._parallel is not None and self._parallel.runner is not None:
+            # the schedule already ran backward: put its gradients back (autograd is skipped)
+            grads, self._pp_grads = self._pp_grads or [], None
+            for p, g in zip(self._params(), grads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+        else:
+            with self._tp_loss_context():
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        if self.config.zero_stage == 0 or not self.parallel.fsdp:
+            allreduce_gradients(self._params(), self.device_mesh["dp"].get_group())
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # ---- collectives -------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---- checkpoints (DCP, one shard per rank, reshardable) ----------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # saved from the module itself in save_checkpoint, shard by shard
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        from lightning_perf.parallel.checkpoint import save_checkpoint
+
+        if storage_options is not None:
+            raise TypeError("Parallel3DStrategy.save_checkpoint does not take storage_options (it writes DCP shards)")
+        path = Path(self.broadcast(str(filepath)))
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        assert self.lightning_module is not None
+        save_checkpoint(path, self.lightning_module, self.optimizers, extra=extra)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from lightning_perf.parallel.checkpoint import load_checkpoint
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        return load_checkpoint(
+            path,
+            self.lightning_module,
+            self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=True if weights_only is None else weights_only,
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        import shutil
+
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()

@@ -1,0 +1,257 @@
+"""Parallel3DStrategy inside Lightning's Trainer on CPU processes (gloo) against one process.
+
+Every layout trains the same tiny Llama-style GPT (GQA, untied head) on the same global
+batch of 8 sequences (per-rank batch 8 / dp), 6 steps over 2 epochs of 3 batches, and
+must reproduce the single-process losses (rtol 1e-4) and final parameters. Spawning is
+the expensive part: one 2-process group runs every 2-rank layout and schedule in turn
+(each ``Trainer.fit`` reuses the process group), one 4-process group the 2D layouts and
+one 8-process group pp2 x tp2 x dp2. Checkpoints saved under one layout resume under
+another (tp2 -> pp2, pp2 x tp2 -> dp4) with the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+GLOBAL_B, T, STEPS, PER_EPOCH = 8, 16, 6, 3
+VOCAB = 96
+
+
+def tiny_config(kind: str = "llama"):
+    from lightning_perf.models.gpt import GPTConfig
+
+    # no biases: a k_proj bias has a zero true gradient and Adam would amplify rounding noise
+    if kind == "gpt2":  # learned positions, LayerNorm, GELU, tied head
+        return GPTConfig(name="t2", vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=32,
+                         pad_vocab_multiple=16, bias=False)
+    return GPTConfig(name="tl", vocab_size=VOCAB, block_size=T, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
+                     intermediate_size=64, pad_vocab_multiple=16, norm="rmsnorm", activation="swiglu",
+                     positions="rope", tie_embeddings=False, bias=False)
+
+
+def make_module(kind: str = "llama", inject_inf_at: Optional[int] = None):
+    from lightning_perf.models.gpt.module import GPTLightningModule
+
+    class Recording(GPTLightningModule):
+        def __init__(self) -> None:
+            super().__init__(tiny_config(kind), learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0)
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.detach().float().item())
+            return loss
+
+        def on_after_backward(self) -> None:
+            # an inf in the last rank's gradients only
+            if inject_inf_at is not None and self.trainer.global_step == inject_inf_at \
+                    and self.trainer.global_rank == self.trainer.world_size - 1:
+                p = next(p for p in self.parameters() if p.grad is not None)
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                g.view(-1)[0] = float("inf")
+
+    return Recording()
+
+
+def loader(per_rank_batch: int):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, VOCAB, (PER_EPOCH * GLOBAL_B, T + 1), generator=g)
+    # sequential: dp rank r gets samples r, r + dp, ...; their union per step is one global batch
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=per_rank_batch)
+
+
+def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "llama", ckpt_path=None,
+        save_to=None, precision: Any = "32-true", inject_inf_at: Optional[int] = None) -> dict:
+    import lightning as L
+
+    L.seed_everything(0, verbose=False)
+    module = make_module(kind, inject_inf_at)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, precision=precision,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(module, loader(GLOBAL_B // dp), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    from lightning_perf.parallel.checkpoint import full_model_state_dict
+
+    final = full_model_state_dict(module) if world > 1 else {k: v.detach().clone() for k, v in
+                                                               module.state_dict().items()}
+    return {"losses": module.losses, "final": final, "precision": trainer.precision_plugin.state_dict()}
+
+
+# ---- process harness --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    try:
+        torch.save(fn(rank, world, Path(out_dir)), Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def spawn(fn, world: int, out_dir: Path, timeout: float = 300.0) -> list[dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir)), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed test did not finish in {timeout}s")
+    except Exception as e:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        errs = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
+        pytest.fail(f"{e}\n{errs}")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def S(**kwargs: Any):
+    from lightning_perf.strategies.parallel3d import Parallel3DStrategy
+
+    return Parallel3DStrategy(**kwargs)
+
+
+# ---- workers: every run of one process group, in sequence ----------------------------------------
+
+SCHEDULES_2 = [("1f1b", 1, 2), ("gpipe", 1, 4), ("interleaved_1f1b", 2, 4), ("zero_bubble", 2, 4)]
+
+
+def _worker2(rank: int, world: int, out: Path) -> dict:
+    res: dict[str, Any] = {}
+    res["tp2"] = fit(S(tensor_parallel_size=2), world)
+    res["tp2_gpt2"] = fit(S(tensor_parallel_size=2), world, kind="gpt2")
+    for name, spr, m in SCHEDULES_2:
+        res[f"pp2_{name}"] = fit(S(pipeline_parallel_size=2, pipeline_schedule=name, stages_per_rank=spr,
+                                   num_microbatches=m), world)
+    # resharding: save under tp2 after one epoch, resume under pp2
+    ckpt = out / "tp2.ckpt"
+    fit(S(tensor_parallel_size=2), world, steps=PER_EPOCH, save_to=ckpt)
+    res["tp2_to_pp2"] = fit(S(pipeline_parallel_size=2), world, ckpt_path=ckpt)
+    # fp16: an inf in the last pipeline rank's gradients only makes both stages skip
+    res["pp2_fp16"] = fit(S(pipeline_parallel_size=2), world, precision="16-mixed", inject_inf_at=2)
+    return res
+
+
+def _worker4(rank: int, world: int, out: Path) -> dict:
+    res: dict[str, Any] = {}
+    res["dp2_tp2"] = fit(S(tensor_parallel_size=2, zero_stage=3), world, dp=2)
+    res["pp2_dp2_zero0"] = fit(S(pipeline_parallel_size=2, zero_stage=0), world, dp=2)
+    res["pp2_dp2_zero2"] = fit(S(pipeline_parallel_size=2, zero_stage=2), world, dp=2)
+    ckpt = out / "pp2tp2.ckpt"
+    res["pp2_tp2"] = fit(S(pipeline_parallel_size=2, tensor_parallel_size=2), world, save_to=ckpt, steps=PER_EPOCH)
+    res["pp2_tp2_to_dp4"] = fit(S(data_parallel_size=4), world, dp=4, ckpt_path=ckpt)
+    if rank == 0:
+        from lightning_perf.parallel.checkpoint import consolidate
+
+        consolidate(ckpt, out / "consolidated.pt")
+    return res
+
+
+def _worker8(rank: int, world: int, out: Path) -> dict:
+    return {"pp2_tp2_dp2": fit(S(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=2), world, dp=2)}
+
+
+# ---- checks -------------------------------------------------------------------------------------
+
+
+def _merged_final(results: list[dict], key: str) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for r in results:
+        merged.update(r[key]["final"])
+    return merged
+
+
+def _check_run(results: list[dict], key: str, ref: dict, *, first: int = 0) -> None:
+    losses = torch.tensor([r[key]["losses"] for r in results]).mean(0)  # mean over dp replicas
+    expected = torch.tensor(ref["losses"][first:first + len(losses)])
+    torch.testing.assert_close(losses, expected, rtol=1e-4, atol=0, msg=lambda m: f"{key} losses: {m}")
+    final = _merged_final(results, key)
+    assert set(final) == set(ref["final"]), f"{key}: parameter names differ: {set(final) ^ set(ref['final'])}"
+    for name, value in ref["final"].items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key} {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def references():
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    def one(**kwargs: Any) -> dict:
+        return fit(SingleDeviceStrategy(torch.device("cpu")), 1, **kwargs)
+
+    return {"llama": one(), "gpt2": one(kind="gpt2"), "fp16": one(precision="16-mixed")}
+
+
+@pytest.mark.slow
+def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None:
+    results = spawn(_worker2, 2, tmp_path)
+    ref = references["llama"]
+    _check_run(results, "tp2", ref)
+    _check_run(results, "tp2_gpt2", references["gpt2"])
+    for name, _, _ in SCHEDULES_2:
+        _check_run(results, f"pp2_{name}", ref)
+    _check_run(results, "tp2_to_pp2", ref, first=PER_EPOCH)
+    # fp16: every rank skipped step 2 and halved the scale, then trained like the reference
+    states = [r["pp2_fp16"]["precision"]["scaler"] for r in results]
+    assert all(s == states[0] for s in states), states
+    assert states[0]["skipped_steps"] == 1
+    assert states[0]["scale"] == references["fp16"]["precision"]["scaler"]["scale"] / 2
+
+
+@pytest.mark.slow
+def test_four_rank_2d_layouts_and_consolidation(references, tmp_path) -> None:
+    results = spawn(_worker4, 4, tmp_path)
+    ref = references["llama"]
+    for key in ("dp2_tp2", "pp2_dp2_zero0", "pp2_dp2_zero2"):
+        _check_run(results, key, ref)
+    losses = torch.tensor([r["pp2_tp2"]["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"][:PER_EPOCH]), rtol=1e-4, atol=0)
+    _check_run(results, "pp2_tp2_to_dp4", ref, first=PER_EPOCH)
+    # the consolidated pp2 x tp2 checkpoint loads into a plain GPT (after 3 steps)
+    from lightning_perf.models.gpt import GPT
+
+    state = torch.load(tmp_path / "consolidated.pt", weights_only=True)
+    model = GPT(tiny_config())
+    model.load_state_dict(state)
+    ref3 = fit_reference_steps(PER_EPOCH)
+    for name, value in ref3.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
+
+
+def fit_reference_steps(steps: int) -> dict[str, torch.Tensor]:
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    out = fit(SingleDeviceStrategy(torch.device("cpu")), 1, steps=steps)["final"]
+    return {k[len("model."):]: v for k, v in out.items()}
+
+
+@pytest.mark.slow
+def test_eight_rank_pp2_tp2_dp2(references, tmp_path) -> None:
+    results = spawn(_worker8, 8, tmp_path, timeout=400.0)
+    _check_run(results, "pp2_tp2_dp2", references["llama"])
