@@ -57,7 +57,7 @@ class ResumableSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        self.start = 0  # position in the global order where the next iteration begins
+        self._next_start = 0
 
     @property
     def usable(self) -> int:
@@ -69,6 +69,12 @@ class ResumableSampler(Sampler[int]):
         """Called by Lightning at the start of every epoch."""
         self.epoch = epoch
 
+    def start_next_iteration_at(self, position: int) -> None:
+        """Make the next ``iter()`` (only that one) begin at ``position`` of the global order."""
+        if not 0 <= position <= self.usable:
+            raise ValueError(f"start position {position} is outside [0, {self.usable}]")
+        self._next_start = position
+
     def global_order(self, epoch: int | None = None) -> np.ndarray:
         """All dataset indices in the order of ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
@@ -78,12 +84,14 @@ class ResumableSampler(Sampler[int]):
         return torch.randperm(self.num_samples, generator=g).numpy()
 
     def __len__(self) -> int:
-        return max(0, self.usable - self.start) // self.num_replicas
+        """Samples of a whole epoch on this rank."""
+        return self.usable // self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
+        start, self._next_start = self._next_start, 0
         order = self.global_order()
-        stop = self.start + len(self) * self.num_replicas
-        return iter(order[self.start + self.rank : stop : self.num_replicas].tolist())
+        count = (self.usable - start) // self.num_replicas
+        return iter(order[start + self.rank : start + count * self.num_replicas : self.num_replicas].tolist())
 
 
 class ResumableDataLoader:
@@ -158,14 +166,11 @@ class ResumableDataLoader:
         sampler = self.sampler
         start = self._resume_position()
         self._epoch, self._consumed = sampler.epoch, start
-        sampler.start = start
+        sampler.start_next_iteration_at(start)  # consumed by the torch loader's iter() just below
         step = self.batch_size * sampler.num_replicas
-        try:
-            for batch in self._loader:
-                self._consumed = min(self._consumed + step, sampler.usable)
-                yield batch
-        finally:
-            sampler.start = 0
+        for batch in self._loader:
+            self._consumed = min(self._consumed + step, sampler.usable)
+            yield batch
 
     def _resume_position(self) -> int:
         state, self._pending = self._pending, None
