@@ -38,6 +38,8 @@ class GPTLightningModule(L.LightningModule):
         learning_rate: peak AdamW learning rate.
         min_lr_ratio: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
         warmup_steps: linear warmup length in optimizer steps.
+        lr_decay_steps: length of the cosine schedule; ``None`` uses the Trainer's total optimizer
+            steps. Fix it when a run will be resumed with a different ``max_steps``.
         weight_decay: applied to matrices (linear and embedding weights) only, never to biases or norms.
         betas, eps: AdamW.
         fused_adam: fused AdamW kernel; ``None`` uses it whenever the parameters are on CUDA.
@@ -54,6 +56,7 @@ class GPTLightningModule(L.LightningModule):
         learning_rate: float = 6e-4,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 100,
+        lr_decay_steps: Optional[int] = None,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
@@ -225,6 +228,8 @@ class GPTLightningModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     def _total_steps(self) -> int:
+        if self.hparams.lr_decay_steps is not None:
+            return int(self.hparams.lr_decay_steps)
         trainer = self._trainer
         if trainer is None:
             return 10**9

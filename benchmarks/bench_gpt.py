@@ -1,0 +1,257 @@
+"""The GPT through the Lightning Trainer against a plain PyTorch loop over the same model, same run.
+
+Both sides: bf16 autocast, per-block torch.compile, fused AdamW, synthetic tokens from the same
+DataLoader, the same GPT module. Per-step times come from CUDA events recorded every step and
+read once at the end (no host sync inside the timed region). Optional variants ablate the
+pack's Triton kernels and CUDA graphs.
+
+    python benchmarks/bench_gpt.py --out $OUT                      # both models, default variants
+    python benchmarks/bench_gpt.py --smoke                         # CPU, tiny, checks the code paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet
+
+
+def measure_matmul_ceiling(device: torch.device) -> float:
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * n**3 / statistics.median(times)
+
+
+class StepTimer:
+    """Record an event pair per step; read them all at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def step_times(self, skip: int) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            t = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks[:-1], self.marks[1:])]
+        else:
+            t = [b - a for a, b in zip(self.marks[:-1], self.marks[1:])]
+        return t[skip:]
+
+
+def make_data(cfg, seq_len: int, batch: int, steps: int, device: torch.device):
+    from lightning_perf.data import TokenDataModule
+
+    dm = TokenDataModule(
+        source="synthetic",
+        vocab_size=cfg.vocab_size,
+        seq_len=seq_len,
+        batch_size=batch,
+        num_workers=2 if device.type == "cuda" else 0,
+        synthetic_train_samples=batch * (steps + 2),
+        synthetic_val_samples=batch,
+    )
+    return dm
+
+
+def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode):
+    from lightning_perf.models import GPT, GPTConfig
+    from lightning_perf.models.gpt.transforms import apply_compile
+
+    cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+    apply_compile(list(model.blocks.values()), compile_mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    dm = make_data(cfg, seq_len, batch, warmup + steps, device)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    timer = StepTimer(device)
+    it = iter(loader)
+    use_amp = device.type == "cuda"
+    for i in range(warmup + steps):
+        x, y = next(it)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        timer.mark()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    timer.mark()
+    return timer.step_times(skip=warmup), cfg
+
+
+def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mode):
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_perf.models import GPTConfig, GPTLightningModule
+
+    cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa")
+    timer = StepTimer(device)
+
+    class Timing(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            timer.mark()
+
+        def on_train_end(self, trainer, pl_module):
+            timer.mark()
+
+    torch.manual_seed(0)
+    module = GPTLightningModule(cfg, learning_rate=1e-4, warmup_steps=0, compile=compile_mode)
+    dm = make_data(cfg, seq_len, batch, warmup + steps, device)
+    trainer = L.Trainer(
+        accelerator=device.type,
+        devices=1,
+        precision="bf16-mixed" if device.type == "cuda" else "32-true",
+        max_steps=warmup + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Timing()],
+    )
+    trainer.fit(module, dm)
+    return timer.step_times(skip=warmup), cfg
+
+
+def summarise(times, cfg, seq_len, batch, ceiling):
+    med = statistics.median(times)
+    tok_s = batch * seq_len / med
+    fpt = cfg.flops_per_token(seq_len)
+    return {
+        "step_ms_median": med * 1e3,
+        "step_ms_min": min(times) * 1e3,
+        "step_ms_max": max(times) * 1e3,
+        "tokens_per_s": tok_s,
+        "mfu_causal_989": fpt * tok_s / PEAK_BF16,
+        "mfu_full_attention_989": cfg.flops_per_token_full_attention(seq_len) * tok_s / PEAK_BF16,
+        "mfu_vs_measured_ceiling": (fpt * tok_s / ceiling) if ceiling else None,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+        "steps_timed": len(times),
+    }
+
+
+VARIANTS = {
+    # name: (runner, kernels, compile mode)
+    "plain-compile": (run_plain, "torch", "default"),
+    "trainer-compile": (run_trainer, "torch", "default"),
+    "trainer-eager": (run_trainer, "torch", None),
+    "trainer-triton-compile": (run_trainer, "triton", "default"),
+    "trainer-triton-eager": (run_trainer, "triton", None),
+    "plain-triton-compile": (run_plain, "triton", "default"),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--models", default="gpt2-124m:1024:16,gpt-1.3b:2048:8")
+    p.add_argument("--variants", default="plain-compile,trainer-compile,trainer-triton-compile")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--tag", default="")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, eager, to check the code paths")
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        args.models, args.steps, args.warmup = "tiny:64:4", 3, 1
+        for k in list(VARIANTS):
+            runner, kern, _ = VARIANTS[k]
+            VARIANTS[k] = (runner, "torch", None)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    ceiling = measure_matmul_ceiling(device) if device.type == "cuda" else None
+    import triton
+
+    result = {
+        "benchmark": "bench_gpt",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "matmul_ceiling_tflops": ceiling / 1e12 if ceiling else None,
+        "peak_bf16_tflops": PEAK_BF16 / 1e12,
+        "runs": [],
+    }
+    for spec in args.models.split(","):
+        name, T, B = spec.split(":")
+        T, B = int(T), int(B)
+        for variant in args.variants.split(","):
+            runner, kernels, compile_mode = VARIANTS[variant]
+            entry = {"model": name, "seq_len": T, "batch": B, "variant": variant, "kernels": kernels,
+                     "compile": compile_mode}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.time()
+            try:
+                times, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode)
+                entry.update(summarise(times, cfg, T, B, ceiling))
+            except Exception as err:  # record and go on with the next variant
+                entry["error"] = f"{type(err).__name__}: {err}"
+                entry["traceback"] = traceback.format_exc()[-3000:]
+            entry["wall_s"] = time.time() - t0
+            result["runs"].append(entry)
+            gc.collect()
+            print(json.dumps({k: v for k, v in entry.items() if k != "traceback"}), flush=True)
+    # ratios against the plain loop of the same model
+    for run in result["runs"]:
+        base = next((r for r in result["runs"] if r["model"] == run["model"] and r["variant"] == "plain-compile"
+                     and "tokens_per_s" in r), None)
+        if base and "tokens_per_s" in run:
+            run["ratio_vs_plain_compile"] = run["tokens_per_s"] / base["tokens_per_s"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fname = out / f"bench_gpt{args.tag}{'_smoke' if args.smoke else ''}.json"
+    fname.write_text(json.dumps(result, indent=2))
+    print(f"\n{'model':<11} {'variant':<24} {'tok/s':>10} {'ratio':>6} {'MFU(989)':>8} {'mem GB':>7}")
+    for r in result["runs"]:
+        if "tokens_per_s" in r:
+            print(f"{r['model']:<11} {r['variant']:<24} {r['tokens_per_s']:>10.0f} "
+                  f"{r.get('ratio_vs_plain_compile', float('nan')):>6.3f} {r['mfu_causal_989']:>8.1%} "
+                  f"{(r['peak_mem_gb'] or 0):>7.1f}")
+        else:
+            print(f"{r['model']:<11} {r['variant']:<24} ERROR {r['error'][:80]}")
+    print(f"wrote {fname}")
+
+
+if __name__ == "__main__":
+    main()

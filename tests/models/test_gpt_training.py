@@ -1,0 +1,86 @@
+"""GPTLightningModule inside a real Trainer: the contract example, resume equality, bad input."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_perf.data import TokenDataModule
+from lightning_perf.models import GPTConfig, GPTLightningModule
+
+
+class LossRecorder(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _module():
+    return GPTLightningModule(GPTConfig.from_name("tiny", n_layer=2, n_embd=64, n_head=2, block_size=32),
+                              warmup_steps=3, learning_rate=3e-3, lr_decay_steps=20)
+
+
+def _trainer(tmp_path, max_steps, callbacks):
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+        default_root_dir=tmp_path, callbacks=callbacks, gradient_clip_val=1.0,
+    )
+
+
+def test_contract_example_synthetic():
+    model = GPTLightningModule(GPTConfig.from_name("tiny"))
+    data = TokenDataModule(source="synthetic", vocab_size=model.config.vocab_size, seq_len=16, batch_size=4)
+    rec = LossRecorder()
+    L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+              enable_checkpointing=False, limit_val_batches=1, callbacks=[rec]).fit(model, data)
+    assert len(rec.losses) == 3 and all(torch.isfinite(torch.tensor(rec.losses)))
+    assert model.flops_per_batch == model.config.flops_per_token(16) * 4 * 16
+
+
+def test_resume_mid_epoch_gives_the_same_losses(tmp_path):
+    """20 steps straight == 10 steps, checkpoint, resume for 10 more (data position restored)."""
+    def data():
+        return TokenDataModule(source="synthetic", vocab_size=260, seq_len=32, batch_size=4,
+                               synthetic_train_samples=100, synthetic_val_samples=4)
+
+    L.seed_everything(7)
+    straight = LossRecorder()
+    _trainer(tmp_path / "a", 20, [straight]).fit(_module(), data())
+
+    L.seed_everything(7)
+    first = LossRecorder()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+    _trainer(tmp_path / "b", 10, [first, ckpt]).fit(_module(), data())
+    path = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"
+    assert path.exists()
+
+    L.seed_everything(123)  # a different seed: everything must come from the checkpoint
+    second = LossRecorder()
+    _trainer(tmp_path / "c", 20, [second]).fit(_module(), data(), ckpt_path=str(path))
+    assert len(first.losses) == 10 and len(second.losses) == 10
+    torch.testing.assert_close(torch.tensor(first.losses + second.losses), torch.tensor(straight.losses),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_sequence_longer_than_block_size_is_refused():
+    model = GPTLightningModule(GPTConfig.from_name("tiny", block_size=16))
+    data = TokenDataModule(source="synthetic", vocab_size=260, seq_len=32, batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, limit_val_batches=0)
+    with pytest.raises(ValueError, match="seq_len=32 is longer than the model's block_size=16"):
+        trainer.fit(model, data)
+
+
+def test_vocab_smaller_than_the_tokenizer_is_refused():
+    with pytest.raises(ValueError, match="260"):
+        TokenDataModule(source="builtin", vocab_size=100, seq_len=16, batch_size=2).setup("fit")
+    # a model whose vocabulary cannot hold the data's tokens
+    model = GPTLightningModule("tiny", vocab_size=200)
+    data = TokenDataModule(source="builtin", seq_len=16, batch_size=2, builtin_max_bytes=50_000)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, limit_val_batches=0)
+    with pytest.raises(ValueError, match=r"model's vocab_size \(200\) is smaller than the builtin data's \(260\)"):
+        trainer.fit(model, data)
