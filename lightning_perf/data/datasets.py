@@ -33,15 +33,19 @@ class TokenWindowDataset(Dataset):
         tokens: 1-D array of token ids.
         seq_len: tokens per sample.
         name: shown in error messages (for a file, its path).
+        vocab_size: if given, every sample is checked to hold ids below it (one ``max``
+            per sample), so a corrupted file fails with its name and the sample index
+            instead of an out-of-range embedding lookup on the device.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, *, name: str = "tokens") -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, name: str = "tokens", vocab_size: int | None = None) -> None:
         _check_positive("seq_len", seq_len)
         if tokens.ndim != 1:
             raise ValueError(f"{name}: expected a 1-D token array, got shape {tuple(tokens.shape)}")
         self.tokens = tokens
         self.seq_len = seq_len
         self.name = name
+        self.vocab_size = vocab_size
         self.num_samples = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
@@ -52,7 +56,13 @@ class TokenWindowDataset(Dataset):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range for {self.name} with {self.num_samples} samples")
         start = index * self.seq_len
-        return self.tokens[start : start + self.seq_len + 1]
+        window = self.tokens[start : start + self.seq_len + 1]
+        if self.vocab_size is not None and window.size and int(window.max()) >= self.vocab_size:
+            raise ValueError(
+                f"{self.name}: sample {index} (tokens {start}..{start + self.seq_len}) holds id {int(window.max())}"
+                f" >= vocab_size {self.vocab_size}; the file is corrupted or its metadata is wrong"
+            )
+        return window
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         w = torch.from_numpy(self.window(int(index)).astype(np.int64))

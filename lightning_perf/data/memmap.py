@@ -129,10 +129,9 @@ class MemmapTokenDataset(TokenWindowDataset):
 
     def __init__(self, path: str | os.PathLike, seq_len: int) -> None:
         tokens, meta = read_token_file(path)
-        super().__init__(tokens, seq_len, name=str(_paths(path)[0]))
+        super().__init__(tokens, seq_len, name=str(_paths(path)[0]), vocab_size=meta.vocab_size)
         self.path = Path(path)
         self.meta = meta
-        self.vocab_size = meta.vocab_size
 
     def __getstate__(self) -> dict:
         # Pickling a memmap copies its data; workers started with "spawn" re-open the file instead.

@@ -122,6 +122,16 @@ def test_wrong_size_file_is_refused_with_its_name(tmp_path):
         MemmapTokenDataset(tmp_path / "train", seq_len=4)
 
 
+def test_ids_beyond_the_vocabulary_are_refused_per_sample(tmp_path):
+    write_token_file(tmp_path / "train", np.arange(100) % 50, vocab_size=260)
+    meta = json.loads((tmp_path / "train.json").read_text())
+    (tmp_path / "train.json").write_text(json.dumps({**meta, "vocab_size": 40}))  # metadata lies
+    ds = MemmapTokenDataset(tmp_path / "train", seq_len=9)
+    assert ds[3][0].tolist() == list(range(27, 36))
+    with pytest.raises(ValueError, match=r"train\.bin: sample 5 \(tokens 45\.\.54\) holds id 49 >= vocab_size 40"):
+        ds[5]
+
+
 @pytest.mark.parametrize(
     "patch, match",
     [
