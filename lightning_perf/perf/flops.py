@@ -157,10 +157,12 @@ class OpCounter(TorchDispatchMode):
     """Record FLOPs, bytes, category and module of every aten op run inside it.
 
     ``module_depth`` truncates module names (``"GPT.blocks.0.attn"`` at depth 3 -> the
-    same, at depth 2 -> ``"GPT.blocks"``). Attention FLOPs are halved for causal masks.
+    same, at depth 2 -> ``"GPT.blocks"``); with ``root`` every submodule is named by its path
+    from the root, also when called directly. Attention FLOPs are halved for causal masks.
     """
 
-    def __init__(self, *, module_depth: int = 3, track_modules: bool = True) -> None:
+    def __init__(self, *, module_depth: int = 3, track_modules: bool = True,
+                 root: Optional[torch.nn.Module] = None) -> None:
         super().__init__()
         if module_depth < 1:
             raise ValueError(f"module_depth must be >= 1, got {module_depth}")
@@ -171,6 +173,11 @@ class OpCounter(TorchDispatchMode):
             from torch.utils.module_tracker import ModuleTracker
 
             self._tracker = ModuleTracker()
+            known = getattr(self._tracker, "_known_modules", None)
+            if root is not None and known is not None:  # name modules from the root even when called directly
+                prefix = type(root).__name__
+                for name, mod in root.named_modules():
+                    known[mod] = f"{prefix}.{name}" if name else prefix
 
     def __enter__(self) -> "OpCounter":
         if self._tracker is not None:
