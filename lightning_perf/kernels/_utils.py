@@ -11,6 +11,7 @@ __all__ = [
     "is_interpreted",
     "can_launch",
     "next_power_of_2",
+    "kernel_dtypes",
     "num_sms",
     "ELEMENTWISE_DTYPES",
 ]
@@ -37,6 +38,13 @@ def can_launch(kernel: Any, *tensors: torch.Tensor) -> bool:
     if is_interpreted(kernel):
         return device == "cpu"
     return device == "cuda"
+
+
+def kernel_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    """dtypes the kernels take on ``device``: bf16 is silently wrong in the CPU interpreter."""
+    if device.type == "cuda":
+        return ELEMENTWISE_DTYPES
+    return (torch.float32, torch.float16)
 
 
 def next_power_of_2(n: int) -> int:

@@ -123,7 +123,7 @@ class KernelTuner:
             raise ValueError(f"no launch configuration given for kernel {kernel!r}")
         if device.type != "cuda" or len(configs) == 1:
             return dict(configs[0])
-        device_name = torch.cuda.get_device_name(device)
+        device_name = self.device_name(device)
         key_str = "|".join(str(k) for k in key)
         mem_key = (kernel, device_name, key_str)
         if mem_key in self._memory:
@@ -149,6 +149,9 @@ class KernelTuner:
         self._memory[mem_key] = best
         self.cache.store(kernel, device_name, key_str, best)
         return best
+
+    def device_name(self, device: torch.device) -> str:
+        return torch.cuda.get_device_name(device)
 
     def _time(self, launch: Callable[[Config], Any], cfg: Config) -> float:
         for _ in range(max(1, self.warmup)):  # the first call compiles

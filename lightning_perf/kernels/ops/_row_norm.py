@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import ELEMENTWISE_DTYPES, can_launch, next_power_of_2, num_sms
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, next_power_of_2, num_sms
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["norm_fwd", "norm_bwd", "norm_supported", "norm_op", "NormFunction"]
@@ -98,9 +98,9 @@ def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, row
         tl.store(DB_PART + pid * N + cols, db_acc, mask=col_mask)
 
 
-def _fwd_configs(block_n: int, cuda: bool) -> list[dict]:
-    if not cuda:
-        return [dict(BLOCK_M=2, num_warps=4)]
+def _fwd_configs(block_n: int, cuda: bool, rows: int) -> list[dict]:
+    if not cuda:  # interpreter: few programs, but several of them on small test inputs
+        return [dict(BLOCK_M=min(32, max(2, next_power_of_2(rows) // 4)), num_warps=4)]
     out = []
     for bm in (1, 2, 4, 8, 16):
         if bm * block_n > 32768 or (bm > 1 and block_n >= 8192):
@@ -111,9 +111,9 @@ def _fwd_configs(block_n: int, cuda: bool) -> list[dict]:
     return out
 
 
-def _bwd_configs(block_n: int, cuda: bool) -> list[dict]:
+def _bwd_configs(block_n: int, cuda: bool, rows: int) -> list[dict]:
     if not cuda:
-        return [dict(BLOCK_M=2, num_warps=4, PROGRAMS_PER_SM=1)]
+        return [dict(BLOCK_M=min(32, max(2, next_power_of_2(rows) // 8)), num_warps=4, PROGRAMS_PER_SM=1)]
     out = []
     for bm in (1, 2, 4, 8):
         if bm * block_n > 16384 or (bm > 1 and block_n >= 8192):
@@ -145,7 +145,7 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
             IS_RMS=is_rms, HAS_RES=has_res, HAS_BIAS=bias is not None, BLOCK_N=block_n, **cfg)
 
     cfg = default_tuner().pick("norm_fwd", (block_n, shape_bucket(M), x.dtype, is_rms, has_res),
-                               _fwd_configs(block_n, x.is_cuda), run, x.device)
+                               _fwd_configs(block_n, x.is_cuda, M), run, x.device)
     run(cfg)
     return y.view(x.shape), (h.view(x.shape) if has_res else h), mean, rstd
 
@@ -177,7 +177,7 @@ def norm_bwd(h, weight, bias, mean, rstd, dy, dres, is_rms: bool):
         parts[0] = (dw_part, db_part)
 
     cfg = default_tuner().pick("norm_bwd", (block_n, shape_bucket(M), h.dtype, is_rms, has_dres, has_bias),
-                               _bwd_configs(block_n, h.is_cuda), run, h.device)
+                               _bwd_configs(block_n, h.is_cuda, M), run, h.device)
     run(cfg)
     dw_part, db_part = parts[0]
     dw = dw_part.sum(0).to(weight.dtype)
@@ -191,7 +191,7 @@ def norm_supported(x, weight, bias=None, residual=None) -> bool:
         return False
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return False
-    return x.dtype in ELEMENTWISE_DTYPES and can_launch(_norm_fwd_kernel, x, weight)
+    return x.dtype in kernel_dtypes(x.device) and can_launch(_norm_fwd_kernel, x, weight)
 
 
 # ---- torch.compile: custom ops -----------------------------------------------------------------

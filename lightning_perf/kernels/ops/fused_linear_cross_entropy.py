@@ -41,52 +41,60 @@ _CHUNK_BYTES = 256 * 2**20  # one chunk of logits in the matmul dtype
 
 
 @triton.jit
-def _ce_rows_kernel(LOGITS, stride_row, TARGET, LOSS, SCALE, V, ignore_index, z_loss,
-                    COMPUTE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
-    ptr = LOGITS + row.to(tl.int64) * stride_row
-    target = tl.load(TARGET + row)
-    valid = target != ignore_index
-    # pass 1: online max and sum of exponentials
-    m = float("-inf")
-    s = 0.0
+def _ce_rows_kernel(LOGITS, stride_row, TARGET, LOSS, SCALE, R, V, ignore_index, z_loss,
+                    COMPUTE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    ptrs = LOGITS + rows.to(tl.int64)[:, None] * stride_row
+    target = tl.load(TARGET + rows, mask=row_mask, other=ignore_index)
+    valid = (target != ignore_index) & row_mask
+    # pass 1: online max and sum of exponentials per row
+    m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        z = tl.load(ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        mask = row_mask[:, None] & (offs[None, :] < V)
+        z = tl.load(ptrs + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past R: no NaN from -inf - -inf
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), 1)
         m = m_new
-    lse = m + tl.log(s)
-    z_t = tl.load(ptr + target, mask=valid, other=0.0).to(tl.float32)
+    lse = tl.where(row_mask, m + tl.log(tl.where(row_mask, s, 1.0)), 0.0)
+    z_t = tl.load(ptrs + target[:, None], mask=valid[:, None], other=0.0).to(tl.float32)
+    z_t = tl.sum(z_t, 1)
     loss = tl.where(valid, lse - z_t + z_loss * lse * lse, 0.0)
-    tl.store(LOSS + row, loss)
+    tl.store(LOSS + rows, loss, mask=row_mask)
     if COMPUTE_GRAD:
         # pass 2: overwrite the logits with d loss / d logits
         if SCALE_PER_ROW:
-            scale = tl.load(SCALE + row).to(tl.float32)
+            scale = tl.load(SCALE + rows, mask=row_mask, other=0.0).to(tl.float32)
         else:
-            scale = tl.load(SCALE).to(tl.float32)
+            scale = tl.load(SCALE + rows * 0).to(tl.float32)
         scale = tl.where(valid, scale, 0.0)
         zfac = 1.0 + 2.0 * z_loss * lse
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
-            z = tl.load(ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
-            g = tl.exp(z - lse) * zfac
-            g = tl.where(offs == target, g - 1.0, g) * scale
-            tl.store(ptr + offs, g.to(LOGITS.dtype.element_ty), mask=offs < V)
+            mask = row_mask[:, None] & (offs[None, :] < V)
+            z = tl.load(ptrs + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = tl.exp(z - lse[:, None]) * zfac[:, None]
+            g = tl.where(offs[None, :] == target[:, None], g - 1.0, g) * scale[:, None]
+            tl.store(ptrs + offs[None, :], g.to(LOGITS.dtype.element_ty), mask=mask)
 
 
 def _ce_rows(logits, target, loss, scale, ignore_index: int, z_loss: float, compute_grad: bool,
              per_row: bool) -> None:
     C, V = logits.shape
     if logits.is_cuda:
-        configs = [dict(BLOCK_V=b, num_warps=w) for b in (2048, 4096, 8192) for w in (8, 16)]
-    else:
-        configs = [dict(BLOCK_V=min(256, next_power_of_2(V)), num_warps=4)]
+        configs = [dict(BLOCK_R=1, BLOCK_V=b, num_warps=w) for b in (2048, 4096, 8192) for w in (8, 16)]
+    else:  # interpreter: a handful of programs
+        configs = [dict(BLOCK_R=min(16, max(1, next_power_of_2(C) // 4)),
+                        BLOCK_V=min(256 if V <= 1024 else 4096, next_power_of_2(V)), num_warps=4)]
 
     def run(cfg):
-        _ce_rows_kernel[(C,)](logits, logits.stride(0), target, loss, scale, V, ignore_index, z_loss,
-                              COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=per_row, **cfg)
+        _ce_rows_kernel[(triton.cdiv(C, cfg["BLOCK_R"]),)](
+            logits, logits.stride(0), target, loss, scale, C, V, ignore_index, z_loss,
+            COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=per_row, **cfg)
 
     key = (shape_bucket(V), logits.dtype, compute_grad)
     run(default_tuner().pick("cross_entropy_rows", key, configs, run, logits.device))

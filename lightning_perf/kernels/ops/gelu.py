@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import ELEMENTWISE_DTYPES, can_launch
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = [
@@ -65,12 +65,14 @@ def _gelu_bwd_kernel(A, B, DY, DA, DB, n, HAS_MUL: tl.constexpr, BLOCK: tl.const
 
 
 _CONFIGS_GPU = [dict(BLOCK=b, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
-_CONFIGS_CPU = [dict(BLOCK=256, num_warps=4)]
+# interpreter: every program costs milliseconds, so few large blocks (small tests still cross blocks)
+_CONFIGS_CPU_SMALL = [dict(BLOCK=128, num_warps=4)]
+_CONFIGS_CPU = [dict(BLOCK=8192, num_warps=4)]
 
 
 def _launch(kernel, name: str, ref: torch.Tensor, *args, has_mul: bool) -> None:
     n = ref.numel()
-    configs = _CONFIGS_GPU if ref.is_cuda else _CONFIGS_CPU
+    configs = _CONFIGS_GPU if ref.is_cuda else (_CONFIGS_CPU_SMALL if n <= 2048 else _CONFIGS_CPU)
 
     def run(cfg):
         kernel[(triton.cdiv(n, cfg["BLOCK"]),)](*args, n, HAS_MUL=has_mul, **cfg)
@@ -179,7 +181,7 @@ def gelu_tanh_mul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def gelu_supported(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> bool:
     if b is not None and (b.shape != a.shape or b.dtype != a.dtype):
         return False
-    return a.dtype in ELEMENTWISE_DTYPES and can_launch(_gelu_fwd_kernel, a, *(() if b is None else (b,)))
+    return a.dtype in kernel_dtypes(a.device) and can_launch(_gelu_fwd_kernel, a, *(() if b is None else (b,)))
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import ELEMENTWISE_DTYPES, can_launch, next_power_of_2
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, next_power_of_2
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference", "RotaryFunction", "rotary_supported"]
@@ -54,7 +54,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     cos, sin = cos.contiguous(), sin.contiguous()
     block_d = next_power_of_2(half)
     configs = ([dict(BLOCK_T=bt, num_warps=w) for bt in (16, 32, 64) for w in (2, 4, 8)]
-               if x.is_cuda else [dict(BLOCK_T=8, num_warps=4)])
+               if x.is_cuda else [dict(BLOCK_T=8 if T <= 64 else 64, num_warps=4)])
 
     def run(cfg):
         _rotary_kernel[(B * H, triton.cdiv(T, cfg["BLOCK_T"]))](
@@ -114,7 +114,7 @@ def rotary_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> b
     return (
         x.dim() == 4 and x.shape[-1] % 2 == 0 and cos.shape == sin.shape and cos.dim() == 2
         and cos.shape[0] >= x.shape[-2] and cos.shape[1] == x.shape[-1] // 2
-        and x.dtype in ELEMENTWISE_DTYPES and can_launch(_rotary_kernel, x, cos, sin)
+        and x.dtype in kernel_dtypes(x.device) and can_launch(_rotary_kernel, x, cos, sin)
     )
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import ELEMENTWISE_DTYPES, can_launch
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["swiglu", "swiglu_reference", "SwiGLUFunction", "swiglu_supported"]
@@ -44,11 +44,13 @@ def _swiglu_bwd_kernel(G, U, DY, DG, DU, n, BLOCK: tl.constexpr):
 
 
 _CONFIGS_GPU = [dict(BLOCK=b, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
-_CONFIGS_CPU = [dict(BLOCK=256, num_warps=4)]
+# interpreter: every program costs milliseconds, so few large blocks (small tests still cross blocks)
+_CONFIGS_CPU_SMALL = [dict(BLOCK=128, num_warps=4)]
+_CONFIGS_CPU = [dict(BLOCK=8192, num_warps=4)]
 
 
 def _launch(kernel, name: str, n: int, ref: torch.Tensor, *args: torch.Tensor) -> None:
-    configs = _CONFIGS_GPU if ref.is_cuda else _CONFIGS_CPU
+    configs = _CONFIGS_GPU if ref.is_cuda else (_CONFIGS_CPU_SMALL if n <= 2048 else _CONFIGS_CPU)
 
     def run(cfg):
         kernel[(triton.cdiv(n, cfg["BLOCK"]),)](*args, n, **cfg)
@@ -126,7 +128,7 @@ def swiglu_supported(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return (
         gate.shape == up.shape
         and gate.dtype == up.dtype
-        and gate.dtype in ELEMENTWISE_DTYPES
+        and gate.dtype in kernel_dtypes(gate.device)
         and can_launch(_swiglu_fwd_kernel, gate, up)
     )
 

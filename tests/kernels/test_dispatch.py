@@ -1,0 +1,185 @@
+"""The GPT with Triton kernels vs the PyTorch paths; dispatch fallbacks; autotune cache; compile and checkpointing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lightning_perf.kernels import dispatch, flash_attention, fused_linear_cross_entropy, layer_norm, swiglu
+from lightning_perf.kernels.autotune import AutotuneCache, KernelTuner, shape_bucket
+from lightning_perf.kernels.ops.flash_attention import attention_reference
+from lightning_perf.models.gpt import GPT, GPTConfig
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_gpt_with_triton_kernels_matches_torch(preset, close, device):
+    """Loss and every parameter gradient agree: norms, activations, attention (GQA for llama), fused loss."""
+    cfg = GPTConfig.from_name(preset, n_layer=1)
+    torch.manual_seed(0)
+    ref = GPT(cfg).to(device)
+    tri = GPT(cfg.replace(kernels="triton", attention="triton")).to(device)
+    tri.load_state_dict(ref.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen).to(device)
+    targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen).to(device)
+    targets[0, :3] = -100
+    loss_ref, loss_tri = ref(idx, targets), tri(idx, targets)
+    close(loss_tri, loss_ref, 1e-5, 1e-5, "loss")
+    loss_ref.backward()
+    loss_tri.backward()
+    for (name, p_ref), p_tri in zip(ref.named_parameters(), tri.parameters()):
+        close(p_tri.grad, p_ref.grad, 2e-5, 1e-4, f"grad of {name}")
+
+
+def test_dispatch_falls_back_where_no_kernel_applies(device):
+    x = torch.randn(4, 8, device=device, dtype=torch.bfloat16 if device == "cpu" else torch.float64)
+    w = torch.ones(8, device=device, dtype=x.dtype)
+    assert dispatch.norm(x, w, None, kind="rmsnorm", eps=1e-6) is None  # dtype the kernels do not take here
+    assert dispatch.norm(x.float(), w.float(), None, kind="batchnorm", eps=1e-6) is None
+    q = torch.randn(1, 2, 8, 24, device=device)
+    assert dispatch.attention(q, q, q, causal=True, impl="triton") is None  # head dim 24
+    assert dispatch.attention(q, q, q, causal=True, impl="sdpa") is None
+    if device == "cpu":
+        q = torch.randn(1, 2, 8, 16)
+        assert dispatch.attention(q, q, q, causal=True, impl="auto") is None  # CPU: SDPA
+
+
+def test_dispatch_uses_kernels(close, device):
+    x = torch.randn(3, 5, 32, device=device)
+    w, b = torch.rand(32, device=device) + 0.5, torch.randn(32, device=device)
+    close(dispatch.norm(x, w, b, kind="layernorm", eps=1e-5),
+          torch.nn.functional.layer_norm(x, (32,), w, b, 1e-5), 1e-5, 1e-5, "layernorm")
+    a, g = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
+    close(dispatch.mlp_activation(a, g, kind="swiglu"), torch.nn.functional.silu(a) * g, 1e-5, 1e-5, "swiglu")
+    close(dispatch.mlp_activation(a, None, kind="gelu"), torch.nn.functional.gelu(a, approximate="tanh"), 1e-5, 1e-5,
+          "gelu")
+
+
+def test_attention_selector_validates():
+    with pytest.raises(ValueError, match="subset"):
+        dispatch.AttentionSelector(candidates=("triton", "xformers"))
+    with pytest.raises(ValueError, match="repeat"):
+        dispatch.AttentionSelector(repeat=0)
+
+
+# ---- autotune cache ----------------------------------------------------------------------------
+
+
+class _FakeTuner(KernelTuner):
+    """Times configs by a table instead of CUDA events, on a pretend GPU."""
+
+    def __init__(self, cache, times):
+        super().__init__(cache)
+        self.times, self.timed = times, []
+
+    def device_name(self, device):
+        return "Fake GPU 80GB"
+
+    def _time(self, launch, cfg):
+        self.timed.append(cfg["BLOCK"])
+        launch(cfg)
+        if self.times[cfg["BLOCK"]] is None:
+            raise RuntimeError("out of shared memory")
+        return self.times[cfg["BLOCK"]]
+
+
+def test_tuner_picks_fastest_and_second_run_reads_disk(tmp_path):
+    configs = [dict(BLOCK=b) for b in (64, 128, 256)]
+    times = {64: 2.0, 128: 0.5, 256: None}  # 256 fails to launch: skipped, not fatal
+    launched = []
+    first = _FakeTuner(AutotuneCache(directory=tmp_path), times)
+    cuda = torch.device("cuda")
+    best = first.pick("my_kernel", (shape_bucket(1000), torch.bfloat16), configs, launched.append, cuda)
+    assert best == dict(BLOCK=128) and first.timed == [64, 128, 256]
+    files = list(tmp_path.iterdir())
+    assert [f.name for f in files] == ["my_kernel--Fake_GPU_80GB.json"]  # no temp files left behind
+    assert json.loads(files[0].read_text()) == {"1024|torch.bfloat16": {"BLOCK": 128}}
+    # a second run (fresh process = fresh tuner) reuses the file and times nothing
+    second = _FakeTuner(AutotuneCache(directory=tmp_path), times)
+    assert second.pick("my_kernel", (1024, torch.bfloat16), configs, launched.append, cuda) == dict(BLOCK=128)
+    assert second.timed == []
+    # another key merges into the same file instead of overwriting it
+    second.pick("my_kernel", (2048, torch.bfloat16), configs, launched.append, cuda)
+    assert set(json.loads(files[0].read_text())) == {"1024|torch.bfloat16", "2048|torch.bfloat16"}
+
+
+def test_tuner_does_not_time_on_cpu(tmp_path):
+    tuner = _FakeTuner(AutotuneCache(directory=tmp_path), {})
+    assert tuner.pick("k", (1,), [dict(BLOCK=32), dict(BLOCK=64)], lambda c: None, torch.device("cpu")) == {
+        "BLOCK": 32}
+    assert tuner.timed == [] and not any(tmp_path.iterdir())
+
+
+def test_cache_survives_a_corrupt_file(tmp_path):
+    cache = AutotuneCache(directory=tmp_path)
+    cache.path("k", "gpu").write_text("{not json")
+    assert cache.load("k", "gpu", "key") is None
+    cache.store("k", "gpu", "key", {"BLOCK": 1})
+    assert cache.load("k", "gpu", "key") == {"BLOCK": 1}
+
+
+def test_shape_bucket():
+    assert [shape_bucket(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
+
+
+# ---- composition: torch.compile and activation checkpointing -----------------------------------
+
+
+def _block(x, w, b, q, k, v, head, targets):
+    h = layer_norm(x, w, b, 1e-5)
+    a = swiglu(h, h * 0.5 + 0.1)
+    o = flash_attention(q, k, v, causal=True)
+    return fused_linear_cross_entropy(a + o.sum(1, keepdim=True).transpose(1, 2).flatten(2)[..., :a.shape[-1]],
+                                      head, targets)
+
+
+def _block_inputs(device):
+    gen = torch.Generator().manual_seed(3)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen).to(device).requires_grad_()
+
+    x, w, b = rnd(2, 16, 16), rnd(16), rnd(16)
+    q, k, v = rnd(2, 2, 16, 16), rnd(2, 1, 16, 16), rnd(2, 1, 16, 16)
+    head = rnd(40, 16)
+    targets = torch.randint(0, 40, (2, 16), generator=gen).to(device)
+    return [x, w, b, q, k, v, head], targets
+
+
+def test_compile_fullgraph_matches_eager(close, device):
+    """Custom ops keep Dynamo from breaking the graph: ``fullgraph=True`` would raise on a break."""
+    inputs, targets = _block_inputs(device)
+    eager = _block(*inputs, targets)
+    eager_grads = torch.autograd.grad(eager, inputs)
+    compiled = torch.compile(_block, backend="aot_eager", fullgraph=True)
+    out = compiled(*inputs, targets)
+    close(out, eager, 1e-5, 1e-5, "compiled loss")
+    for i, (g, e) in enumerate(zip(torch.autograd.grad(out, inputs), eager_grads)):
+        close(g, e, 1e-5, 1e-5, f"compiled grad {i}")
+
+
+def test_activation_checkpointing_matches(close, device):
+    inputs, targets = _block_inputs(device)
+    plain = torch.autograd.grad(_block(*inputs, targets), inputs)
+    recomputed = torch.autograd.grad(checkpoint(_block, *inputs, targets, use_reentrant=False), inputs)
+    for i, (g, e) in enumerate(zip(recomputed, plain)):
+        close(g, e, 1e-6, 1e-6, f"checkpointed grad {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_attention_auto_picks_and_caches_on_gpu(close):
+    selector = dispatch.AttentionSelector(repeat=2)
+    d = dispatch.KernelDispatcher(attention_selector=selector)
+    q = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
+    out = d.attention(q, k, k, causal=True, impl="auto")
+    key = selector.key(q, k, True)
+    assert key in selector.choices and selector.timings[key]
+    ref = attention_reference(q, k, k, causal=True)
+    expected = ref if out is not None else ref
+    if out is not None:
+        close(out, expected, 2e-2, 2e-2, f"auto ({selector.choices[key]})")
