@@ -91,7 +91,8 @@ class ResumableSampler(Sampler[int]):
         start, self._next_start = self._next_start, 0
         order = self.global_order()
         count = (self.usable - start) // self.num_replicas
-        return iter(order[start + self.rank : start + count * self.num_replicas : self.num_replicas].tolist())
+        # ints one at a time: a list of every index would cost ~30x the array's memory on big corpora
+        return map(int, order[start + self.rank : start + count * self.num_replicas : self.num_replicas])
 
 
 class ResumableDataLoader:
