@@ -1,9 +1,22 @@
-"""Performance callbacks: plain Lightning callbacks that work with any LightningModule."""
+"""Performance callbacks: plain Lightning callbacks that work with any LightningModule.
+
+Each one adds no host-device synchronisation on the steps it does not sample.
+"""
 
 from lightning_perf.callbacks.comm import CommOverlapMonitor
 from lightning_perf.callbacks.mfu import MFUMonitor
+from lightning_perf.callbacks.report import PerfReport
 from lightning_perf.callbacks.roofline import RooflineMonitor
 from lightning_perf.callbacks.stall import DataLoaderStallDetector
 from lightning_perf.callbacks.sync import SyncPointError, SyncPointWarner, SyncPointWarning
 
-__all__ = ["MFUMonitor", "CommOverlapMonitor", "RooflineMonitor", "DataLoaderStallDetector", "SyncPointWarner", "SyncPointWarning", "SyncPointError"]
+__all__ = [
+    "MFUMonitor",
+    "RooflineMonitor",
+    "DataLoaderStallDetector",
+    "SyncPointWarner",
+    "SyncPointWarning",
+    "SyncPointError",
+    "CommOverlapMonitor",
+    "PerfReport",
+]

@@ -47,6 +47,7 @@ class CommOverlapMonitor(Callback):
         self.exposed_threshold = exposed_threshold
         self.bandwidth_fraction = bandwidth_fraction
         self.results: list[dict[str, Any]] = []
+        self.sampled_steps: list[int] = []
         self._profiler: Any = None
         self._step = 0
         self._enabled = False
@@ -104,6 +105,7 @@ class CommOverlapMonitor(Callback):
         result = {"step": step, "rank": trainer.global_rank, **analysis.as_dict(),
                   "link": self._link[0], "link_bandwidth": self._link[1]}
         self.results.append(result)
+        self.sampled_steps.append(step)
         log_scalars(pl_module, {"perf/exposed_comm": analysis.overlap.exposed_fraction,
                                 "perf/comm_overlap": analysis.overlap.overlap_fraction})
         self._warn(analysis)

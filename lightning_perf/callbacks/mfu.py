@@ -230,6 +230,8 @@ class MFUMonitor(Callback):
             self._clock.reset()
 
     def summary(self) -> dict[str, Any]:
-        """The last window's figures plus the peak used (for ``PerfReport`` and benchmarks)."""
-        last = self.history[-1].as_dict() if self.history else {}
-        return {**last, "peak_flops": self.peak_flops, "peak": self.peak_name, "ceiling_flops": self.ceiling_flops}
+        """The median window's figures (robust to steps other callbacks profiled) and the peak used."""
+        ranked = sorted(self.history, key=lambda t: t.step_time_s)
+        mid = ranked[len(ranked) // 2].as_dict() if ranked else {}
+        return {**mid, "windows": len(ranked), "peak_flops": self.peak_flops, "peak": self.peak_name,
+                "ceiling_flops": self.ceiling_flops}

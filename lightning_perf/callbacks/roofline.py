@@ -72,6 +72,7 @@ class RooflineMonitor(Callback):
         self.peak_bandwidth: Optional[float] = None
         self.results: list[dict[str, Any]] = []
         self.files: list[str] = []
+        self.sampled_steps: list[int] = []  # counted and profiled steps
         self._target = start_step
         self._step = 0
         self._counter: Optional[OpCounter] = None
@@ -131,6 +132,7 @@ class RooflineMonitor(Callback):
         prof.__exit__(None, None, None)
         counted, self._counted = self._counted, None
         counted_step = step - 1
+        self.sampled_steps += [counted_step, step]
         self._target = max(counted_step + self.every_n_steps, self._step) if self.every_n_steps else -1
         assert counted is not None and self.peak_flops and self.peak_bandwidth
         times = profiler_op_times(prof.key_averages(), device=self._cuda)

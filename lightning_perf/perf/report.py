@@ -73,24 +73,26 @@ def recommendations(s: PerfSummary, *, top: int = 3) -> list[str]:
         tips.append((comm, f"Communication: {100 * comm:.1f}% of each step is exposed; overlap it (DDP bucket size, "
                            "FSDP prefetch, larger micro-batches) and check the link's bus bandwidth."))
     if s.user_sync_sites:
-        sites = ", ".join(s.user_sync_sites[:3])
-        tips.append((0.5, f"Host-device syncs in your code stall the GPU queue: {sites}. Keep values on the "
-                          "device (log tensors, avoid .item()/nonzero/boolean masks in the step)."))
+        sites = ", ".join(x.split(" in ")[0] for x in s.user_sync_sites[:3])
+        tips.append((min(0.5, 0.1 * len(s.user_sync_sites)),
+                     f"Host-device syncs in your code drain the GPU queue: {sites}. Keep values on the "
+                     "device (log tensors, avoid .item()/nonzero/boolean masks in the step)."))
     host = parts["host_overhead"]["fraction"]
     if host > 0.05:
         tips.append((host, f"Host overhead: the device idles {100 * host:.1f}% of each step between steps "
                            "(hooks, logging, callbacks); log less often, or raise the batch size per step."))
+    compute = parts["compute"]["fraction"]
     mem = _share(s, "memory", ("elementwise", "norm", "copy"))
     if mem > 0.2:
-        tips.append((0.5 * mem, f"Memory-bound elementwise/norm/copy ops take {100 * mem:.0f}% of kernel time; "
-                                "fuse them (torch.compile, fused kernels)."))
+        tips.append((0.5 * mem * compute, f"Memory-bound elementwise/norm/copy ops take {100 * mem:.0f}% of kernel "
+                                          "time; fuse them (torch.compile, fused kernels)."))
     over = _share(s, "overhead")
     if over > 0.2:
-        tips.append((0.5 * over, f"Overhead-bound ops take {100 * over:.0f}% of kernel time (launch latency); "
-                                 "larger batches, torch.compile, CUDA graphs."))
+        tips.append((0.5 * over * compute, f"Overhead-bound ops take {100 * over:.0f}% of kernel time (launch "
+                                           "latency); larger batches, torch.compile, CUDA graphs."))
     if s.mfu is not None and s.mfu < 0.3:
-        tips.append((0.3 - s.mfu, f"MFU is {100 * s.mfu:.1f}%: raise the micro-batch, use bf16 autocast, fused "
-                                  "AdamW and torch.compile."))
+        tips.append((0.01, f"MFU is {100 * s.mfu:.1f}%: raise the micro-batch, use bf16 autocast, fused "
+                           "AdamW and torch.compile."))
     tips.sort(key=lambda t: -t[0])
     return [t for _, t in tips[:top]]
 

@@ -1,0 +1,68 @@
+"""PerfReport alone (own step timing, files) and with every other callback attached."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch.nn.functional as F
+
+import lightning_perf.perf.throughput as throughput
+from callback_toys import T, V, ToyLM, loader, trainer
+from lightning_perf.callbacks import (
+    DataLoaderStallDetector,
+    MFUMonitor,
+    PerfReport,
+    RooflineMonitor,
+    SyncPointWarner,
+    SyncPointWarning,
+)
+
+
+class SlowAndSyncing(ToyLM):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).view(-1, V), y.reshape(-1))
+        self.last_loss = float(loss)  # a sync: float() on a tensor
+        return loss
+
+
+def test_report_alone_times_steps_with_the_clock(tmp_path, monkeypatch, capsys):
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(throughput, "host_clock", lambda: next(ticks) * 0.5)  # start and end each read once
+    B = 2
+    report = PerfReport(warmup_steps=1)
+    trainer(tmp_path, [report], max_steps=5).fit(ToyLM(), loader(batch_size=B))
+    s = report.summary
+    assert s.steps == 3  # 4 intervals between 5 batch starts, 1 warm-up
+    assert s.step_time_s == pytest.approx(1.0)  # two clock reads per step
+    assert s.between_steps_s == pytest.approx(0.5)
+    assert s.tokens_per_sec == pytest.approx(B * T / 1.0)
+    data = json.load(open(os.path.join(str(tmp_path), "perf_report.json")))
+    parts = data["breakdown"]
+    assert sum(p["fraction"] for p in parts.values()) == pytest.approx(1.0)
+    assert parts["host_overhead"]["fraction"] == pytest.approx(0.5)  # no stall detector: the gap is host time
+    assert "Performance report" in capsys.readouterr().out
+    assert os.path.exists(os.path.join(str(tmp_path), "perf_report.md"))
+
+
+def test_report_collects_the_other_callbacks(tmp_path):
+    mfu = MFUMonitor(peak_flops=1e9, warmup_steps=1)
+    stall = DataLoaderStallDetector(window=2, warmup_steps=1)
+    roof = RooflineMonitor(start_step=4, peak_flops=1e9, peak_bandwidth=1e9)
+    warner = SyncPointWarner(every_n_steps=0, start_step=2)
+    report = PerfReport(warmup_steps=1, print_report=False)
+    with pytest.warns(SyncPointWarning):
+        trainer(tmp_path, [mfu, stall, roof, warner, report], max_steps=8).fit(
+            SlowAndSyncing(step_sleep=0.01), loader(batch_size=2, sleep=0.02))
+    s = report.summary
+    assert s.mfu == pytest.approx(mfu.summary()["mfu"])
+    assert min(h.mfu for h in mfu.history) <= s.mfu <= max(h.mfu for h in mfu.history)
+    assert set(warner.sampled_steps) | set(roof.sampled_steps) == {2, 4, 5}
+    assert s.peak.startswith("user peak_flops")
+    assert s.data_wait_s == pytest.approx(stall.mean_wait_s) and s.data_wait_s > 0.03
+    assert s.bound in ("compute", "memory", "overhead")
+    assert any("test_callbacks_report.py" in site for site in s.user_sync_sites)
+    md = open(os.path.join(str(tmp_path), "perf_report.md")).read()
+    assert "Top recommendations" in md and "Input pipeline" in md and "test_callbacks_report.py" in md
