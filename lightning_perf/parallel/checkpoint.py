@@ -44,6 +44,9 @@ __all__ = [
     "read_extra",
     "consolidate",
     "update_link",
+    "prepare_tmp",
+    "commit_tmp",
+    "resolve",
     "full_model_state_dict",
     "main",
 ]
@@ -78,7 +81,7 @@ def _hyperparams(osd: dict[str, Any]) -> list[dict[str, Any]]:
 
 def is_checkpoint(path: PathLike) -> bool:
     p = Path(path)
-    return p.is_dir() and (p / ".metadata").is_file() and (p / EXTRA_FILE).is_file()
+    return p.is_dir() and (p / EXTRA_FILE).is_file()
 
 
 def save_checkpoint(
@@ -98,13 +101,8 @@ def save_checkpoint(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     rank = _rank(group)
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier(group)
+    tmp = prepare_tmp(path, group=group)
     optims = _local_optimizers(optimizers)
     msd, osd = get_state_dict(model, optims) if optims else (get_model_state_dict(model), {})
     state: dict[str, Any] = {"model": msd}
@@ -112,11 +110,38 @@ def save_checkpoint(
         state["optim"] = {"state": osd["state"]}
     dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _dist())
     if rank == 0:
-        blob = {"format": _FORMAT, "extra": extra or {}, "param_groups": _hyperparams(osd), "has_optim": bool(optims)}
+        blob = {
+            "format": _FORMAT,
+            "backend": "dcp",
+            "extra": extra or {},
+            "param_groups": _hyperparams(osd),
+            "has_optim": bool(optims),
+        }
         torch.save(blob, tmp / EXTRA_FILE)
+    commit_tmp(tmp, path, group=group)
+    return path
+
+
+def prepare_tmp(path: PathLike, *, group: Optional[dist.ProcessGroup] = None) -> Path:
+    """Rank 0 creates an empty ``<path>.tmp``; every rank returns it after a barrier."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if _rank(group) == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
     _barrier(group)
-    if rank == 0:
-        if path.exists() or path.is_symlink():
+    return tmp
+
+
+def commit_tmp(tmp: Path, path: PathLike, *, group: Optional[dist.ProcessGroup] = None) -> None:
+    """After every rank wrote into ``tmp``: rank 0 renames it to ``path`` (the old one to ``.old`` meanwhile)."""
+    path = Path(path)
+    _barrier(group)
+    if _rank(group) == 0:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        if path.exists():
             old = path.with_name(path.name + ".old")
             if old.exists():
                 shutil.rmtree(old)
@@ -126,22 +151,24 @@ def save_checkpoint(
         else:
             os.replace(tmp, path)
     _barrier(group)
-    return path
 
 
-def _resolve(path: PathLike) -> Path:
+def resolve(path: PathLike) -> Path:
+    """``path``, or ``<path>.old`` when a crash hit between the two renames of an overwrite."""
     p = Path(path)
     if is_checkpoint(p):
         return p
     old = p.with_name(p.name + ".old")
     if not p.exists() and is_checkpoint(old):
-        return old  # a crash between the two renames of an overwrite
-    raise FileNotFoundError(f"{p} is not a checkpoint directory (expected .metadata and {EXTRA_FILE} inside)")
+        return old
+    raise FileNotFoundError(f"{p} is not a checkpoint directory (expected {EXTRA_FILE} inside)")
+
+
 
 
 def read_extra(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
     """The ``extra.pt`` blob of a checkpoint (``extra``, optimizer hyper-parameters)."""
-    return torch.load(_resolve(path) / EXTRA_FILE, map_location="cpu", weights_only=weights_only)
+    return torch.load(resolve(path) / EXTRA_FILE, map_location="cpu", weights_only=weights_only)
 
 
 def load_checkpoint(
@@ -163,8 +190,10 @@ def load_checkpoint(
         set_state_dict,
     )
 
-    path = _resolve(path)
+    path = resolve(path)
     blob = read_extra(path, weights_only=weights_only)
+    if blob.get("backend", "dcp") != "dcp":
+        raise ValueError(f"{path} was written by the {blob['backend']} backend; resume it with that backend")
     optims = _local_optimizers(optimizers)
     if optims and not blob.get("has_optim", False):
         raise ValueError(f"{path} holds no optimizer state; load it with optimizers=()")
@@ -200,7 +229,9 @@ def full_model_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, to
     """The full (unsharded) model state dict on every rank (a collective for sharded models)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu))
+    # cpu_offload=True would leave ranks other than 0 with an empty dict
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: (v.detach().cpu() if cpu else v) for k, v in sd.items()}
 
 
 # ---- consolidation -------------------------------------------------------------------------
@@ -232,7 +263,9 @@ def consolidate(ckpt_dir: PathLike, out_file: PathLike, *, prefix: Optional[str]
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = _resolve(ckpt_dir)
+    path = resolve(ckpt_dir)
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path} is not a DCP checkpoint (DeepSpeed-backend checkpoints use DeepSpeed's zero_to_fp32)")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     template: dict[str, torch.Tensor] = {}
     for key, meta in metadata.state_dict_metadata.items():

@@ -95,25 +95,26 @@ def materialize_from_rank0(
     rank = dist.get_rank(group)
     sd = full_state["state_dict"] if (rank == 0 and full_state is not None) else {}
     set_model_state_dict(module, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # non-persistent buffers (RoPE tables, Hugging Face inv_freq) are not in the state dict
-    persistent = set(full_state["state_dict"]) if (rank == 0 and full_state is not None) else None
-    names = [n for n, _ in module.named_buffers()]
-    objs = [persistent]
-    dist.broadcast_object_list(objs, src=0, group=group)
-    persistent = objs[0] or set()
+    # non-persistent buffers (RoPE tables, Hugging Face inv_freq) are not in the state dict:
+    # rank 0 announces their shapes (the other ranks' meta copies may differ) and sends them
+    if rank == 0 and full_state is not None:
+        persistent = set(full_state["state_dict"])
+        spec = {n: (tuple(b.shape), b.dtype) for n, b in full_state["buffers"].items() if n not in persistent}
+    else:
+        spec = None
+    objs = [spec]
+    dist.broadcast_object_list(objs, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    spec = objs[0] or {}
     comm_device = _backend_device(device, group)
-    for name in names:
-        if name in persistent:
-            continue
-        buf = module.get_buffer(name)
-        if buf.numel() == 0:
-            continue
+    for name, (shape, dtype) in spec.items():
         if rank == 0:
-            src = full_state["buffers"][name].to(comm_device)
+            buf = full_state["buffers"][name].to(comm_device)
         else:
-            src = torch.empty(buf.shape, dtype=buf.dtype, device=comm_device)
-        dist.broadcast(src, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        buf.copy_(src)
+            buf = torch.empty(shape, dtype=dtype, device=comm_device)
+        dist.broadcast(buf, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        setattr(owner, attr, buf.to(device))
 
 
 def materialize_local(module: nn.Module, device: torch.device) -> None:

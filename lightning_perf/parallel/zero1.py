@@ -8,6 +8,7 @@ parameters, steps them, and broadcasts the updated parameters).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal, Optional
 
 import torch.distributed as dist
@@ -88,7 +89,9 @@ def shard_optimizer(optimizer: Optimizer, *, process_group: Optional[dist.Proces
         g = {k: v for k, v in group.items() if k != "params"}
         g["params"] = list(group["params"])
         groups.append(g)
-    defaults = dict(optimizer.defaults)
+    # only what the constructor takes (AdamW's defaults carry Adam's decoupled_weight_decay flag)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     zero = ZeroRedundancyOptimizer(
         groups, optimizer_class=type(optimizer), process_group=process_group, parameters_as_bucket_view=False, **defaults
     )

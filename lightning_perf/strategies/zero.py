@@ -1,0 +1,478 @@
+"""``ZeroStrategy``: ZeRO stages 1-3 for any LightningModule, native (torch) or DeepSpeed.
+
+A thin Lightning adapter over ``lightning_perf.parallel``: process group and mesh in
+``setup_environment``, the model built on ``meta`` in ``configure_model`` (all ranks but 0
+under ``init="rank0"``), then in ``setup``: shard (``apply_fsdp`` / DDP / DeepSpeed),
+materialise shard by shard, build the optimizer on the sharded parameters, and turn it
+into a ``ZeroRedundancyOptimizer`` at stage 1. Gradient accumulation skips the
+reduction on non-final micro-steps; checkpoints are sharded DCP directories.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_perf.parallel import checkpoint as ckpt
+from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks, set_gradient_sync
+from lightning_perf.parallel.init import has_meta_tensors, materialize_from_rank0, materialize_local, take_full_state
+from lightning_perf.parallel.zero import ZeroConfig, deepspeed_config, find_model
+from lightning_perf.parallel.zero1 import apply_ddp, shard_optimizer
+from lightning_perf.plugins.precision import PerfPrecision
+
+__all__ = ["ZeroStrategy"]
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO data parallelism: ``stage`` 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
+
+    Args:
+        stage: 1, 2 or 3.
+        backend: ``"native"`` (DDP + ZeroRedundancyOptimizer / FSDP2) or ``"deepspeed"``;
+            ``None`` picks DeepSpeed when offloading, native otherwise.
+        offload_optimizer: keep optimizer state (and the step) on the CPU (DeepSpeed).
+        offload_params: keep stage-3 parameters on the CPU between uses (DeepSpeed).
+        bucket_size_mb: DDP bucket / DeepSpeed reduce bucket size.
+        prefetch: FSDP2 all-gather prefetch depth in blocks, forward and backward.
+        reshard_after_forward: override the stage's default (True at stage 3).
+        wrap_policy: FSDP units when the model exposes no blocks: a callable
+            ``module -> bool`` or a set of module classes.
+        gradient_compression: stage 1 all-reduce compression: ``"fp16"``, ``"bf16"``
+            (CUDA only) or ``"powersgd"`` (rank ``powersgd_rank``).
+        init: ``"rank0"``: rank 0 builds the model for real (same values as one process
+            with the same seed) and sends each rank its shards; ``"meta"``: every rank
+            initialises its own shards with the model's ``init_weights()`` (nothing whole
+            anywhere: for models larger than one host).
+        deepspeed_config: entries merged over the generated DeepSpeed config.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 3,
+        backend: Optional[Literal["native", "deepspeed"]] = None,
+        *,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        bucket_size_mb: float = 25.0,
+        prefetch: int = 1,
+        reshard_after_forward: Optional[bool] = None,
+        wrap_policy: Optional[Union[Callable[[nn.Module], bool], set]] = None,
+        gradient_compression: Optional[Literal["fp16", "bf16", "powersgd"]] = None,
+        powersgd_rank: int = 4,
+        init: Literal["rank0", "meta"] = "rank0",
+        deepspeed_config: Optional[dict[str, Any]] = None,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        self.config = ZeroConfig(
+            stage=stage,
+            backend=backend,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            bucket_size_mb=bucket_size_mb,
+            prefetch=prefetch,
+            reshard_after_forward=reshard_after_forward,
+            wrap_policy=wrap_policy,
+            gradient_compression=gradient_compression,
+            powersgd_rank=powersgd_rank,
+            init=init,
+            deepspeed_config=dict(deepspeed_config or {}),
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._mesh: Optional[Any] = None
+        self._sharded: Optional[nn.Module] = None  # the FSDP2 root
+        self._engine: Optional[Any] = None  # the DeepSpeed engine
+        self.num_nodes = 1
+
+    # ---- precision: always PerfPrecision (Lightning would install its generic plugin) --------
+
+    @property
+    @override
+    def precision_plugin(self) -> PerfPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = PerfPrecision("32-true")
+        return self._precision_plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is not None and not isinstance(plugin, PerfPrecision):
+            plugin = PerfPrecision(getattr(plugin, "precision", "32-true"))
+        if plugin is not None:
+            self.config.check_precision(plugin.precision)
+        self._precision_plugin = plugin
+
+    # ---- processes ---------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def is_distributed(self) -> bool:
+        return True  # Lightning then adds a DistributedSampler to the loaders
+
+    @property
+    def device_mesh(self) -> Any:
+        return self._mesh
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        return self.config.backend == "deepspeed"
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        # every check that needs no other rank runs before the process group exists
+        self.config.check_precision(self.precision_plugin.precision, self.root_device.type)
+        self.precision_plugin.device_type = self.root_device.type
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---- model construction and sharding ------------------------------------------------------
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on ``meta`` (rank 0 builds for real under ``init="rank0"``)."""
+        real = self.config.init == "rank0" and self.global_rank == 0
+        with nullcontext() if real else torch.device("meta"):
+            yield
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        n_params = sum(p.numel() for p in module.parameters())
+        if n_params == 0:
+            raise ValueError(
+                f"{type(module).__name__} has no parameters (0 elements): build the model in __init__ or "
+                "configure_model() before training with a ZeRO strategy"
+            )
+        target = find_model(module)
+        full = self._gather_init_state(target)
+        target = self.precision_plugin.convert_module(target)  # bf16-true: cast before sharding
+        if self.config.uses_fsdp:
+            self._setup_fsdp(target, full)
+        elif self.config.uses_ddp:
+            self._materialize(target, full)
+            self.model = apply_ddp(
+                module,
+                device_ids=[self.root_device.index] if self.root_device.type == "cuda" else None,
+                bucket_size_mb=self.config.bucket_size_mb,
+                gradient_compression=self.config.gradient_compression,
+                powersgd_rank=self.config.powersgd_rank,
+            )
+        else:
+            self._materialize(target, full)
+        module.to(self.root_device)  # what lives outside the sharded model (metrics, buffers)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if self.config.uses_ddp:
+                self._shard_optimizers()
+            elif self.config.backend == "deepspeed":
+                self._setup_deepspeed(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _gather_init_state(self, target: nn.Module) -> Optional[dict[str, Any]]:
+        """Under ``init="rank0"``: rank 0 keeps its full state, every rank turns its module to meta."""
+        mode = self.config.init
+        if mode == "rank0":
+            # agree on the path before any rank diverges: rank 0 must hold a real model
+            mode = self.broadcast("rank0" if not has_meta_tensors(target) else "meta")
+        self._init_mode = mode
+        if mode != "rank0":
+            return None
+        if self.global_rank == 0:
+            return take_full_state(target)
+        target.to(torch.device("meta"))
+        return None
+
+    def _materialize(self, target: nn.Module, full: Optional[dict[str, Any]]) -> None:
+        if self._init_mode == "rank0":
+            materialize_from_rank0(target, self.root_device, full)
+        elif has_meta_tensors(target):
+            materialize_local(target, self.root_device)
+            if not self.config.uses_fsdp:
+                from lightning_perf.parallel.init import broadcast_module_
+
+                broadcast_module_(target)  # replicas start equal
+
+    def _setup_fsdp(self, target: nn.Module, full: Optional[dict[str, Any]]) -> None:
+        blocks = find_blocks(target, self.config.wrap_policy)
+        apply_fsdp(
+            target,
+            self._mesh,
+            blocks=blocks,
+            reshard_after_forward=bool(self.config.reshard_after_forward),
+            mp_policy=self.precision_plugin.mp_policy(),
+            prefetch=self.config.prefetch,
+        )
+        self.precision_plugin.sharded_casting = self.precision_plugin.is_mixed and target is not None
+        self._sharded = target
+        self._materialize(target, full)
+
+    def _shard_optimizers(self) -> None:
+        sharded = [shard_optimizer(o) for o in self.optimizers]
+        for config in self.lr_scheduler_configs:
+            for old, new in zip(self.optimizers, sharded):
+                if getattr(config.scheduler, "optimizer", None) is old:
+                    config.scheduler.optimizer = new
+        self.optimizers = sharded
+
+    def _setup_deepspeed(self, trainer: "pl.Trainer") -> None:
+        from lightning_perf.parallel import deepspeed_engine
+
+        if len(self.optimizers) != 1:
+            raise ValueError(f"backend='deepspeed' takes one optimizer, configure_optimizers returned {len(self.optimizers)}")
+        precision = self.precision_plugin
+        config = deepspeed_config(
+            self.config,
+            precision=precision.precision,
+            micro_batch_size=1,
+            world_size=self.world_size,
+            accumulate=trainer.accumulate_grad_batches,
+            gradient_clip=trainer.gradient_clip_val,
+        )
+        # DeepSpeed casts the module, keeps fp32 master weights and scales fp16 losses itself
+        precision.scaler = None
+        precision.sharded_casting = True
+        self._engine, ds_optimizer = deepspeed_engine.initialize(self.lightning_module, self.optimizers[0], config)
+        self.model = self._engine
+        self.optimizers = [ds_optimizer]
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---- training step pieces ----------------------------------------------------------------
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient reduction on non-final accumulation micro-steps."""
+        if self._sharded is not None:
+            set_gradient_sync([self._sharded], False)
+            try:
+                yield None
+            finally:
+                set_gradient_sync([self._sharded], True)
+        elif isinstance(self.model, nn.parallel.DistributedDataParallel):
+            with self.model.no_sync():
+                yield None
+        else:
+            yield None
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._engine is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        # Lightning already divided the loss by accumulate_grad_batches
+        self._engine.backward(closure_loss, scale_wrt_gas=False)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        from lightning.pytorch.trainer import call
+
+        result = closure()
+        trainer = self.lightning_module.trainer
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        self._engine.step()  # steps at accumulation boundaries, clips per the config
+        return result
+
+    # ---- collectives --------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        objs = [obj]
+        dist.broadcast_object_list(objs, src, group=_group.WORLD)
+        return objs[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---- checkpoints: sharded DCP directories ------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # saved shard by shard in save_checkpoint
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}  # saved shard by shard in save_checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        if self._engine is not None:
+            from lightning_perf.parallel import deepspeed_engine
+
+            deepspeed_engine.save(self._engine, path, {"lightning": checkpoint}, rank=self.global_rank)
+            return
+        ckpt.save_checkpoint(path, self.lightning_module, self.optimizers, extra={"lightning": checkpoint})
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        safe = True if weights_only is None else weights_only
+        if self._engine is not None:
+            from lightning_perf.parallel import deepspeed_engine
+
+            return deepspeed_engine.load(self._engine, path, weights_only=safe)["lightning"]
+        assert self.lightning_module is not None
+        extra = ckpt.load_checkpoint(
+            path,
+            self.lightning_module,
+            self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=safe,
+        )
+        return extra["lightning"]
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
