@@ -1,0 +1,107 @@
+"""Interval maths on synthetic sets, bus-bandwidth formulas and trace analysis."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_perf.perf import analyze_comm_trace, bus_bandwidth, expected_link, intersect, overlap_stats, total, union
+from lightning_perf.perf.comm import collective_kind
+
+
+def test_union_merges_overlapping_and_touching():
+    assert union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+    with pytest.raises(ValueError, match="before its start"):
+        union([(2, 1)])
+
+
+def test_disjoint_comm_is_fully_exposed():
+    s = overlap_stats(comm=[(0, 1), (4, 5)], compute=[(1, 4)])
+    assert (s.comm, s.overlapped, s.exposed, s.window) == (2, 0, 2, 5)
+    assert s.exposed_fraction == pytest.approx(0.4)
+
+
+def test_nested_comm_is_fully_hidden():
+    s = overlap_stats(comm=[(2, 3), (3.5, 4)], compute=[(0, 10)])
+    assert s.exposed == 0 and s.overlapped == pytest.approx(1.5) and s.overlap_fraction == 1.0
+
+
+def test_partial_overlap():
+    # comm 0-4 and 6-8; compute 2-7 -> overlapped 2-4 and 6-7 = 3; exposed 6 - 3 = 3
+    s = overlap_stats(comm=[(0, 4), (6, 8)], compute=[(2, 5), (4.5, 7)], window=10)
+    assert s.comm == 6 and s.overlapped == pytest.approx(3) and s.exposed == pytest.approx(3)
+    assert s.exposed_fraction == pytest.approx(0.3)
+    assert intersect([(0, 4), (6, 8)], [(2, 7)]) == [(2, 4), (6, 7)]
+
+
+def test_no_comm():
+    s = overlap_stats(comm=[], compute=[(0, 1)])
+    assert s.exposed == 0 and s.exposed_fraction == 0 and s.overlap_fraction == 0
+
+
+intervals = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 10)).map(lambda t: (t[0], t[0] + t[1])), max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(intervals, intervals)
+def test_overlap_matches_a_brute_force_count(comm, compute):
+    """On integer grids, lengths equal the number of covered unit cells."""
+    def cells(ivs):
+        return {x for s, e in ivs for x in range(s, e)}
+
+    c, k = cells(comm), cells(compute)
+    s = overlap_stats(comm, compute, window=50)
+    assert total(comm) == len(c)
+    assert s.overlapped == len(c & k)
+    assert s.exposed == len(c - k)
+
+
+@pytest.mark.parametrize("kind, factor", [("all_reduce", 2 * 7 / 8), ("all_gather", 7 / 8), ("reduce_scatter", 7 / 8),
+                                          ("all_to_all", 7 / 8), ("broadcast", 1.0), ("send_recv", 1.0)])
+def test_bus_bandwidth_factors(kind, factor):
+    algbw, busbw = bus_bandwidth(kind, 8e9, 0.1, 8)
+    assert algbw == pytest.approx(8e10)
+    assert busbw == pytest.approx(8e10 * factor)
+
+
+def test_bus_bandwidth_errors_and_links():
+    with pytest.raises(ValueError, match="unknown collective"):
+        bus_bandwidth("gossip", 1, 1, 2)
+    assert expected_link("H100 SXM")[0] == "nvlink4"
+    assert expected_link("H100 SXM", multi_node=True)[0] == "infiniband-ndr"
+    assert expected_link(None)[0] == "pcie4"
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all_reduce"),
+    ("ncclKernel_AllGather_RING_LL_Sum_int8_t", "all_gather"),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "reduce_scatter"),
+    ("gloo:all_reduce", "all_reduce"), ("gloo:broadcast", "broadcast"), ("ncclDevKernel_SendRecv", "send_recv"),
+])
+def test_collective_kinds(name, kind):
+    assert collective_kind(name) == kind
+
+
+def test_gpu_trace_analysis():
+    """Two NCCL all-reduces of 100 MB over 4 ranks, the first hidden under a GEMM, the second exposed."""
+    def k(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    meta = {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "dur": 1,
+            "args": {"Collective name": "allreduce", "In msg nelems": 50_000_000, "Out msg nelems": 50_000_000,
+                     "dtype": "BFloat16", "Group size": 4}}
+    events = [
+        k("sm90_xmma_gemm_bf16", 0, 1000),
+        k("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 200, 500),
+        k("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 1000, 500),
+        dict(meta, ts=100), dict(meta, ts=900),
+    ]
+    a = analyze_comm_trace(events, ranks=4)
+    assert a.overlap.comm == pytest.approx(1e-3)
+    assert a.overlap.exposed == pytest.approx(0.5e-3)
+    assert a.overlap.exposed_fraction == pytest.approx(0.5e-3 / 1.5e-3)
+    ar = a.collectives["all_reduce"]
+    assert ar.count == 2 and ar.bytes == 2 * 100e6
+    assert ar.algbw == pytest.approx(200e6 / 1e-3)
+    assert ar.busbw == pytest.approx(ar.algbw * 2 * 3 / 4)
