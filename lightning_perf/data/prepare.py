@@ -7,8 +7,9 @@ Each input file is one document, written as ``<bos> bytes <eos>``. Directories a
 walked recursively (hidden entries skipped; files with a NUL byte in their first
 8 KiB are taken for binary and skipped). Documents are processed in sorted path order
 and go to validation when a hash of their path is below ``val_fraction``, so the split
-is deterministic and no document is in both files. With too few documents for that
-(e.g. one big text file) the last ``val_fraction`` of the token stream is used instead.
+is deterministic and no document is in both files. When that cannot work (too few
+documents, e.g. one big text file, or held-out documents holding more than twice
+``val_fraction`` of the tokens) the last ``val_fraction`` of the token stream is used.
 """
 
 from __future__ import annotations
@@ -91,14 +92,16 @@ def prepare(
     docs = collect_documents(inputs)
     if not docs:
         raise ValueError(f"no text files found in {[str(i) for i in inputs]}")
+    # Byte tokens: a document of n bytes is n + 2 tokens, known before reading it.
+    sizes = {d: d.stat().st_size + 2 for d, _ in docs}
+    total = sum(sizes.values())
     val_docs = {d for d, key in docs if _in_val(key, val_fraction)}
-    by_document = 0 < len(val_docs) < len(docs)
+    val_share = sum(sizes[d] for d in val_docs) / total
+    # by document unless that leaves a split empty or holds out far more than asked
+    by_document = 0 < len(val_docs) < len(docs) and val_share <= 2 * val_fraction
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(tok.vocab_size)
-
-    # Byte tokens: a document of n bytes is n + 2 tokens, known before reading it.
-    total = sum(d.stat().st_size + 2 for d, _ in docs)
     val_start = total - max(1, math.ceil(total * val_fraction))  # used when splitting the stream
     counts = {"train": 0, "val": 0}
     tmp = {split: out / f"{split}.bin.tmp" for split in counts}
