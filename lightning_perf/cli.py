@@ -91,7 +91,8 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
     hparams = ckpt.get("hyper_parameters") or {}
     if "config" not in hparams:
         raise SystemExit(f"{path} holds no GPT config under 'hyper_parameters': not a lightning_perf checkpoint")
-    module = GPTLightningModule(**hparams)
+    # the CLI adds private keys (e.g. its instantiator) that are no constructor arguments
+    module = GPTLightningModule(**{k: v for k, v in hparams.items() if not k.startswith("_")})
     module.configure_model()
     state = ckpt["state_dict"]
     module.load_state_dict(state, strict=False)
