@@ -1,0 +1,528 @@
+"""Kernel benchmark: lightning_perf's Triton kernels against torch eager, torch.compile and SDPA.
+
+One GPU, one call, a few minutes:
+
+    python benchmarks/bench_kernels.py --out benchmarks/results
+
+Measures the device first (device-to-device copy bandwidth, bf16 8192^3 matmul), checks
+every kernel against its PyTorch reference in bf16 on the GPU (relative error of outputs
+and gradients), then times each kernel and its baselines with CUDA events after warm-up
+(median of many runs, with the 10th-90th percentile spread):
+
+- norms, activations, rotary (memory-bound): GB/s and % of the measured copy bandwidth,
+  speed-up over torch.compile of the same reference;
+- fused linear cross-entropy: time and peak extra memory against eager and compiled
+  ``cross_entropy(linear(x, W).float(), t)``;
+- flash attention (causal, forward and forward+backward): TFLOP/s and % of the matmul
+  ceiling against every SDPA backend (cuDNN, flash, efficient) and ``attention="auto"``.
+
+Writes ``bench_kernels_<date>.json`` and ``bench_kernels_<date>.png`` under ``--out``
+(default ``$OUT`` or ``benchmarks/results``) and prints a table. A failing variant is
+recorded with its error and the run goes on. ``--smoke`` runs the same code at tiny sizes
+on the CPU (Triton interpreter) to catch Python errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+if __name__ == "__main__" and "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (the script, not the library)
+
+import torch.nn.functional as F  # noqa: E402
+
+from lightning_perf.kernels import dispatch  # noqa: E402
+from lightning_perf.kernels.autotune import default_tuner  # noqa: E402
+from lightning_perf.kernels.ops.flash_attention import attention_reference, flash_attention  # noqa: E402
+from lightning_perf.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
+from lightning_perf.kernels.ops.gelu import gelu_tanh  # noqa: E402
+from lightning_perf.kernels.ops.layer_norm import layer_norm  # noqa: E402
+from lightning_perf.kernels.ops.rms_norm import rms_norm  # noqa: E402
+from lightning_perf.kernels.ops.rotary import rotary_embedding, rotary_embedding_reference  # noqa: E402
+from lightning_perf.kernels.ops.swiglu import swiglu  # noqa: E402
+from lightning_perf.models.gpt.model import rope_cache  # noqa: E402
+
+# ---- timing ------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, device: torch.device, warmup: int, reps: int, deadline: float) -> None:
+        self.device, self.warmup, self.reps, self.deadline = device, warmup, reps, deadline
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn: Callable[[], Any], reps: Optional[int] = None) -> dict:
+        """Median / p10 / p90 milliseconds of ``fn`` over ``reps`` runs after warm-up."""
+        reps = reps or self.reps
+        for _ in range(self.warmup):
+            fn()
+        self.sync()
+        times = []
+        if self.cuda:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize()
+            times = [s.elapsed_time(e) for s, e in events]
+        else:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        q = lambda p: times[min(len(times) - 1, int(p * (len(times) - 1) + 0.5))]  # noqa: E731
+        return {"ms": statistics.median(times), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": reps}
+
+    def out_of_time(self) -> bool:
+        return time.time() > self.deadline
+
+
+def peak_extra_mb(fn: Callable[[], Any], cuda: bool) -> Optional[float]:
+    """Peak memory allocated above the starting point while ``fn`` runs (MB)."""
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: Optional[torch.Tensor] = None):
+    def run():
+        out = fn(*inputs)
+        g = grad if grad is not None else torch.ones_like(out)
+        torch.autograd.grad(out, [t for t in inputs if t.requires_grad], g)
+
+    return run
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+# ---- device ceilings ---------------------------------------------------------------------------
+
+
+def measure_ceilings(b: Bench, smoke: bool) -> dict:
+    n = (1 << 28) if not smoke else (1 << 16)  # 512 MiB of bf16 each way
+    src = torch.randn(n, device=b.device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = b.time(lambda: dst.copy_(src), reps=20)
+    copy_gbs = 2 * n * 2 / (t["ms"] * 1e-3) / 1e9
+    m = 8192 if not smoke else 256
+    dtype = torch.bfloat16 if b.cuda else torch.float32
+    x, y = torch.randn(m, m, device=b.device, dtype=dtype), torch.randn(m, m, device=b.device, dtype=dtype)
+    t = b.time(lambda: x @ y, reps=20)
+    mm_tflops = 2 * m**3 / (t["ms"] * 1e-3) / 1e12
+    del src, dst, x, y
+    return {"copy_GBps": copy_gbs, "matmul_TFLOPs": mm_tflops, "matmul_size": m, "copy_bytes_each_way": n * 2}
+
+
+# ---- cases -------------------------------------------------------------------------------------
+
+
+class Case:
+    """One kernel at one size: variants (name -> fn running one timed step), bytes or FLOPs per step."""
+
+    def __init__(self, group: str, name: str, mode: str, variants: dict[str, Callable], *, bytes_moved: float = 0,
+                 flops: float = 0, baseline: str = "compile", check: Optional[Callable[[], dict]] = None,
+                 memory: bool = False) -> None:
+        self.group, self.name, self.mode, self.variants = group, name, mode, variants
+        self.bytes_moved, self.flops, self.baseline, self.check, self.memory = bytes_moved, flops, baseline, check, memory
+
+
+def compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False)
+
+
+def _rnd(*shape, device, dtype, grad=True, scale=1.0):
+    return (torch.randn(*shape, device=device, dtype=dtype) * scale).requires_grad_(grad)
+
+
+def norm_cases(device, dtype, tokens, widths):
+    out = []
+    rms_ref = lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6)  # noqa: E731
+    ln_ref = lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)  # noqa: E731
+    rms_c, ln_c = compiled(rms_ref), compiled(ln_ref)
+    for d in widths:
+        x = _rnd(tokens, d, device=device, dtype=dtype)
+        w = _rnd(d, device=device, dtype=dtype, scale=0.1)
+        bias = _rnd(d, device=device, dtype=dtype, scale=0.1)
+        with torch.no_grad():
+            w.add_(1.0)
+        dy = torch.randn_like(x)
+        elem = x.element_size() * tokens * d
+        for kind, ours, ref, comp, ins in (
+            ("rms_norm", lambda x, w: rms_norm(x, w, 1e-6), rms_ref, rms_c, [x, w]),
+            ("layer_norm", lambda x, w, b: layer_norm(x, w, b, 1e-5), ln_ref, ln_c, [x, w, bias]),
+        ):
+            def check(ours=ours, ref=ref, ins=ins):
+                return _check_fwd_bwd(ours, ref, ins, dy)
+
+            out.append(Case("norm", f"{kind} {tokens}x{d}", "fwd", {
+                "triton": lambda o=ours, i=ins: o(*i), "eager": lambda r=ref, i=ins: r(*i),
+                "compile": lambda c=comp, i=ins: c(*i)}, bytes_moved=2 * elem, check=check))
+            out.append(Case("norm", f"{kind} {tokens}x{d}", "fwd+bwd", {
+                "triton": fwd_bwd(ours, ins, dy), "eager": fwd_bwd(ref, ins, dy), "compile": fwd_bwd(comp, ins, dy)},
+                bytes_moved=5 * elem))
+    # fused residual add: y, h = norm(x + r) against the two ops
+    d = widths[-1]
+    x, r = _rnd(tokens, d, device=device, dtype=dtype), _rnd(tokens, d, device=device, dtype=dtype)
+    w = _rnd(d, device=device, dtype=dtype)
+    ref = lambda x, r, w: (lambda h: (F.rms_norm(h, (d,), w, 1e-6), h))(x + r)  # noqa: E731
+    comp = compiled(ref)
+    elem = x.element_size() * tokens * d
+    out.append(Case("norm", f"rms_norm+residual {tokens}x{d}", "fwd", {
+        "triton": lambda: rms_norm(x, w, 1e-6, r), "eager": lambda: ref(x, r, w), "compile": lambda: comp(x, r, w)},
+        bytes_moved=4 * elem))
+    return out
+
+
+def _check_fwd_bwd(ours, ref, inputs, dy) -> dict:
+    """Relative errors of output and input grads, ours vs an fp32 run of the reference."""
+    o = first(ours(*inputs))
+    g_ours = torch.autograd.grad(o, inputs, dy)
+    ref_in = [t.detach().float().requires_grad_() for t in inputs]
+    r = first(ref(*ref_in))
+    g_ref = torch.autograd.grad(r, ref_in, dy.float())
+    errs = {"out": rel_err(o, r)}
+    errs.update({f"grad{i}": rel_err(a, b) for i, (a, b) in enumerate(zip(g_ours, g_ref))})
+    return errs
+
+
+def activation_cases(device, dtype, tokens, widths):
+    out = []
+    swi_ref = lambda g, u: F.silu(g) * u  # noqa: E731
+    gelu_ref = lambda a: F.gelu(a, approximate="tanh")  # noqa: E731
+    swi_c, gelu_c = compiled(swi_ref), compiled(gelu_ref)
+    for f in widths:
+        g, u = _rnd(tokens, f, device=device, dtype=dtype), _rnd(tokens, f, device=device, dtype=dtype)
+        dy = torch.randn_like(g)
+        elem = g.element_size() * tokens * f
+        out.append(Case("activation", f"swiglu {tokens}x{f}", "fwd", {
+            "triton": lambda g=g, u=u: swiglu(g, u), "eager": lambda g=g, u=u: swi_ref(g, u),
+            "compile": lambda g=g, u=u: swi_c(g, u)}, bytes_moved=3 * elem,
+            check=lambda g=g, u=u, dy=dy: _check_fwd_bwd(swiglu, swi_ref, [g, u], dy)))
+        out.append(Case("activation", f"swiglu {tokens}x{f}", "fwd+bwd", {
+            "triton": fwd_bwd(swiglu, [g, u], dy), "eager": fwd_bwd(swi_ref, [g, u], dy),
+            "compile": fwd_bwd(swi_c, [g, u], dy)}, bytes_moved=8 * elem))
+        out.append(Case("activation", f"gelu_tanh {tokens}x{f}", "fwd", {
+            "triton": lambda g=g: gelu_tanh(g), "eager": lambda g=g: gelu_ref(g), "compile": lambda g=g: gelu_c(g)},
+            bytes_moved=2 * elem, check=lambda g=g, dy=dy: _check_fwd_bwd(gelu_tanh, gelu_ref, [g], dy)))
+        out.append(Case("activation", f"gelu_tanh {tokens}x{f}", "fwd+bwd", {
+            "triton": fwd_bwd(gelu_tanh, [g], dy), "eager": fwd_bwd(gelu_ref, [g], dy),
+            "compile": fwd_bwd(gelu_c, [g], dy)}, bytes_moved=5 * elem))
+    return out
+
+
+def rotary_cases(device, dtype, B, H, T, D):
+    cos, sin = rope_cache(T, D, 500000.0, device)
+    x = torch.randn(B, T, H, D, device=device, dtype=dtype).transpose(1, 2).requires_grad_()  # projection layout
+    dy = torch.randn(B, H, T, D, device=device, dtype=dtype)
+
+    def ref(t):  # the model's apply_rope
+        c, s = cos[:T].to(t.dtype), sin[:T].to(t.dtype)
+        t1, t2 = t.chunk(2, dim=-1)
+        return torch.cat((t1 * c - t2 * s, t2 * c + t1 * s), dim=-1)
+
+    comp = compiled(ref)
+    ours = lambda t: rotary_embedding(t, cos, sin)  # noqa: E731
+    elem = x.numel() * x.element_size()
+    name = f"rotary B{B} H{H} T{T} hd{D}"
+    return [
+        Case("rotary", name, "fwd", {"triton": lambda: ours(x), "eager": lambda: ref(x), "compile": lambda: comp(x)},
+             bytes_moved=2 * elem, check=lambda: _check_fwd_bwd(ours, lambda t: rotary_embedding_reference(t, cos, sin),
+                                                                [x], dy)),
+        Case("rotary", name, "fwd+bwd", {"triton": fwd_bwd(ours, [x], dy), "eager": fwd_bwd(ref, [x], dy),
+                                         "compile": fwd_bwd(comp, [x], dy)}, bytes_moved=4 * elem),
+    ]
+
+
+def flce_cases(device, dtype, tokens, shapes):
+    out = []
+    ref = lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t)  # noqa: E731 (the GPT's torch path)
+    comp = compiled(ref)
+    for d, V in shapes:
+        x = _rnd(tokens, d, device=device, dtype=dtype)
+        w = _rnd(V, d, device=device, dtype=dtype, scale=d**-0.5)
+        t = torch.randint(0, V, (tokens,), device=device)
+        ins = [x, w, t]
+
+        def check(x=x, w=w, t=t):
+            loss = fused_linear_cross_entropy(x, w, t)
+            g = torch.autograd.grad(loss, (x, w))
+            xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+            r = ref(xf, wf, t)
+            gr = torch.autograd.grad(r, (xf, wf))
+            return {"loss": rel_err(loss, r), "dx": rel_err(g[0], gr[0]), "dW": rel_err(g[1], gr[1])}
+
+        def step(fn, ins=ins):
+            def run():
+                loss = fn(*ins)
+                torch.autograd.grad(loss, ins[:2])
+            return run
+
+        out.append(Case("fused_linear_cross_entropy", f"FLCE N{tokens} d{d} V{V}", "fwd+bwd", {
+            "triton": step(fused_linear_cross_entropy), "eager": step(ref), "compile": step(comp)},
+            flops=6 * tokens * d * V, check=check, memory=True))
+    return out
+
+
+def attention_cases(device, dtype, shapes):
+    out = []
+    auto = dispatch.KernelDispatcher()
+    for B, H, HK, T, D in shapes:
+        q = torch.randn(B, T, H, D, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+        k = torch.randn(B, T, HK, D, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+        v = torch.randn(B, T, HK, D, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+        do = torch.randn(B, H, T, D, device=device, dtype=dtype)
+        variants = {"triton": lambda q, k, v: flash_attention(q, k, v, causal=True)}
+        for backend in dispatch.SDPA_BACKENDS:
+            variants[f"sdpa_{backend}"] = lambda q, k, v, b=backend: dispatch.sdpa(q, k, v, True, b)
+
+        def auto_fn(q, k, v):
+            o = auto.attention(q, k, v, causal=True, impl="auto")
+            return o if o is not None else dispatch.sdpa(q, k, v, True)
+
+        variants["auto"] = auto_fn
+        fwd_flops = 2 * 2 * B * H * T * T * D / 2  # causal: half the square
+        name = f"attn B{B} H{H}/{HK} T{T} hd{D}"
+
+        def check(q=q, k=k, v=v, do=do):
+            errs = _check_fwd_bwd(lambda *a: flash_attention(*a, causal=True),
+                                  lambda *a: attention_reference(*a, causal=True), [q, k, v], do)
+            return errs
+
+        ins = [q, k, v]
+        out.append(Case("attention", name, "fwd", {n: (lambda f=f: f(*ins)) for n, f in variants.items()},
+                        flops=fwd_flops, baseline="sdpa_cudnn", check=check if T * T * B * H <= 2**31 else None))
+        out.append(Case("attention", name, "fwd+bwd", {n: fwd_bwd(f, ins, do) for n, f in variants.items()},
+                        flops=3.5 * fwd_flops, baseline="sdpa_cudnn"))
+        out[-1].auto = auto  # noqa: the selector's choice goes into the JSON
+    return out
+
+
+# ---- driver ------------------------------------------------------------------------------------
+
+
+def run_case(b: Bench, case: Case, ceilings: dict) -> dict:
+    row: dict[str, Any] = {"group": case.group, "name": case.name, "mode": case.mode, "baseline": case.baseline,
+                           "bytes": case.bytes_moved, "flops": case.flops, "variants": {}}
+    if case.check is not None:
+        try:
+            with torch.no_grad() if False else torch.enable_grad():
+                row["rel_err"] = case.check()
+            row["correct"] = all(e < 3e-2 for e in row["rel_err"].values())
+        except Exception as err:
+            row["check_error"] = f"{type(err).__name__}: {err}"
+            row["correct"] = False
+    for name, fn in case.variants.items():
+        if b.out_of_time():
+            row["variants"][name] = {"error": "skipped: time budget"}
+            continue
+        try:
+            res = b.time(fn)
+            if case.bytes_moved:
+                res["GBps"] = case.bytes_moved / (res["ms"] * 1e-3) / 1e9
+                res["pct_copy_bw"] = 100 * res["GBps"] / ceilings["copy_GBps"]
+            if case.flops:
+                res["TFLOPs"] = case.flops / (res["ms"] * 1e-3) / 1e12
+                res["pct_matmul"] = 100 * res["TFLOPs"] / ceilings["matmul_TFLOPs"]
+            if case.memory:
+                res["peak_extra_MB"] = peak_extra_mb(fn, b.cuda)
+            row["variants"][name] = res
+        except Exception as err:
+            row["variants"][name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            if b.cuda:
+                torch.cuda.empty_cache()
+    ours = row["variants"].get("triton", {}).get("ms")
+    base = row["variants"].get(case.baseline, {}).get("ms")
+    if ours and base:
+        row["speedup_vs_baseline"] = base / ours
+    sdpa = [v["ms"] for n, v in row["variants"].items() if n.startswith("sdpa") and "ms" in v]
+    if ours and sdpa:
+        row["speedup_vs_best_sdpa"] = min(sdpa) / ours
+    if hasattr(case, "auto"):
+        row["auto_choices"] = {str(k): c for k, c in case.auto.attention_selector.choices.items()}
+    return row
+
+
+def build_cases(device, smoke: bool) -> list[Case]:
+    dt_ = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if smoke:
+        tokens, widths, acts = 64, [32, 48], [64]
+        rot = (1, 2, 16, 32)
+        flce = [(32, 100)]
+        attn = [(1, 2, 2, 32, 16), (1, 4, 2, 48, 32)]
+    else:
+        tokens, widths, acts = 16384, [768, 2048, 4096], [3072, 8192, 14336]
+        rot = (4, 32, 4096, 128)  # Llama-8B q at 16k tokens
+        flce = [(768, 50304), (2048, 128256), (4096, 128256)]
+        attn = [(16, 12, 12, 1024, 64), (4, 16, 16, 4096, 128), (2, 16, 16, 8192, 128), (4, 32, 8, 2048, 128),
+                (8, 16, 16, 1024, 128)]
+    cases: list[Case] = []
+    builders = [
+        ("attention", lambda: attention_cases(device, dt_, attn)),
+        ("fused_linear_cross_entropy", lambda: flce_cases(device, dt_, tokens, flce)),
+        ("norm", lambda: norm_cases(device, dt_, tokens, widths)),
+        ("activation", lambda: activation_cases(device, dt_, tokens, acts)),
+        ("rotary", lambda: rotary_cases(device, dt_, *rot)),
+    ]
+    return builders
+
+
+def plot(rows: list[dict], path: Path) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        return f"no matplotlib: {err}"
+    items = [(f"{r['name']} [{r['mode']}] vs {r['baseline']}", r["speedup_vs_baseline"]) for r in rows
+             if "speedup_vs_baseline" in r]
+    if not items:
+        return "nothing to plot"
+    fig, ax = plt.subplots(figsize=(10, 0.3 * len(items) + 1.5))
+    labels, values = zip(*items)
+    colors = ["tab:green" if v >= 1.0 else "tab:red" for v in values]
+    ax.barh(range(len(values)), values, color=colors)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(values)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("speed-up of the Triton kernel (baseline time / kernel time)")
+    ax.set_title("lightning_perf kernels vs torch.compile (memory-bound, FLCE) and SDPA cuDNN (attention)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def print_table(rows: list[dict], ceilings: dict) -> None:
+    print(f"\ncopy {ceilings['copy_GBps']:.0f} GB/s, matmul {ceilings['matmul_TFLOPs']:.0f} TFLOP/s")
+    head = f"{'kernel':44s} {'mode':8s} {'variant':15s} {'ms':>9s} {'GB/s|TF':>8s} {'%ceil':>6s} {'memMB':>7s}"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        for name, v in r["variants"].items():
+            if "error" in v:
+                print(f"{r['name'][:44]:44s} {r['mode']:8s} {name:15s} ERROR {v['error'][:60]}")
+                continue
+            rate = v.get("GBps", v.get("TFLOPs", 0.0))
+            pct = v.get("pct_copy_bw", v.get("pct_matmul", 0.0))
+            mem = v.get("peak_extra_MB")
+            print(f"{r['name'][:44]:44s} {r['mode']:8s} {name:15s} {v['ms']:9.3f} {rate:8.1f} {pct:6.1f} "
+                  f"{(f'{mem:7.0f}' if mem is not None else '      -')}")
+        extra = []
+        if "speedup_vs_baseline" in r:
+            extra.append(f"x{r['speedup_vs_baseline']:.2f} vs {r['baseline']}")
+        if "rel_err" in r:
+            extra.append("check " + ("ok" if r.get("correct") else "FAILED") + " " +
+                         ", ".join(f"{k}={e:.1e}" for k, e in r["rel_err"].items()))
+        if "check_error" in r:
+            extra.append("check error: " + r["check_error"][:80])
+        if extra:
+            print(f"{'':44s} -> " + "; ".join(extra))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU ok (Triton interpreter)")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="groups to run: attention fused_linear_cross_entropy norm activation rotary")
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop timing new variants after this long")
+    p.add_argument("--reps", type=int, default=None)
+    args = p.parse_args(argv)
+
+    t_start = time.time()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
+        return 2
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    reps = args.reps or (3 if args.smoke else 30)
+    b = Bench(device, warmup=1 if args.smoke else 3, reps=reps, deadline=t_start + args.budget_s)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    import triton
+
+    result: dict[str, Any] = {
+        "benchmark": "bench_kernels",
+        "date_utc": stamp,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "smoke": args.smoke,
+        "config": {"reps": reps, "warmup": b.warmup, "budget_s": args.budget_s, "only": args.only,
+                   "dtype": "bf16" if device.type == "cuda" else "fp32"},
+        "rows": [],
+        "errors": [],
+    }
+    result["ceilings"] = measure_ceilings(b, args.smoke)
+    print(f"device {result['device']}: copy {result['ceilings']['copy_GBps']:.0f} GB/s, "
+          f"matmul {result['ceilings']['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    for group, build in build_cases(device, args.smoke):
+        if args.only and group not in args.only:
+            continue
+        if b.out_of_time():
+            result["errors"].append(f"{group}: skipped, time budget of {args.budget_s:.0f}s spent")
+            continue
+        try:
+            cases = build()
+        except Exception as err:
+            result["errors"].append(f"{group}: setup failed: {type(err).__name__}: {err}")
+            traceback.print_exc()
+            continue
+        for case in cases:
+            t0 = time.time()
+            row = run_case(b, case, result["ceilings"])
+            row["wall_s"] = time.time() - t0
+            result["rows"].append(row)
+            sp = row.get("speedup_vs_baseline")
+            print(f"[{time.time() - t_start:6.1f}s] {case.name} {case.mode}: "
+                  + ", ".join(f"{n}={v['ms']:.3f}ms" if "ms" in v else f"{n}=ERR" for n, v in row["variants"].items())
+                  + (f"  (x{sp:.2f} vs {case.baseline})" if sp else ""), flush=True)
+        del cases
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["autotuned"] = {"|".join(map(str, k)): v for k, v in default_tuner()._memory.items()}
+    result["wall_s"] = time.time() - t_start
+    json_path = out_dir / f"bench_kernels_{stamp}{'_smoke' if args.smoke else ''}.json"
+    json_path.write_text(json.dumps(result, indent=1, default=str))
+    png_err = plot(result["rows"], out_dir / json_path.name.replace(".json", ".png"))
+    if png_err:
+        print(f"plot: {png_err}")
+    print_table(result["rows"], result["ceilings"])
+    print(f"\nwrote {json_path} in {result['wall_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
