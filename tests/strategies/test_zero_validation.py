@@ -1,0 +1,95 @@
+"""Bad ZeRO configurations fail at construction, before any process group exists."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_perf.parallel import zero as zero_mod
+from lightning_perf.plugins import PerfPrecision
+from lightning_perf.strategies import STRATEGY_NAMES, ZeroStrategy, register_strategies
+
+
+def test_unknown_stage() -> None:
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got stage=4"):
+        ZeroStrategy(stage=4)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"stage": 2, "offload_params": True}, "offload_params needs stage 3"),
+        ({"stage": 3, "backend": "native", "offload_optimizer": True}, "CPU offload runs through DeepSpeed"),
+        ({"stage": 3, "gradient_compression": "fp16"}, "applies to the DDP all-reduce of stage 1"),
+        ({"stage": 1, "gradient_compression": "int8"}, "is not one of"),
+        ({"stage": 2, "reshard_after_forward": True}, "reshard_after_forward=True is ZeRO-3"),
+        ({"stage": 3, "prefetch": -1}, "prefetch must be >= 0"),
+        ({"stage": 1, "bucket_size_mb": 0}, "bucket_size_mb must be > 0"),
+        ({"stage": 3, "init": "disk"}, "init='disk' is not one of"),
+        ({"stage": 3, "backend": "megatron"}, "backend must be 'native' or 'deepspeed'"),
+    ],
+)
+def test_bad_options(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+def test_offload_without_deepspeed_names_the_extra(monkeypatch) -> None:
+    monkeypatch.setattr(zero_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"pip install 'lightning-perf\[deepspeed\]'"):
+        ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True)
+    register_strategies()
+    with pytest.raises(ImportError, match=r"lightning-perf\[deepspeed\]"):
+        L.Trainer(strategy="zero2_offload", accelerator="cpu", devices=1, logger=False)
+
+
+def test_precision_the_backend_cannot_do() -> None:
+    with pytest.raises(ValueError, match="does not support precision='16-true'"):
+        L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, precision="16-true", logger=False)
+    pytest.importorskip("deepspeed")
+    with pytest.raises(ValueError, match="use 'bf16-mixed' instead of 'bf16-true'"):
+        L.Trainer(strategy=ZeroStrategy(stage=2, backend="deepspeed"), accelerator="cpu", devices=1,
+                  precision="bf16-true", logger=False)
+
+
+def test_strategy_picks_perf_precision() -> None:
+    for precision in ("32-true", "bf16-mixed", "bf16-true"):
+        trainer = L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, precision=precision,
+                            logger=False)
+        assert isinstance(trainer.precision_plugin, PerfPrecision)
+        assert trainer.strategy.precision_plugin.precision == precision
+    plugin = PerfPrecision("16-mixed", init_scale=8.0)
+    trainer = L.Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=1, plugins=[plugin], logger=False)
+    assert trainer.strategy.precision_plugin is plugin
+
+
+def test_registration_is_idempotent() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    register_strategies()
+    register_strategies()
+    for name in ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"):
+        assert name in StrategyRegistry and name in STRATEGY_NAMES
+    trainer = L.Trainer(strategy="zero2", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.stage == 2
+    assert trainer.strategy.config.reshard_after_forward is False
+
+
+def test_model_without_parameters_fails_before_any_collective() -> None:
+    class Empty(L.LightningModule):
+        def training_step(self, batch, batch_idx):
+            return torch.zeros((), requires_grad=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+    strategy = ZeroStrategy(stage=3)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    strategy._lightning_module = Empty()
+    strategy.model = strategy._lightning_module
+    with pytest.raises(ValueError, match=r"has no parameters \(0 elements\)"):
+        strategy.setup(trainer)
