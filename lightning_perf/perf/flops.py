@@ -279,17 +279,19 @@ def _model_flops(counter: OpCounter) -> int:
 
 
 def count_flops(forward: Callable[[], Any], backward: Optional[Callable[[Any], None]] = None) -> FlopCount:
-    """Count one step: ``out = forward()`` under the counter, then ``backward(out)`` separately.
+    """Count one step: ``out = forward()``, then ``backward(out)``, under one counter.
 
-    Without ``backward`` only the forward is counted (enough for model FLOPs / MFU).
+    One counter for both phases: a non-reentrant checkpoint recomputes under the dispatch
+    modes that were active in the forward, so the recomputation lands in the same counter,
+    after the forward's snapshot (i.e. in the backward). Without ``backward`` only the
+    forward is counted (enough for model FLOPs / MFU).
     """
-    with OpCounter(track_modules=False) as fwd:
+    with OpCounter(track_modules=False) as counter:
         out = forward()
-    bwd_flops = None
-    if backward is not None:
-        with OpCounter(track_modules=False) as bwd:
+        fwd_flops = _model_flops(counter)
+        cats = {k: v["flops"] for k, v in counter.by("category").items()}
+        causal = sum(r.flops for r in counter.records.values() if r.causal_attention)
+        if backward is not None:
             backward(out)
-        bwd_flops = _model_flops(bwd)
-    cats = {k: v["flops"] for k, v in fwd.by("category").items()}
-    causal = sum(r.flops for r in fwd.records.values() if r.causal_attention)
-    return FlopCount(forward=_model_flops(fwd), backward=bwd_flops, causal_attention_forward=causal, by_category=cats)
+    bwd_flops = _model_flops(counter) - fwd_flops if backward is not None else None
+    return FlopCount(forward=fwd_flops, backward=bwd_flops, causal_attention_forward=causal, by_category=cats)

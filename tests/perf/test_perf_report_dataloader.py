@@ -1,0 +1,62 @@
+"""Step-time breakdown, ranked recommendations, Markdown; stall maths and DataLoader advice."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_perf.perf import PerfSummary, StallWindow, breakdown, dataloader_advice, exposed_wait, recommendations
+from lightning_perf.perf import render_markdown
+
+
+def test_breakdown_parts_sum_to_the_step():
+    s = PerfSummary(step_time_s=1.0, data_wait_s=0.2, between_steps_s=0.3, exposed_comm_s=0.1)
+    parts = breakdown(s)
+    assert parts["exposed_comm"]["seconds"] == pytest.approx(0.1)
+    assert parts["data_wait"]["seconds"] == pytest.approx(0.2)
+    assert parts["host_overhead"]["seconds"] == pytest.approx(0.1)  # the gap beyond the data wait
+    assert parts["compute"]["seconds"] == pytest.approx(0.6)
+    assert sum(p["fraction"] for p in parts.values()) == pytest.approx(1.0)
+
+
+def test_breakdown_never_exceeds_the_step():
+    parts = breakdown(PerfSummary(step_time_s=1.0, data_wait_s=5.0, exposed_comm_s=0.5))
+    assert parts["compute"]["seconds"] == 0 and parts["data_wait"]["seconds"] == pytest.approx(0.5)
+
+
+def test_recommendations_rank_by_share():
+    s = PerfSummary(step_time_s=1.0, data_wait_s=0.3, exposed_comm_s=0.15, mfu=0.1,
+                    dataloader_advice=["try num_workers=8"], user_sync_sites=["train.py:12 in step(): .item()"])
+    recs = recommendations(s)
+    assert len(recs) == 3
+    assert recs[0].startswith("Input pipeline: 30.0%") and "num_workers=8" in recs[0]
+    assert recs[1].startswith("Communication: 15.0%")
+    assert "train.py:12" in recs[2]
+    md = render_markdown(s)
+    assert "| data wait | 300.000 | 30.0% |" in md and "1. Input pipeline" in md
+
+
+def test_exposed_wait_and_window():
+    assert exposed_wait(0.2, None) == 0.2
+    assert exposed_wait(0.2, 0.05) == 0.05  # the GPU was busy for the rest of the fetch
+    assert exposed_wait(0.2, 0.5) == 0.2
+    w = StallWindow(size=2)
+    assert w.add(0.1, 1.0) is None
+    assert w.add(0.3, 1.0) == pytest.approx(0.2)
+    assert w.overall_fraction == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        StallWindow(size=0)
+
+
+def test_dataloader_advice_reads_the_loader():
+    tips = dataloader_advice(SimpleNamespace(num_workers=0, pin_memory=False), accelerator="cuda", cpu_count=16,
+                             processes_per_node=2)
+    assert any("num_workers=0" in t and "try num_workers=8" in t for t in tips)
+    assert any("pin_memory=False" in t for t in tips)
+    tips = dataloader_advice(SimpleNamespace(num_workers=8, pin_memory=True, prefetch_factor=2,
+                                             persistent_workers=False), accelerator="cuda", cpu_count=16)
+    assert any("prefetch_factor=2" in t for t in tips) and any("persistent_workers" in t for t in tips)
+    tips = dataloader_advice(SimpleNamespace(num_workers=4, pin_memory=True, prefetch_factor=4,
+                                             persistent_workers=True), accelerator="cuda", cpu_count=8)
+    assert tips == [tips[0]] and "dataset itself is slow" in tips[0]
