@@ -49,7 +49,8 @@ class MFUMonitor(Callback):
         flops_per_token: model FLOPs per token (forward + backward), overriding the module.
         measure_ceiling: time a large matmul at fit start and also report MFU against it.
         count_backward: with the FLOP-counter fallback, also count one backward for HFU.
-        window: steps averaged per reported value.
+        window: steps per reported value (logged once per window, which keeps the
+            per-step host cost to recording one event).
         warmup_steps: first step intervals ignored (compilation, allocator warm-up).
         prog_bar: show tokens/s and MFU in the progress bar.
     """
@@ -92,6 +93,7 @@ class MFUMonitor(Callback):
         self._fpt_cache: dict[Optional[int], tuple[float, Optional[float]]] = {}
         self._clock: Optional[StepClock] = None
         self._recent: deque[tuple[float, tuple[int, int, float, Optional[float]]]] = deque()
+        self._window_done: list[tuple[float, tuple[int, int, float, Optional[float]]]] = []
         self._seen = 0
         self._batch: Optional[tuple[int, int, float, Optional[float]]] = None
 
@@ -160,8 +162,8 @@ class MFUMonitor(Callback):
         if self.measure_ceiling and dtype in _TORCH_DTYPES:
             self.ceiling_flops = measure_matmul_ceiling(device, _TORCH_DTYPES[dtype])
         if self.peak_flops is not None:
-            ceiling = f", measured matmul ceiling {self.ceiling_flops / 1e12:.1f} TFLOP/s" if self.ceiling_flops else ""
-            rank_zero_info(f"MFUMonitor: peak {self.peak_flops / 1e12:.1f} TFLOP/s per device "
+            ceiling = f", measured matmul ceiling {self.ceiling_flops / 1e12:.4g} TFLOP/s" if self.ceiling_flops else ""
+            rank_zero_info(f"MFUMonitor: peak {self.peak_flops / 1e12:.4g} TFLOP/s per device "
                            f"({self.peak_name}){ceiling}; layout world={self.layout.world_size} "
                            f"dp={self.layout.data_parallel_size}")
             for logger in trainer.loggers:
@@ -186,9 +188,10 @@ class MFUMonitor(Callback):
             if self._seen <= self.warmup_steps or payload is None or seconds <= 0:
                 continue
             self._recent.append((seconds, payload))
-            if len(self._recent) > self.window:
-                self._recent.popleft()
-            updated = True
+            if len(self._recent) == self.window:  # a full window: report it, start the next
+                self._window_done = list(self._recent)
+                self._recent.clear()
+                updated = True
         if updated:
             result = self._compute()
             self.history.append(result)
@@ -207,12 +210,13 @@ class MFUMonitor(Callback):
     def _compute(self) -> Throughput:
         """Window average: total tokens and FLOPs over total time."""
         assert self.layout is not None
-        seconds = sum(s for s, _ in self._recent)
-        samples = sum(p[0] for _, p in self._recent)
-        tokens = sum(p[1] for _, p in self._recent)
-        flops = sum(p[1] * p[2] for _, p in self._recent)
-        hw = None if any(p[3] is None for _, p in self._recent) else sum(p[1] * p[3] for _, p in self._recent)
-        n = len(self._recent)
+        rows = self._window_done
+        seconds = sum(s for s, _ in rows)
+        samples = sum(p[0] for _, p in rows)
+        tokens = sum(p[1] for _, p in rows)
+        flops = sum(p[1] * p[2] for _, p in rows)
+        hw = None if any(p[3] is None for _, p in rows) else sum(p[1] * p[3] for _, p in rows)
+        n = len(rows)
         return compute_throughput(
             step_time_s=seconds / n,
             local_tokens=tokens // n if tokens % n == 0 else tokens / n,  # type: ignore[arg-type]

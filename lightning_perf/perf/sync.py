@@ -186,9 +186,19 @@ class DispatchSyncDetector(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         what = self._describe(func, args, kwargs)
-        if what is not None:
+        if what is not None and not _optimizer_host_scalar(sys._getframe(1), args):
             self.recorder.record(f"{func} : {what}", sys._getframe(1))
         return func(*args, **kwargs)
+
+
+_OPTIM_DIR = os.sep + os.path.join("torch", "optim") + os.sep
+
+
+def _optimizer_host_scalar(frame: Any, args: tuple) -> bool:
+    """``.item()`` of a CPU scalar inside ``torch.optim`` (e.g. Adam's step count): a host value on GPU too."""
+    if not (args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" and args[0].numel() == 1):
+        return False
+    return frame is not None and _OPTIM_DIR in frame.f_code.co_filename
 
 
 class CudaSyncCatcher:

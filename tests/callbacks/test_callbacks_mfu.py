@@ -27,8 +27,8 @@ def fake_clock(monkeypatch):
 def test_mfu_counted_flops_match_hand_values(tmp_path, fake_clock):
     B, peak = 4, 1e9
     mon = MFUMonitor(peak_flops=peak, window=3, warmup_steps=1)
-    trainer(tmp_path, [mon], max_steps=6).fit(ToyLM(), loader(batch_size=B))
-    assert len(mon.history) == 5 - 1 + 1  # 6 intervals after the start mark, 1 warm-up dropped
+    trainer(tmp_path, [mon], max_steps=7).fit(ToyLM(), loader(batch_size=B))
+    assert len(mon.history) == 2  # 7 intervals after the start mark, 1 warm-up: two windows of 3
     fpt = 3 * forward_flops_per_token()
     last = mon.history[-1]
     assert last.step_time_s == pytest.approx(STEP)
@@ -42,11 +42,11 @@ def test_mfu_counted_flops_match_hand_values(tmp_path, fake_clock):
 
 def test_module_flops_per_token_is_used_and_hfu_counted(tmp_path, fake_clock):
     B, peak = 2, 1e9
-    mon = MFUMonitor(peak_flops=peak, warmup_steps=0)
+    mon = MFUMonitor(peak_flops=peak, warmup_steps=0, window=1)
     trainer(tmp_path, [mon], max_steps=3).fit(ToyLMWithFlops(), loader(batch_size=B))
     assert mon.history[-1].mfu == pytest.approx((1000 + T) * B * T / STEP / peak)
 
-    mon = MFUMonitor(peak_flops=peak, warmup_steps=0, count_backward=True)
+    mon = MFUMonitor(peak_flops=peak, warmup_steps=0, count_backward=True, window=1)
     trainer(tmp_path, [mon], max_steps=3).fit(ToyLM(), loader(batch_size=B))
     last = mon.history[-1]
     # no recomputation: backward runs the 2 x forward matmuls, so HFU == MFU
@@ -54,7 +54,7 @@ def test_module_flops_per_token_is_used_and_hfu_counted(tmp_path, fake_clock):
 
 
 def test_logged_metrics_are_cpu_scalars(tmp_path, fake_clock):
-    mon = MFUMonitor(peak_flops=1e9, warmup_steps=0)
+    mon = MFUMonitor(peak_flops=1e9, warmup_steps=0, window=2)
     tr = trainer(tmp_path, [mon], max_steps=3)
     tr.fit(ToyLM(), loader())
     metrics = tr.callback_metrics
@@ -95,7 +95,7 @@ class DumpLast(Callback):
 def test_mfu_under_dp2_tp2_layout(tmp_path, fake_clock):
     """4 forked gloo ranks; the strategy reports 2 data-parallel replicas (tp=2 inside each)."""
     B, peak = 2, 1e9
-    mon = MFUMonitor(peak_flops=peak, warmup_steps=0)
+    mon = MFUMonitor(peak_flops=peak, warmup_steps=0, window=2)
     strategy = DP2TP2Strategy(process_group_backend="gloo", start_method="fork")
     tr = trainer(tmp_path, [mon, DumpLast(mon, str(tmp_path))], max_steps=3, devices=4, strategy=strategy,
                  use_distributed_sampler=False)

@@ -48,7 +48,7 @@ def test_report_alone_times_steps_with_the_clock(tmp_path, monkeypatch, capsys):
 
 
 def test_report_collects_the_other_callbacks(tmp_path):
-    mfu = MFUMonitor(peak_flops=1e9, warmup_steps=1)
+    mfu = MFUMonitor(peak_flops=1e9, warmup_steps=1, window=2)
     stall = DataLoaderStallDetector(window=2, warmup_steps=1)
     roof = RooflineMonitor(start_step=4, peak_flops=1e9, peak_bandwidth=1e9)
     warner = SyncPointWarner(every_n_steps=0, start_step=2)
