@@ -162,6 +162,11 @@ class Parallel3DStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def is_distributed(self) -> bool:
+        """Lightning injects a ``DistributedSampler`` (by dp rank) when this is True."""
+        return True
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dp_mesh = self.device_mesh["dp"]
@@ -339,7 +344,7 @@ class Parallel3DStrategy(ParallelStrategy):
         else:
             with self._tp_loss_context():
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        if self.config.zero_stage == 0 or not self.parallel.fsdp:
+        if not self.parallel.fsdp:
             allreduce_gradients(self._params(), self.device_mesh["dp"].get_group())
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)

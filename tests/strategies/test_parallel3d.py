@@ -63,13 +63,17 @@ def make_module(kind: str = "llama", inject_inf_at: Optional[int] = None):
     return Recording()
 
 
-def loader(per_rank_batch: int):
-    from torch.utils.data import DataLoader, TensorDataset
+def loader(per_rank_batch: int, reference: bool = False):
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, VOCAB, (PER_EPOCH * GLOBAL_B, T + 1), generator=g)
-    # sequential: dp rank r gets samples r, r + dp, ...; their union per step is one global batch
-    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=per_rank_batch)
+    dataset = TensorDataset(data[:, :-1], data[:, 1:])
+    if not reference:  # the strategy injects a shuffling DistributedSampler over the dp ranks
+        return DataLoader(dataset, batch_size=per_rank_batch)
+    # the same permutation (seed 0 + epoch) on one replica: each batch is the union of the dp ranks'
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    return DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler)
 
 
 def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "llama", ckpt_path=None,
@@ -83,7 +87,7 @@ def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "l
         plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0,
     )
-    trainer.fit(module, loader(GLOBAL_B // dp), ckpt_path=ckpt_path)
+    trainer.fit(module, loader(GLOBAL_B // dp, reference=world == 1), ckpt_path=ckpt_path)
     # this rank's parameters, whole: DTensors gathered over their (tp / dp) mesh, in the same order
     # on every rank of a pipeline stage; a pipeline rank holds only its stages' names
     final = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
@@ -197,7 +201,7 @@ def _check_run(results: list[dict], key: str, ref: dict, *, first: int = 0) -> N
     final = _merged_final(results, key)
     assert set(final) == set(ref["final"]), f"{key}: parameter names differ: {set(final) ^ set(ref['final'])}"
     for name, value in ref["final"].items():
-        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key} {name}: {m}")
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key} {name}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +250,7 @@ def test_four_rank_2d_layouts_and_consolidation(references, tmp_path) -> None:
     model.load_state_dict(state)
     ref3 = fit_reference_steps(PER_EPOCH)
     for name, value in ref3.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=5e-5)
 
 
 def fit_reference_steps(steps: int) -> dict[str, torch.Tensor]:
