@@ -2,9 +2,10 @@
 
 from typing import Any
 
+from lightning_perf.strategies.parallel3d import Parallel3DStrategy
 from lightning_perf.strategies.zero import ZeroStrategy
 
-__all__ = ["ZeroStrategy", "register_strategies", "STRATEGY_NAMES"]
+__all__ = ["Parallel3DStrategy", "ZeroStrategy", "register_strategies", "STRATEGY_NAMES"]
 
 # name -> (class, description, init arguments)
 STRATEGY_NAMES: dict[str, tuple[type, str, dict[str, Any]]] = {
@@ -20,6 +21,11 @@ STRATEGY_NAMES: dict[str, tuple[type, str, dict[str, Any]]] = {
         ZeroStrategy,
         "ZeRO-3 with optimizer state and parameters offloaded to the CPU (DeepSpeed)",
         {"stage": 3, "backend": "deepspeed", "offload_optimizer": True, "offload_params": True},
+    ),
+    "parallel3d": (
+        Parallel3DStrategy,
+        "3D parallelism: pipeline x data (ZeRO via FSDP2) x tensor parallel over one device mesh",
+        {},
     ),
 }
 
