@@ -255,6 +255,7 @@ class ZeroStrategy(ParallelStrategy):
             )
         else:
             self._materialize(target, full)
+        del full  # rank 0's full copy: free it before the optimizer exists
         module.to(self.root_device)  # what lives outside the sharded model (metrics, buffers)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

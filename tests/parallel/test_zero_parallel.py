@@ -228,3 +228,29 @@ def test_zero_parallel_pieces(tmp_path: Path) -> None:
     plain.load_state_dict(torch.load(out, weights_only=True))
     _close(plain.state_dict(), at_two)
     assert not (tmp_path / "ckpt.tmp").exists()
+
+
+def test_find_blocks_generic_models() -> None:
+    from lightning_perf.parallel import find_blocks
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+    class HFStyle(torch.nn.Module):  # blocks at model.layers, as in Hugging Face decoders
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+            self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 2), torch.nn.ReLU()])
+
+    m = HFStyle()
+    assert find_blocks(m) == list(m.model.layers)
+    assert find_blocks(m, {Layer}) == list(m.model.layers)
+    assert find_blocks(m, lambda mod: isinstance(mod, torch.nn.Linear)) == [l.fc for l in m.model.layers] + [m.heads[0]]
+    gpt = GPT(tiny_config())
+    assert find_blocks(gpt) == list(gpt.blocks.values())
+    with pytest.raises(ValueError, match="set of nn.Module classes"):
+        find_blocks(m, {int})

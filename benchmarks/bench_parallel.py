@@ -1,0 +1,346 @@
+"""ZeRO strategies against Lightning's own, side by side on one host (2x H200, NVLink).
+
+    python benchmarks/bench_parallel.py --out DIR      # all variants, ~6-8 min on 2x H200
+    python benchmarks/bench_parallel.py --smoke        # same code paths, tiny model, CPU/gloo
+
+Every variant runs in its own freshly spawned group of ``--gpus`` processes (one per
+GPU), so peak-memory figures are clean and one failing variant cannot take the others
+down: its error is recorded in the JSON and the run goes on.
+
+Per variant, inside Lightning's ``Trainer.fit`` (bf16-mixed, random tokens, AdamW):
+gpt-1.3b, T=2048, B=8 per GPU; ``--warmup`` steps, then ``--steps`` timed with CUDA
+events (median step), then one profiled step for the exposed-communication share
+(NCCL kernel time not overlapped by any compute kernel, over the step time).
+
+Reported: tokens/s (all GPUs), MFU per GPU (model FLOPs, causal attention counted once,
+against the 989 TFLOP/s dense bf16 peak), peak allocated memory (max over ranks),
+exposed communication %. Variants: Lightning ``ddp``, Lightning ``FSDPStrategy``
+FULL_SHARD and SHARD_GRAD_OP (per-block wrap), Lightning ``DeepSpeedStrategy`` stage 2
+(when DeepSpeed imports), ours ``zero1``/``zero2``/``zero3`` eager, ``zero3`` with the
+Triton kernels + per-block ``torch.compile``, and llama-8b under ``zero3`` (too large for
+one GPU under ddp with Adam: 16 bytes/param = 128 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
+
+# name -> how to build it; "module" kwargs go to GPTLightningModule
+VARIANTS: dict[str, dict[str, Any]] = {
+    "lightning_ddp": {"strategy": "ddp"},
+    "lightning_fsdp_full_shard": {"strategy": "fsdp_full"},
+    "lightning_fsdp_shard_grad_op": {"strategy": "fsdp_grad_op"},
+    "lightning_deepspeed_stage_2": {"strategy": "deepspeed_stage_2"},
+    "zero1": {"strategy": "zero1"},
+    "zero2": {"strategy": "zero2"},
+    "zero3": {"strategy": "zero3"},
+    "zero3_triton_compile": {"strategy": "zero3", "kernels": "triton", "compile": "default"},
+    "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_strategy(name: str, smoke: bool) -> Any:
+    from lightning_perf.models.gpt.model import Block
+    from lightning_perf.strategies import ZeroStrategy
+
+    if name == "ddp":
+        return "ddp"
+    if name in ("fsdp_full", "fsdp_grad_op"):
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        return FSDPStrategy(
+            sharding_strategy="FULL_SHARD" if name == "fsdp_full" else "SHARD_GRAD_OP",
+            auto_wrap_policy={Block},
+            state_dict_type="sharded",
+        )
+    if name == "deepspeed_stage_2":
+        import deepspeed  # noqa: F401  (recorded as an error when absent)
+
+        return "deepspeed_stage_2"
+    if name == "zero3_meta":
+        return ZeroStrategy(stage=3, init="meta")
+    stage = int(name[-1])
+    return ZeroStrategy(stage=stage)
+
+
+class _Timer:
+    """CUDA-event step times and one profiled step, as a Lightning callback."""
+
+    def __new__(cls, warmup: int, steps: int, profile_dir: Optional[str]):
+        import lightning as L
+
+        class Timer(L.Callback):
+            def __init__(self) -> None:
+                self.times: list[float] = []
+                self.events: list[tuple[Any, Any]] = []
+                self.profile_events: Optional[list[dict]] = None
+                self.prof = None
+
+            def on_train_start(self, trainer, pl_module):
+                if torch.cuda.is_available():  # training peak only, not the one-off init copy
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if torch.cuda.is_available():
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    self.events.append((start, None))
+                else:
+                    self.events.append((time.perf_counter(), None))
+                if profile_dir is not None and batch_idx == warmup + steps:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                    self.prof = profile(activities=acts)
+                    self.prof.__enter__()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                start, _ = self.events[-1]
+                if torch.cuda.is_available():
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    self.events[-1] = (start, end)
+                else:
+                    self.events[-1] = (start, time.perf_counter())
+                if self.prof is not None:
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    self.prof.__exit__(None, None, None)
+                    path = os.path.join(profile_dir, f"trace_rank{trainer.global_rank}.json")
+                    self.prof.export_chrome_trace(path)
+                    with open(path) as f:
+                        self.profile_events = json.load(f).get("traceEvents", [])
+                    self.prof = None
+
+            def step_times(self) -> list[float]:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                    out = [s.elapsed_time(e) / 1e3 for s, e in self.events if e is not None]
+                else:
+                    out = [e - s for s, e in self.events if e is not None]
+                return out[warmup:warmup + steps]
+
+        return Timer()
+
+
+def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: dict, out_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))
+    result: dict[str, Any] = {"variant": variant}
+    try:
+        import lightning as L
+        from torch.utils.data import DataLoader, Dataset
+
+        import lightning_perf  # noqa: F401  (registers the strategy names)
+        from lightning_perf.models.gpt import GPTConfig
+        from lightning_perf.models.gpt.module import GPTLightningModule
+        from lightning_perf.strategies import register_strategies
+
+        register_strategies()
+        smoke = args["smoke"]
+        preset = spec.get("preset", args["preset"])
+        T = args["seq_len"]
+        B = spec.get("batch", args["batch"])
+        overrides: dict[str, Any] = {"block_size": max(T, 16)}
+        if "kernels" in spec:
+            overrides["kernels"] = spec["kernels"]
+        if smoke:
+            config = GPTConfig.from_name("tiny-llama" if "llama" in preset else "tiny", **overrides)
+        else:
+            config = GPTConfig.from_name(preset, **overrides)
+
+        pool = torch.randint(0, config.vocab_size, (64, T + 1), generator=torch.Generator().manual_seed(rank))
+
+        class Tokens(Dataset):  # random tokens from a small pool: no data cost in the step
+            def __len__(self) -> int:
+                return 10**6
+
+            def __getitem__(self, i: int):
+                x = pool[i % len(pool)]
+                return x[:-1], x[1:]
+
+        L.seed_everything(0, verbose=False)
+        module = GPTLightningModule(config, warmup_steps=0, compile=spec.get("compile"),
+                                    activation_checkpointing=spec.get("ac", "none"))
+        timer = _Timer(args["warmup"], args["steps"], args["profile_dir"])
+        accelerator = "cpu" if smoke else "gpu"
+        trainer = L.Trainer(
+            accelerator=accelerator, devices=world, strategy=build_strategy(spec["strategy"], smoke),
+            precision="bf16-mixed" if not smoke else "32-true", max_steps=args["warmup"] + args["steps"] + 1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+        )
+        loader = DataLoader(Tokens(), batch_size=B, num_workers=0, pin_memory=not smoke)
+        t0 = time.perf_counter()
+        trainer.fit(module, loader)
+        times = timer.step_times()
+        step = statistics.median(times)
+        tokens_per_s = world * B * T / step
+        flops_per_token = config.flops_per_token(T)
+        result.update(
+            ok=True,
+            preset=config.name,
+            batch_per_gpu=B,
+            seq_len=T,
+            world=world,
+            step_s_median=step,
+            step_s_min=min(times),
+            step_s_max=max(times),
+            tokens_per_s=tokens_per_s,
+            mfu=flops_per_token * tokens_per_s / world / PEAK_BF16,
+            mfu_attention_twice=config.flops_per_token_full_attention(T) * tokens_per_s / world / PEAK_BF16,
+            peak_mem_gb=(torch.cuda.max_memory_allocated() / 1e9) if torch.cuda.is_available() else None,
+            fit_s=time.perf_counter() - t0,
+        )
+        if timer.profile_events:
+            from lightning_perf.perf.comm import analyze_comm_trace
+
+            analysis = analyze_comm_trace(timer.profile_events, ranks=world)
+            result["exposed_comm_pct"] = 100.0 * analysis.overlap.exposed / step
+            result["comm_overlap_pct"] = 100.0 * analysis.overlap.overlap_fraction
+    except BaseException as e:  # recorded, never fatal for the whole run
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+    with open(f"{out_file}.rank{rank}", "w") as f:
+        json.dump(result, f)
+
+
+def run_variant(variant: str, spec: dict, args: dict, world: int, timeout: float) -> dict:
+    tmp = tempfile.mkdtemp(prefix=f"bench_{variant}_")
+    out_file = os.path.join(tmp, "result")
+    args = dict(args, profile_dir=tmp)
+    ctx = mp.start_processes(_worker, args=(world, free_port(), variant, spec, args, out_file), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    error = None
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                error = f"timed out after {timeout:.0f}s"
+                break
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"[-2000:]
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    results = []
+    for r in range(world):
+        try:
+            with open(f"{out_file}.rank{r}") as f:
+                results.append(json.load(f))
+        except OSError:
+            pass
+    if not results:
+        return {"variant": variant, "ok": False, "error": error or "no result"}
+    merged = dict(results[0])
+    mems = [r.get("peak_mem_gb") for r in results if r.get("peak_mem_gb") is not None]
+    if mems:
+        merged["peak_mem_gb"] = max(mems)
+    exposed = [r.get("exposed_comm_pct") for r in results if r.get("exposed_comm_pct") is not None]
+    if exposed:
+        merged["exposed_comm_pct"] = max(exposed)
+    if error and merged.get("ok"):
+        merged["warning"] = error
+    elif error:
+        merged.setdefault("error", error)
+    return merged
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU processes (gloo)")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--preset", default="gpt-1.3b")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per variant (x2 for compile/llama)")
+    parser.add_argument("--budget", type=float, default=510.0, help="seconds for the whole run; later variants skip")
+    parser.add_argument("--only", nargs="*", default=None, help="variant names to run")
+    a = parser.parse_args(argv)
+    if a.smoke:
+        a.seq_len, a.batch, a.warmup, a.steps = 32, 2, 1, 2
+    args = {"smoke": a.smoke, "preset": a.preset, "seq_len": a.seq_len, "batch": a.batch, "warmup": a.warmup,
+            "steps": a.steps}
+    names = a.only or list(VARIANTS)
+    results = []
+    start = time.perf_counter()
+    for name in names:
+        if name not in VARIANTS:
+            results.append({"variant": name, "ok": False, "error": f"unknown variant; known: {sorted(VARIANTS)}"})
+            continue
+        if time.perf_counter() - start > a.budget:
+            results.append({"variant": name, "ok": False, "error": f"skipped: run budget {a.budget:.0f}s spent"})
+            print(f"[{name}] skipped (budget)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        timeout = a.timeout * (2 if "llama" in name or "compile" in name else 1)
+        r = run_variant(name, VARIANTS[name], args, a.gpus, timeout)
+        r["wall_s"] = time.perf_counter() - t0
+        results.append(r)
+        status = f"{r['tokens_per_s']:.0f} tok/s" if r.get("ok") else f"FAILED {r.get('error', '')[:200]}"
+        print(f"[{name}] {status} ({r['wall_s']:.0f}s)", flush=True)
+    base = next((r for r in results if r["variant"] == "lightning_fsdp_full_shard" and r.get("ok")), None)
+    for r in results:
+        if base and r.get("ok"):
+            r["speedup_vs_lightning_fsdp_full_shard"] = r["tokens_per_s"] / base["tokens_per_s"]
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    report = {
+        "benchmark": "bench_parallel",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "gpus": a.gpus,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "config": {**args, "variants": names, "peak_flops": PEAK_BF16},
+        "results": results,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out / f"bench_parallel{'_smoke' if a.smoke else ''}_{stamp}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"\n{'variant':32s} {'tok/s':>10s} {'MFU':>7s} {'mem GB':>8s} {'exp.comm':>9s} {'vs FSDP':>8s}")
+    for r in results:
+        if not r.get("ok"):
+            print(f"{r['variant']:32s} failed: {r.get('error', '')[:80]}")
+            continue
+        mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
+        exp = f"{r['exposed_comm_pct']:.1f}%" if r.get("exposed_comm_pct") is not None else "-"
+        sp = f"{r['speedup_vs_lightning_fsdp_full_shard']:.2f}x" if "speedup_vs_lightning_fsdp_full_shard" in r else "-"
+        print(f"{r['variant']:32s} {r['tokens_per_s']:10.0f} {100 * r['mfu']:6.1f}% {mem:>8s} {exp:>9s} {sp:>8s}")
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
