@@ -1,0 +1,83 @@
+"""Pipeline pieces without a process group: schedule checks, placement, the GPT split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_perf.models.gpt import GPT, GPTConfig
+from lightning_perf.parallel.pipeline import (
+    PipelineConfig,
+    bubble_fraction,
+    build_stage_modules,
+    prune_to_stages,
+    stage_indices,
+    stage_owner,
+)
+
+
+def _cfg(**kw) -> GPTConfig:
+    base = dict(name="t", vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
+                intermediate_size=64, pad_vocab_multiple=16, norm="rmsnorm", activation="swiglu",
+                positions="rope", tie_embeddings=False, bias=False)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def test_schedule_errors_show_the_numbers() -> None:
+    with pytest.raises(ValueError, match="unknown pipeline_schedule 'zb'"):
+        PipelineConfig(pp=2, schedule="zb")
+    with pytest.raises(ValueError, match=r"needs num_microbatches >= pp: 2 < 4"):
+        PipelineConfig(pp=4, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=2)
+    with pytest.raises(ValueError, match="not a multiple of 2 rounds"):
+        PipelineConfig(pp=4, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=10 - 1)
+    with pytest.raises(ValueError, match="runs exactly 1 stage"):
+        PipelineConfig(pp=2, schedule="1f1b", stages_per_rank=2)
+    with pytest.raises(ValueError, match=r"batch size 6 is not divisible by num_microbatches 4"):
+        PipelineConfig(pp=2, num_microbatches=4).check_batch(6)
+    with pytest.warns(UserWarning, match=r"num_microbatches \(2\) < total pipeline stages"):
+        PipelineConfig(pp=2, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=2)
+    assert PipelineConfig(pp=2, schedule="interleaved_1f1b", stages_per_rank=2).num_microbatches == 4
+
+
+def test_placement_loop_and_v() -> None:
+    assert stage_indices(1, 4, 2, "loop") == [1, 5]
+    assert stage_indices(1, 4, 2, "v") == [1, 6]
+    assert stage_indices(0, 4, 2, "v") == [0, 7]  # the V puts first and last stage on rank 0
+    assert [stage_owner(s, 4, "loop") for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [stage_owner(s, 4, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert PipelineConfig(pp=2, schedule="zbv_zero_bubble", stages_per_rank=2).last_stage_rank() == 0
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+
+
+def test_stages_chain_to_the_full_model_and_keep_names() -> None:
+    torch.manual_seed(0)
+    model = GPT(_cfg())
+    idx = torch.randint(0, 64, (2, 16))
+    full = model(idx)
+    stages = [model.pipeline_stage(i, 4) for i in range(4)]
+    x = idx
+    for s in stages:
+        x = s(x)
+    torch.testing.assert_close(x, full)
+    assert list(stages[1].blocks.keys()) == ["1"] and stages[1].tok_emb is None and stages[1].norm is None
+    assert stages[3].lm_head is model.lm_head
+    # rank 1 of pp=2 with two stages per rank (loop placement) runs stages 1 and 3
+    names = set(model.state_dict())
+    local = build_stage_modules(model, 1, PipelineConfig(pp=2, schedule="interleaved_1f1b", stages_per_rank=2))
+    assert sorted(local) == [1, 3]
+    prune_to_stages(model, local)
+    kept = set(model.state_dict())
+    assert kept <= names
+    assert {k.split(".")[1] for k in kept if k.startswith("blocks.")} == {"1", "3"}
+    assert "lm_head.weight" in kept and "tok_emb.weight" not in kept
+
+
+def test_tied_head_is_refused_across_stages() -> None:
+    model = GPT(_cfg(tie_embeddings=True))
+    with pytest.raises(ValueError, match="tie_embeddings=False"):
+        model.pipeline_stage(0, 2)
+    assert model.pipeline_stage(0, 1).head_weight is model.tok_emb.weight
+    with pytest.raises(ValueError, match=r"4 blocks do not split evenly into 3"):
+        GPT(_cfg()).pipeline_stage(0, 3)

@@ -1,0 +1,86 @@
+"""The GPT's tensor-parallel plan and its layout checks, without a process group.
+
+The numerical checks (tp2 losses and parameters equal one process, with GQA, RoPE,
+learned positions and a tied head) run inside the Trainer in
+tests/strategies/test_parallel3d.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from lightning_perf.models.gpt import GPT, GPTConfig
+from lightning_perf.models.gpt.parallelize import check_gpt_layout
+from lightning_perf.parallel.tensor_parallel import ReplicatedOutputNorm, find_protocol_module, tp_sequence_check
+
+
+class _Mesh:  # the plan reads only the mesh size
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def _meta_gpt(**kw) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig.from_name("tiny-llama", **kw))
+
+
+def test_plan_covers_every_linear_with_gqa_and_sequence_parallel() -> None:
+    model = _meta_gpt()
+    plan = model.tensor_parallel_plan(_Mesh(2))
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears <= set(plan)
+    assert isinstance(plan["blocks.0.attn.k_proj"], ColwiseParallel)
+    assert isinstance(plan["blocks.0.mlp.down_proj"], RowwiseParallel)
+    assert isinstance(plan["blocks.0.attn_norm"], SequenceParallel)
+    assert isinstance(plan["blocks.0.attn"], PrepareModuleInput)
+    assert isinstance(plan["norm"], ReplicatedOutputNorm)
+    no_sp = model.tensor_parallel_plan(_Mesh(2), sequence_parallel=False)
+    assert "blocks.0.attn_norm" not in no_sp and not no_sp["norm"].sequence_parallel
+
+
+def test_plan_of_a_stage_names_only_its_modules() -> None:
+    model = _meta_gpt(tie_embeddings=False)
+    plan = model.pipeline_stage(1, 2).tensor_parallel_plan(_Mesh(2))
+    assert not any(k.startswith(("tok_emb", "blocks.0.", "blocks.1.")) for k in plan)
+    assert "lm_head" in plan and "blocks.3.mlp.up_proj" in plan
+    with torch.device("meta"):
+        learned = GPT(GPTConfig.from_name("tiny"))
+    assert "pos_emb" in learned.tensor_parallel_plan(_Mesh(2))
+
+
+@pytest.mark.parametrize(
+    "overrides, tp, match",
+    [
+        (dict(n_head=6, n_embd=384), 4, r"n_head \(6\) is not divisible by tensor_parallel_size \(4\)"),
+        (dict(n_head=8, n_kv_head=2), 4, r"n_kv_head \(2\) is not divisible by tensor_parallel_size \(4\)"),
+    ],
+)
+def test_heads_must_divide_by_tp(overrides, tp, match) -> None:
+    cfg = GPTConfig.from_name("tiny-llama", **overrides)
+    with pytest.raises(ValueError, match=match):
+        check_gpt_layout(cfg, tp=tp)
+
+
+def test_layers_and_sequence_must_divide() -> None:
+    cfg = GPTConfig.from_name("tiny-llama")
+    with pytest.raises(ValueError, match=r"pp\(2\) \* stages_per_rank\(3\) = 6, 4 / 6"):
+        check_gpt_layout(cfg, pp=2, stages_per_rank=3)
+    with pytest.raises(ValueError, match="sequence length 15 is not divisible by tensor_parallel_size 2"):
+        tp_sequence_check(15, 2, True)
+    tp_sequence_check(15, 2, False)
+
+
+def test_protocol_lookup_finds_the_outermost_implementer() -> None:
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _meta_gpt()
+
+    w = Wrapper()
+    assert find_protocol_module(w, "tensor_parallel_plan") is w.model
+    assert find_protocol_module(torch.nn.Linear(2, 2), "pipeline_stage") is None

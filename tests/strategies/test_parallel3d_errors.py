@@ -1,0 +1,71 @@
+"""Bad input to Parallel3DStrategy fails with the numbers, before any process group exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_perf.models.gpt import GPT, GPTConfig
+from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, check_model
+from lightning_perf.strategies.parallel3d import Parallel3DStrategy
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    yield
+    assert not (dist.is_available() and dist.is_initialized()), "a process group was created"
+
+
+def _meta_gpt(**kw) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig.from_name("tiny-llama", **kw))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(pipeline_schedule="zb1p"), "unknown pipeline_schedule 'zb1p'"),
+        (dict(pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b", stages_per_rank=2,
+              num_microbatches=2), r"needs num_microbatches >= pp: 2 < 4"),
+        (dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
+        (dict(activation_checkpointing="some"), "activation_checkpointing='some'"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+        (dict(stages_per_rank=2, pipeline_schedule="interleaved_1f1b"), "needs pipeline_parallel_size > 1"),
+    ],
+)
+def test_construction_rejects_bad_options(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        Parallel3DStrategy(**kwargs)
+
+
+def test_world_size_mismatch_fails_when_the_trainer_is_built() -> None:
+    import lightning as L
+
+    strategy = Parallel3DStrategy(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match=r"dp\(2\) \* tp\(2\) \* pp\(3\) = 12 != world size 8"):
+        L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+
+
+@pytest.mark.parametrize(
+    "model_kw, cfg_kw, match",
+    [
+        (dict(n_head=8, n_kv_head=2), dict(tensor_parallel_size=4), r"n_kv_head \(2\) is not divisible"),
+        (dict(n_head=6, n_kv_head=6, n_embd=384), dict(tensor_parallel_size=4), r"n_head \(6\) is not divisible"),
+        (dict(), dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", stages_per_rank=3,
+                      num_microbatches=6), r"n_layer \(4\) is not divisible by pipeline stages"),
+        (dict(tie_embeddings=True), dict(pipeline_parallel_size=2), "tie_embeddings=False"),
+    ],
+)
+def test_model_layout_checks(model_kw, cfg_kw, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_model(_meta_gpt(**model_kw), Parallel3DConfig(**cfg_kw))
+
+
+def test_user_model_without_protocol_gets_data_parallel_only() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert check_model(model, Parallel3DConfig(data_parallel_size=4)) is model
+    with pytest.raises(ValueError, match=r"tensor parallelism \(tp=2\) needs .*tensor_parallel_plan"):
+        check_model(model, Parallel3DConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp=2\) needs .*pipeline_stage"):
+        check_model(model, Parallel3DConfig(pipeline_parallel_size=2))
