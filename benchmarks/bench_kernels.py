@@ -151,9 +151,10 @@ class Case:
 
     def __init__(self, group: str, name: str, mode: str, variants: dict[str, Callable], *, bytes_moved: float = 0,
                  flops: float = 0, baseline: str = "compile", check: Optional[Callable[[], dict]] = None,
-                 memory: bool = False) -> None:
+                 memory: bool = False, grad_bytes: int = 0) -> None:
         self.group, self.name, self.mode, self.variants = group, name, mode, variants
         self.bytes_moved, self.flops, self.baseline, self.check, self.memory = bytes_moved, flops, baseline, check, memory
+        self.grad_bytes = grad_bytes  # size of the gradients every variant must return
 
 
 def compiled(fn: Callable) -> Callable:
@@ -181,7 +182,7 @@ def norm_cases(device, dtype, tokens, widths):
             ("rms_norm", lambda x, w: rms_norm(x, w, 1e-6), rms_ref, rms_c, [x, w]),
             ("layer_norm", lambda x, w, b: layer_norm(x, w, b, 1e-5), ln_ref, ln_c, [x, w, bias]),
         ):
-            def check(ours=ours, ref=ref, ins=ins):
+            def check(ours=ours, ref=ref, ins=ins, dy=dy):
                 return _check_fwd_bwd(ours, ref, ins, dy)
 
             out.append(Case("norm", f"{kind} {tokens}x{d}", "fwd", {
@@ -289,7 +290,7 @@ def flce_cases(device, dtype, tokens, shapes):
 
         out.append(Case("fused_linear_cross_entropy", f"FLCE N{tokens} d{d} V{V}", "fwd+bwd", {
             "triton": step(fused_linear_cross_entropy), "eager": step(ref), "compile": step(comp)},
-            flops=6 * tokens * d * V, check=check, memory=True))
+            flops=6 * tokens * d * V, check=check, memory=True, grad_bytes=(x.numel() + w.numel()) * x.element_size()))
     return out
 
 
@@ -319,7 +320,7 @@ def attention_cases(device, dtype, shapes):
             return errs
 
         ins = [q, k, v]
-        out.append(Case("attention", name, "fwd", {n: (lambda f=f: f(*ins)) for n, f in variants.items()},
+        out.append(Case("attention", name, "fwd", {n: (lambda f=f, i=ins: f(*i)) for n, f in variants.items()},
                         flops=fwd_flops, baseline="sdpa_cudnn", check=check if T * T * B * H <= 2**31 else None))
         out.append(Case("attention", name, "fwd+bwd", {n: fwd_bwd(f, ins, do) for n, f in variants.items()},
                         flops=3.5 * fwd_flops, baseline="sdpa_cudnn"))
@@ -355,11 +356,16 @@ def run_case(b: Bench, case: Case, ceilings: dict) -> dict:
                 res["pct_matmul"] = 100 * res["TFLOPs"] / ceilings["matmul_TFLOPs"]
             if case.memory:
                 res["peak_extra_MB"] = peak_extra_mb(fn, b.cuda)
+                if res["peak_extra_MB"] is not None:
+                    res["peak_extra_beyond_grads_MB"] = res["peak_extra_MB"] - case.grad_bytes / 2**20
             row["variants"][name] = res
         except Exception as err:
             row["variants"][name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
             if b.cuda:
                 torch.cuda.empty_cache()
+    mem = {n: v["peak_extra_MB"] for n, v in row["variants"].items() if v.get("peak_extra_MB")}
+    if "triton" in mem and case.baseline in mem:
+        row["memory_ratio_vs_baseline"] = mem["triton"] / mem[case.baseline]
     ours = row["variants"].get("triton", {}).get("ms")
     base = row["variants"].get(case.baseline, {}).get("ms")
     if ours and base:
@@ -440,6 +446,8 @@ def print_table(rows: list[dict], ceilings: dict) -> None:
         extra = []
         if "speedup_vs_baseline" in r:
             extra.append(f"x{r['speedup_vs_baseline']:.2f} vs {r['baseline']}")
+        if "memory_ratio_vs_baseline" in r:
+            extra.append(f"memory {r['memory_ratio_vs_baseline']:.2f}x of {r['baseline']}")
         if "rel_err" in r:
             extra.append("check " + ("ok" if r.get("correct") else "FAILED") + " " +
                          ", ".join(f"{k}={e:.1e}" for k, e in r["rel_err"].items()))

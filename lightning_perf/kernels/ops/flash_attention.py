@@ -72,8 +72,11 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                 H, T, GROUP, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    block = tl.program_id(1)
+    if CAUSAL:  # the last query blocks see the most keys: launch them first
+        block = tl.num_programs(1) - 1 - block
+    start_m = block * BLOCK_M
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // GROUP
@@ -145,8 +148,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
                      H, HK, T, GROUP, qk_scale, sm_scale,
                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
+    bhk = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N  # the first key blocks are seen by the most queries (causal)
     b = (bhk // HK).to(tl.int64)
     hk = (bhk % HK).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -211,8 +214,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
                    H, T, GROUP, qk_scale, sm_scale,
                    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    block = tl.program_id(1)
+    if CAUSAL:
+        block = tl.num_programs(1) - 1 - block
+    start_m = block * BLOCK_M
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // GROUP
@@ -258,7 +264,8 @@ def _fwd_configs(D: int, cuda: bool) -> list[dict]:
                 _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 4)]
     if D <= 128:
         return [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3),
-                _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3), _cfg(64, 32, 4, 4)]
+                _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3), _cfg(64, 32, 4, 4), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 4),
+                _cfg(64, 128, 4, 3)]
     return [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(128, 32, 8, 2), _cfg(32, 32, 4, 2)]
 
 
@@ -270,7 +277,8 @@ def _dkdv_configs(D: int, cuda: bool) -> list[dict]:
                 _cfg(32, 64, 4, 4)]
     if D <= 128:
         return [_cfg(64, 128, 8, 2), _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3),
-                _cfg(64, 64, 4, 2), _cfg(32, 64, 4, 3)]
+                _cfg(64, 64, 4, 2), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 64, 8, 2), _cfg(32, 128, 8, 3),
+                _cfg(16, 128, 4, 3)]
     return [_cfg(32, 64, 8, 2), _cfg(16, 64, 4, 2), _cfg(32, 32, 4, 2), _cfg(16, 32, 4, 2)]
 
 
@@ -282,7 +290,7 @@ def _dq_configs(D: int, cuda: bool) -> list[dict]:
                 _cfg(64, 32, 4, 4)]
     if D <= 128:
         return [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3),
-                _cfg(128, 32, 4, 3), _cfg(64, 32, 4, 3)]
+                _cfg(128, 32, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 2), _cfg(128, 128, 8, 2)]
     return [_cfg(64, 32, 8, 2), _cfg(64, 16, 4, 2), _cfg(32, 32, 4, 2), _cfg(32, 16, 4, 2)]
 
 
@@ -312,7 +320,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     qk_scale = scale * _LOG2E
 
     def run(cfg):
-        grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)
+        grid = (B * H, triton.cdiv(T, cfg["BLOCK_M"]))
         _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
                           H, T, group, qk_scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
 
@@ -335,13 +343,13 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
     qk_scale = scale * _LOG2E
 
     def run_dkdv(cfg):
-        grid = (triton.cdiv(T, cfg["BLOCK_N"]), B * HK)
+        grid = (B * HK, triton.cdiv(T, cfg["BLOCK_N"]))
         _bwd_dkdv_kernel[grid](q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
                                *_strides(do), *_strides(dk), *_strides(dv), H, HK, T, group, qk_scale, scale,
                                CAUSAL=causal, HEAD_DIM=D, **cfg)
 
     def run_dq(cfg):
-        grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)
+        grid = (B * H, triton.cdiv(T, cfg["BLOCK_M"]))
         _bwd_dq_kernel[grid](q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
                              *_strides(do), *_strides(dq), H, T, group, qk_scale, scale,
                              CAUSAL=causal, HEAD_DIM=D, **cfg)
