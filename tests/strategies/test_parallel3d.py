@@ -63,13 +63,13 @@ def make_module(kind: str = "llama", inject_inf_at: Optional[int] = None):
     return Recording()
 
 
-def loader(per_rank_batch: int, reference: bool = False):
+def loader(per_rank_batch: int, reference: bool = False, shuffle: bool = True):
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, VOCAB, (PER_EPOCH * GLOBAL_B, T + 1), generator=g)
     dataset = TensorDataset(data[:, :-1], data[:, 1:])
-    if not reference:  # the strategy injects a shuffling DistributedSampler over the dp ranks
+    if not reference or not shuffle:  # the strategy injects a shuffling DistributedSampler over the dp ranks
         return DataLoader(dataset, batch_size=per_rank_batch)
     # the same permutation (seed 0 + epoch) on one replica: each batch is the union of the dp ranks'
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -77,7 +77,8 @@ def loader(per_rank_batch: int, reference: bool = False):
 
 
 def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "llama", ckpt_path=None,
-        save_to=None, plugins: Any = None, inject_inf_at: Optional[int] = None) -> dict:
+        save_to=None, plugins: Any = None, inject_inf_at: Optional[int] = None, accumulate: int = 1,
+        val: bool = False) -> dict:
     import lightning as L
 
     L.seed_everything(0, verbose=False)
@@ -85,16 +86,20 @@ def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "l
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=steps // PER_EPOCH,
         plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0,
+        num_sanity_val_steps=0, limit_val_batches=1 if val else 0, accumulate_grad_batches=accumulate,
     )
-    trainer.fit(module, loader(GLOBAL_B // dp, reference=world == 1), ckpt_path=ckpt_path)
+    # validation: the first global batch, forward only, unshuffled
+    val_loader = loader(GLOBAL_B // dp, shuffle=False) if val else None
+    trainer.fit(module, loader(GLOBAL_B // dp, reference=world == 1), val_loader, ckpt_path=ckpt_path)
     # this rank's parameters, whole: DTensors gathered over their (tp / dp) mesh, in the same order
     # on every rank of a pipeline stage; a pipeline rank holds only its stages' names
     final = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
              for k, v in module.state_dict().items()}
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    return {"losses": module.losses, "final": final, "precision": trainer.precision_plugin.state_dict()}
+    val_loss = float(trainer.callback_metrics["val/loss"]) if val else None
+    return {"losses": module.losses, "final": final, "precision": trainer.precision_plugin.state_dict(),
+            "val": val_loss}
 
 
 # ---- process harness --------------------------------------------------------------------------
@@ -149,11 +154,12 @@ SCHEDULES_2 = [("1f1b", 1, 2), ("gpipe", 1, 4), ("interleaved_1f1b", 2, 4), ("ze
 
 def _worker2(rank: int, world: int, out: Path) -> dict:
     res: dict[str, Any] = {}
-    res["tp2"] = fit(S(tensor_parallel_size=2), world)
+    res["tp2"] = fit(S(tensor_parallel_size=2), world, val=True)
     res["tp2_gpt2"] = fit(S(tensor_parallel_size=2), world, kind="gpt2")
     for name, spr, m in SCHEDULES_2:
         res[f"pp2_{name}"] = fit(S(pipeline_parallel_size=2, pipeline_schedule=name, stages_per_rank=spr,
-                                   num_microbatches=m), world)
+                                   num_microbatches=m), world, val=name == "1f1b")
+    res["pp2_accumulate2"] = fit(S(pipeline_parallel_size=2), world, accumulate=2)
     # resharding: save under tp2 after one epoch, resume under pp2
     ckpt = out / "tp2.ckpt"
     fit(S(tensor_parallel_size=2), world, steps=PER_EPOCH, save_to=ckpt)
@@ -181,7 +187,12 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
 
 
 def _worker8(rank: int, world: int, out: Path) -> dict:
-    return {"pp2_tp2_dp2": fit(S(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=2), world, dp=2)}
+    strategy = S(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=2)
+    res = {"pp2_tp2_dp2": fit(strategy, world, dp=2)}
+    mesh = strategy.device_mesh
+    res["coords"] = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
+    res["sampler"] = strategy.distributed_sampler_kwargs
+    return res
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -211,7 +222,7 @@ def references():
     def one(**kwargs: Any) -> dict:
         return fit(SingleDeviceStrategy(torch.device("cpu")), 1, **kwargs)
 
-    return {"llama": one(), "gpt2": one(kind="gpt2")}
+    return {"llama": one(val=True), "gpt2": one(kind="gpt2"), "accumulate2": one(accumulate=2)}
 
 
 @pytest.mark.slow
@@ -223,6 +234,10 @@ def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None
     for name, _, _ in SCHEDULES_2:
         _check_run(results, f"pp2_{name}", ref)
     _check_run(results, "tp2_to_pp2", ref, first=PER_EPOCH)
+    _check_run(results, "pp2_accumulate2", references["accumulate2"])
+    for key in ("tp2", "pp2_1f1b"):  # forward-only validation, also through the pipeline schedule
+        for r in results:
+            assert r[key]["val"] == pytest.approx(ref["val"], rel=1e-4), (key, r[key]["val"], ref["val"])
     # fp16: both pipeline ranks skipped step 2 and halved the scale, and agree on every loss
     states = [r["pp2_fp16"]["precision"]["scaler"] for r in results]
     assert all(s == states[0] for s in states), states
@@ -264,3 +279,9 @@ def fit_reference_steps(steps: int) -> dict[str, torch.Tensor]:
 def test_eight_rank_pp2_tp2_dp2(references, tmp_path) -> None:
     results = spawn(_worker8, 8, tmp_path, timeout=400.0)
     _check_run(results, "pp2_tp2_dp2", references["llama"])
+    from lightning_perf.parallel.dims import ParallelDims
+
+    dims = ParallelDims(tp=2, pp=2, world_size=8)
+    for rank, r in enumerate(results):
+        assert r["coords"] == dims.coordinates(rank)
+        assert r["sampler"] == {"num_replicas": 2, "rank": dims.coordinates(rank)["dp"]}
