@@ -45,7 +45,11 @@ class GPTConfig:
     bias: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # "torch": PyTorch ops; "triton": lightning_perf.kernels' fused norms, MLP activations and the chunked
+    # LM-head cross-entropy (each falls back to PyTorch where it cannot run, e.g. CPU or an unsupported dtype)
     kernels: Literal["torch", "triton"] = "torch"
+    # "sdpa": F.scaled_dot_product_attention; "triton": our flash attention; "auto": per (shape, dtype, device)
+    # the fastest of ours and each SDPA backend, timed once on first use (SDPA on CPU), the choice logged
     attention: Literal["auto", "triton", "sdpa"] = "sdpa"
 
     def __post_init__(self) -> None:
