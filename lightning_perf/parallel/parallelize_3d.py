@@ -37,6 +37,7 @@ __all__ = [
     "parallelize_3d",
     "check_model",
     "allreduce_gradients",
+    "clip_grad_norm_3d",
 ]
 
 AC_MODES = ("none", "full", "selective")
@@ -236,3 +237,33 @@ def allreduce_gradients(params: list[torch.Tensor], group: Any) -> None:
             n = t.numel()
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
+
+
+@torch.no_grad()
+def clip_grad_norm_3d(params: list[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
+    """Clip by the global 2-norm of every gradient of every rank; returns that norm.
+
+    DTensor gradients (TP and/or FSDP shards) take their norm over their own mesh, so
+    replicated pieces count once; pipeline stages hold disjoint parameters, so their
+    squared norms add up over ``pp_group``.
+    """
+    squares = []
+    device = None
+    for p in params:
+        if p.grad is None:
+            continue
+        n = torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32)
+        if hasattr(n, "full_tensor"):
+            n = n.full_tensor()
+        squares.append(n * n)
+        device = n.device
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=device)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.dtype))
+    return total

@@ -21,6 +21,8 @@ __all__ = [
     "find_protocol_module",
     "require_protocol",
     "to_local_output",
+    "tp_sequence_check",
+    "local_tensor",
 ]
 
 _PROTOCOL_HINT = {

@@ -48,6 +48,7 @@ from lightning_perf.parallel.parallelize_3d import (
     Parallel3DConfig,
     Parallelized3D,
     allreduce_gradients,
+    clip_grad_norm_3d,
     parallelize_3d,
 )
 from lightning_perf.parallel.tensor_parallel import tp_sequence_check
@@ -246,6 +247,8 @@ class Parallel3DStrategy(ParallelStrategy):
         )
         if isinstance(precision, PerfPrecision):
             precision.sharded_casting = self._parallel.fsdp and precision.is_mixed
+        # norm clipping must see every stage's and every shard's gradients (not one rank's)
+        precision.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if self._parallel.runner is not None:
             self._install_pipeline_forward(self._parallel)
         self.model = precision.convert_module(module)
@@ -282,6 +285,10 @@ class Parallel3DStrategy(ParallelStrategy):
                 return runner.eval_step(inputs, targets)
 
         parallel.target.forward = pipeline_forward  # type: ignore[method-assign]
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_3d(params, float(clip_val), self.device_mesh["pp"].get_group())
 
     @override
     def model_to_device(self) -> None:

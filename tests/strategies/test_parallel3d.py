@@ -78,7 +78,7 @@ def loader(per_rank_batch: int, reference: bool = False, shuffle: bool = True):
 
 def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "llama", ckpt_path=None,
         save_to=None, plugins: Any = None, inject_inf_at: Optional[int] = None, accumulate: int = 1,
-        val: bool = False) -> dict:
+        val: bool = False, clip: Optional[float] = None) -> dict:
     import lightning as L
 
     L.seed_everything(0, verbose=False)
@@ -87,6 +87,7 @@ def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "l
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=steps // PER_EPOCH,
         plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=1 if val else 0, accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
     )
     # validation: the first global batch, forward only, unshuffled
     val_loader = loader(GLOBAL_B // dp, shuffle=False) if val else None
@@ -188,7 +189,8 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
 
 def _worker8(rank: int, world: int, out: Path) -> dict:
     strategy = S(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=2)
-    res = {"pp2_tp2_dp2": fit(strategy, world, dp=2)}
+    # gradient clipping by the global norm over all stages and shards (active: the norm is > 0.05)
+    res = {"pp2_tp2_dp2": fit(strategy, world, dp=2, clip=0.05)}
     mesh = strategy.device_mesh
     res["coords"] = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
     res["sampler"] = strategy.distributed_sampler_kwargs
@@ -222,7 +224,8 @@ def references():
     def one(**kwargs: Any) -> dict:
         return fit(SingleDeviceStrategy(torch.device("cpu")), 1, **kwargs)
 
-    return {"llama": one(val=True), "gpt2": one(kind="gpt2"), "accumulate2": one(accumulate=2)}
+    return {"llama": one(val=True), "gpt2": one(kind="gpt2"), "accumulate2": one(accumulate=2),
+            "clip": one(clip=0.05)}
 
 
 @pytest.mark.slow
@@ -278,7 +281,8 @@ def fit_reference_steps(steps: int) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_eight_rank_pp2_tp2_dp2(references, tmp_path) -> None:
     results = spawn(_worker8, 8, tmp_path, timeout=400.0)
-    _check_run(results, "pp2_tp2_dp2", references["llama"])
+    assert references["clip"]["losses"][-1] != pytest.approx(references["llama"]["losses"][-1], rel=1e-3)
+    _check_run(results, "pp2_tp2_dp2", references["clip"])
     from lightning_perf.parallel.dims import ParallelDims
 
     dims = ParallelDims(tp=2, pp=2, world_size=8)
