@@ -1,0 +1,363 @@
+"""Tensor, pipeline and data parallelism side by side on one host (2x H200, NVLink).
+
+    python benchmarks/bench_parallel3d.py --out DIR     # every variant, ~6-8 min on 2x H200
+    python benchmarks/bench_parallel3d.py --smoke       # same code paths, tiny models, CPU/gloo
+
+All variants train inside Lightning's ``Trainer.fit`` with ``Parallel3DStrategy``
+(bf16-mixed, random tokens, AdamW, eager, parameters built on meta and initialised
+on the GPUs). gpt-1.3b (untied head, so every layout runs the same model) sees the
+same global batch of 16 x 2048 tokens per step in every layout:
+
+- ``dp2``: 8 sequences per GPU, FSDP2 (ZeRO-2) over the two GPUs: the baseline;
+- ``tp2``: 16 sequences, both GPUs split every layer (sequence parallel);
+- ``pp2_<schedule>_m<m>``: 16 sequences in ``m`` microbatches through 2 stages, for
+  1F1B, GPipe and interleaved 1F1B (2 stages per GPU) at m = 4 and 8.
+
+Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 and tp2
+with full activation checkpointing, 4 x 2048 tokens per step.
+
+Per variant: ``--warmup`` steps, then ``--steps`` timed with CUDA events (median), then
+one profiled step. Reported: tokens/s, MFU per GPU (causal attention counted once,
+against 989 TFLOP/s dense bf16), peak allocated memory (max over ranks), exposed
+communication % (NCCL kernel time overlapped by no compute kernel, over the step), the
+GPU compute-idle share of the step (max over ranks), and for pipelines the measured
+bubble ``1 - t(dp2) / t(pp2)`` (same global batch: a bubble-free pipeline would match
+dp2's step time) against the theory ``(p-1) / (s*m + p-1)``, plus throughput as a share
+of the bubble bound ``dp2 tokens/s * (1 - theory)``.
+
+Variants of one model share one spawned process group (started once, CUDA state freed
+between variants); a failing variant is recorded in the JSON and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
+
+GPT_VARIANTS: dict[str, dict[str, Any]] = {
+    "dp2": {"dp": 2},
+    "tp2": {"tp": 2},
+    **{
+        f"pp2_{sched}_m{m}": {"pp": 2, "schedule": sched, "m": m, "spr": 2 if sched == "interleaved_1f1b" else 1}
+        for sched in ("1f1b", "gpipe", "interleaved_1f1b")
+        for m in (4, 8)
+    },
+}
+LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
+    "llama8b_pp2": {"pp": 2, "schedule": "1f1b", "m": 4, "ac": "full"},
+    "llama8b_tp2": {"tp": 2, "ac": "full"},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _strategy(spec: dict[str, Any], world: int) -> Any:
+    from lightning_perf.strategies import Parallel3DStrategy
+
+    pp, tp = spec.get("pp", 1), spec.get("tp", 1)
+    return Parallel3DStrategy(
+        data_parallel_size=world // (pp * tp),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        zero_stage=2,
+        pipeline_schedule=spec.get("schedule", "1f1b"),
+        num_microbatches=spec.get("m"),
+        stages_per_rank=spec.get("spr", 1),
+        activation_checkpointing=spec.get("ac", "none"),
+        meta_init=True,
+    )
+
+
+def _timer(warmup: int, steps: int, trace_dir: str) -> Any:
+    import lightning as L
+
+    cuda = torch.cuda.is_available()
+
+    class Timer(L.Callback):
+        """CUDA-event step times; the step after the timed ones is profiled."""
+
+        def __init__(self) -> None:
+            self.marks: list[list[Any]] = []
+            self.prof: Any = None
+            self.trace: Optional[list[dict]] = None
+
+        def on_train_start(self, trainer, pl_module):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+
+        def _now(self) -> Any:
+            if not cuda:
+                return time.perf_counter()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == warmup + steps:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                self.prof = profile(activities=acts)
+                self.prof.__enter__()
+            self.marks.append([self._now(), None])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.marks[-1][1] = self._now()
+            if self.prof is not None:
+                if cuda:
+                    torch.cuda.synchronize()
+                self.prof.__exit__(None, None, None)
+                path = os.path.join(trace_dir, f"trace_rank{trainer.global_rank}.json")
+                self.prof.export_chrome_trace(path)
+                with open(path) as f:
+                    self.trace = json.load(f).get("traceEvents", [])
+                os.remove(path)
+                self.prof = None
+
+        def step_times(self) -> list[float]:
+            if cuda:
+                torch.cuda.synchronize()
+                out = [a.elapsed_time(b) / 1e3 for a, b in self.marks if b is not None]
+            else:
+                out = [b - a for a, b in self.marks if b is not None]
+            return out[warmup : warmup + steps]
+
+    return Timer()
+
+
+def _idle_share(trace: list[dict], step_s: float) -> Optional[float]:
+    """Share of the profiled step in which no compute kernel runs on the GPU (bubble + waits)."""
+    from lightning_perf.perf.intervals import total, union
+
+    kernels = [e for e in trace if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not kernels:
+        return None
+    compute = [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in kernels if "nccl" not in e["name"].lower()]
+    busy = total(union(compute))
+    return max(0.0, 1.0 - busy / step_s)
+
+
+def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir: str) -> dict[str, Any]:
+    import lightning as L
+    from torch.utils.data import DataLoader, Dataset
+
+    from lightning_perf.models.gpt import GPTConfig
+    from lightning_perf.models.gpt.module import GPTLightningModule
+
+    smoke = args["smoke"]
+    preset = spec.get("preset", args["preset"])
+    T = args["seq_len"]
+    global_batch = spec.get("global_batch", args["global_batch"])
+    dp = world // (spec.get("pp", 1) * spec.get("tp", 1))
+    B = global_batch // dp
+    small = "tiny-llama" if "llama" in preset else "tiny"
+    config = GPTConfig.from_name(small if smoke else preset, block_size=max(T, 16), tie_embeddings=False)
+    pool = torch.randint(0, config.vocab_size, (64, T + 1), generator=torch.Generator().manual_seed(rank))
+
+    class Tokens(Dataset):  # random tokens from a small pool: no data cost inside the step
+        def __len__(self) -> int:
+            return 1 << 20
+
+        def __getitem__(self, i: int):
+            x = pool[i % len(pool)]
+            return x[:-1], x[1:]
+
+    L.seed_everything(0, verbose=False)
+    module = GPTLightningModule(config, warmup_steps=0)
+    timer = _timer(args["warmup"], args["steps"], trace_dir)
+    trainer = L.Trainer(
+        accelerator="cpu" if smoke else "gpu", devices=world, strategy=_strategy(spec, world),
+        precision="32-true" if smoke else "bf16-mixed", max_steps=args["warmup"] + args["steps"] + 1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+    )
+    t0 = time.perf_counter()
+    trainer.fit(module, DataLoader(Tokens(), batch_size=B, pin_memory=not smoke))
+    times = timer.step_times()
+    step = statistics.median(times)
+    tokens_per_s = global_batch * T / step
+    out: dict[str, Any] = {
+        "ok": True, "preset": config.name, "world": world, "dp": dp, "tp": spec.get("tp", 1),
+        "pp": spec.get("pp", 1), "schedule": spec.get("schedule"), "microbatches": spec.get("m"),
+        "stages_per_rank": spec.get("spr", 1), "activation_checkpointing": spec.get("ac", "none"),
+        "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
+        "step_s_max": max(times), "tokens_per_s": tokens_per_s,
+        "mfu": config.flops_per_token(T) * tokens_per_s / world / PEAK_BF16,
+        "mfu_attention_twice": config.flops_per_token_full_attention(T) * tokens_per_s / world / PEAK_BF16,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+        "fit_s": time.perf_counter() - t0,
+    }
+    if timer.trace:
+        from lightning_perf.perf.comm import analyze_comm_trace
+
+        analysis = analyze_comm_trace(timer.trace, ranks=world)
+        out["exposed_comm_pct"] = 100.0 * analysis.overlap.exposed / step
+        idle = _idle_share(timer.trace, step)
+        out["compute_idle_pct"] = None if idle is None else 100.0 * idle
+    del trainer, module, timer
+    return out
+
+
+def _worker(rank: int, world: int, port: int, names: list[str], specs: dict, args: dict, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))
+    for name in names:
+        try:
+            result = _run_one(name, specs[name], args, world, rank, out_dir)
+        except BaseException as e:  # recorded, never fatal for the whole run
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"[-2000:],
+                      "traceback": traceback.format_exc()[-4000:]}
+        result["variant"] = name
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_group(names: list[str], specs: dict, args: dict, world: int, timeout: float) -> list[dict]:
+    """One process group runs ``names`` in order; per variant, ranks' results are merged."""
+    tmp = tempfile.mkdtemp(prefix="bench3d_")
+    ctx = mp.start_processes(_worker, args=(world, free_port(), names, specs, args, tmp), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    error = None
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                error = f"group timed out after {timeout:.0f}s"
+                break
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"[-2000:]
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    merged = []
+    for name in names:
+        ranks = []
+        for r in range(world):
+            try:
+                with open(os.path.join(tmp, f"{name}.rank{r}.json")) as f:
+                    ranks.append(json.load(f))
+            except OSError:
+                pass
+        if not ranks:
+            merged.append({"variant": name, "ok": False, "error": error or "no result"})
+            continue
+        res = dict(next((x for x in ranks if not x.get("ok")), ranks[0]))
+        for key in ("peak_mem_gb", "exposed_comm_pct", "compute_idle_pct"):
+            vals = [x[key] for x in ranks if x.get(key) is not None]
+            if vals:
+                res[key] = max(vals)
+        merged.append(res)
+    return merged
+
+
+def add_bubble_figures(results: list[dict]) -> None:
+    """Measured bubble (vs dp2 at the same global batch) and theory for every pipeline variant."""
+    from lightning_perf.parallel.pipeline import bubble_fraction
+
+    base = next((r for r in results if r["variant"] == "dp2" and r.get("ok")), None)
+    for r in results:
+        if not r.get("ok") or base is None:
+            continue
+        r["vs_dp2_tokens_per_s"] = r["tokens_per_s"] / base["tokens_per_s"] if r["preset"] == base["preset"] else None
+        if r.get("pp", 1) > 1 and r["preset"] == base["preset"]:
+            theory = bubble_fraction(r["pp"], r["microbatches"], r["stages_per_rank"])
+            r["bubble_theory"] = theory
+            r["bubble_measured"] = 1.0 - base["step_s_median"] / r["step_s_median"]
+            r["share_of_bubble_bound"] = r["tokens_per_s"] / (base["tokens_per_s"] * (1.0 - theory))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--smoke", action="store_true", help="tiny models on 2 CPU processes (gloo)")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--preset", default="gpt-1.3b")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=330.0, help="seconds for the gpt-1.3b group")
+    parser.add_argument("--llama-timeout", type=float, default=170.0, help="seconds for the llama-8b group")
+    parser.add_argument("--no-llama", action="store_true")
+    a = parser.parse_args(argv)
+    if a.smoke:
+        a.seq_len, a.global_batch, a.warmup, a.steps = 32, 8, 1, 2
+    args = {"smoke": a.smoke, "preset": a.preset, "seq_len": a.seq_len, "global_batch": a.global_batch,
+            "warmup": a.warmup, "steps": a.steps}
+    llama = {k: dict(v, preset="llama-8b", global_batch=4 if not a.smoke else 8) for k, v in LLAMA_VARIANTS.items()}
+    start = time.perf_counter()
+    results = run_group(list(GPT_VARIANTS), GPT_VARIANTS, args, a.gpus, a.timeout)
+    if not a.no_llama:
+        results += run_group(list(llama), llama, args, a.gpus, a.llama_timeout)
+    add_bubble_figures(results)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    report = {
+        "benchmark": "bench_parallel3d",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "gpus": a.gpus,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "config": {**args, "variants": {**GPT_VARIANTS, **llama}, "peak_flops": PEAK_BF16},
+        "wall_s": time.perf_counter() - start,
+        "results": results,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out / f"bench_parallel3d{'_smoke' if a.smoke else ''}_{stamp}.json"
+    path.write_text(json.dumps(report, indent=2))
+    head = f"{'variant':28s} {'tok/s':>9s} {'MFU':>6s} {'memGB':>6s} {'exp.comm':>8s} {'idle':>6s} " \
+           f"{'vs dp2':>7s} {'bubble':>13s} {'of bound':>8s}"
+    print("\n" + head)
+    for r in results:
+        if not r.get("ok"):
+            print(f"{r['variant']:28s} failed: {r.get('error', '')[:90]}")
+            continue
+
+        def pct(key: str) -> str:
+            return f"{r[key]:.1f}%" if r.get(key) is not None else "-"
+
+        mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
+        vs = f"{r['vs_dp2_tokens_per_s']:.2f}x" if r.get("vs_dp2_tokens_per_s") is not None else "-"
+        bub = (f"{100 * r['bubble_measured']:.0f}%/{100 * r['bubble_theory']:.0f}%"
+               if r.get("bubble_theory") is not None else "-")
+        bound = f"{100 * r['share_of_bubble_bound']:.0f}%" if r.get("share_of_bubble_bound") is not None else "-"
+        print(f"{r['variant']:28s} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% {mem:>6s} "
+              f"{pct('exposed_comm_pct'):>8s} {pct('compute_idle_pct'):>6s} {vs:>7s} {bub:>13s} {bound:>8s}")
+    print("bubble = measured (1 - t_dp2 / t_pp) / theory (p-1)/(s*m+p-1)")
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
