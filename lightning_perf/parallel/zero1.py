@@ -93,7 +93,7 @@ def shard_optimizer(optimizer: Optimizer, *, process_group: Optional[dist.Proces
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     zero = ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=process_group, parameters_as_bucket_view=False, **defaults
+        groups, optimizer_class=type(optimizer), process_group=process_group, parameters_as_bucket_view=True, **defaults
     )
     return zero
 
