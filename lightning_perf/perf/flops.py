@@ -36,6 +36,7 @@ __all__ = [
     "FlopCount",
     "count_flops",
     "op_category",
+    "category_of_name",
 ]
 
 CATEGORIES = ("matmul", "attention", "norm", "elementwise", "communication", "copy")
@@ -61,9 +62,19 @@ def op_category(func: Any) -> str:
     """Category of an aten/c10d op (an ``OpOverload``)."""
     namespace = getattr(func, "namespace", "aten")
     name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    return _categorize(namespace, name)
+
+
+def category_of_name(qualified: str) -> str:
+    """Category from a profiler-style name (``"aten::_flash_attention_forward"``, ``"c10d::allreduce_"``)."""
+    namespace, _, name = qualified.rpartition("::")
+    return _categorize(namespace or "aten", name.split(".")[0])
+
+
+def _categorize(namespace: str, name: str) -> str:
     if namespace in ("c10d", "_c10d_functional", "c10d_functional", "_dtensor"):
         return "communication"
-    if name.startswith(_ATTENTION_BASE) or "flex_attention" in name:
+    if name.startswith(_ATTENTION_BASE) or "flex_attention" in name or "cudnn_attention" in name:
         return "attention"
     if name in _MATMUL:
         return "matmul"

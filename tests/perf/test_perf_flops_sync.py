@@ -137,3 +137,17 @@ def test_error_mode_raises_at_user_site():
     with pytest.raises(SyncPointError, match=f"{HERE}:{_line('SITE-RAISE')}"):
         with DispatchSyncDetector(rec):
             torch.ones(3).sum().item()  # SITE-RAISE
+
+
+def test_inner_kernel_ops_are_timed_in_their_category():
+    """The counter sees the outer SDPA op; the profiler puts the kernel time on the inner op."""
+    from lightning_perf.perf import OpRecord, build_groups
+
+    records = [OpRecord(op="aten::_scaled_dot_product_flash_attention", category="attention", module="M",
+                        calls=1, flops=int(1e9), bytes=int(1e6)),
+               OpRecord(op="aten::mm", category="matmul", module="M", calls=1, flops=int(1e9), bytes=int(1e6))]
+    times = {"aten::_flash_attention_forward": 2e-3, "aten::mm": 2e-3, "aten::linear": 0.0}
+    groups = {g.name: g for g in build_groups(records, times, key="category", peak_flops=1e12, peak_bandwidth=1e11)}
+    assert groups["attention"].seconds == pytest.approx(2e-3) and groups["attention"].flops == 1e9
+    assert groups["attention"].bound == "compute"
+    assert groups["attention"].time_share == pytest.approx(0.5)
