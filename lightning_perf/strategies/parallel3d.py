@@ -17,6 +17,7 @@ microbatch loss by ``1 / accumulate_grad_batches``. Validation runs forward only
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -38,7 +39,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -214,6 +215,16 @@ class Parallel3DStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._device_mesh = dims.build_mesh(self.root_device.type)
+        if (
+            self.root_device.type == "cuda"
+            and dims.dp_enabled
+            and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+        ):
+            # Megatron's TP setting serialises every stream: FSDP's all-gather/reduce-scatter stop overlapping
+            rank_zero_warn(
+                "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises CUDA streams, so data-parallel communication cannot "
+                "overlap compute; Parallel3DStrategy does not need it (unset it)"
+            )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 

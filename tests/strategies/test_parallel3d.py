@@ -150,7 +150,10 @@ def S(**kwargs: Any):
 
 # ---- workers: every run of one process group, in sequence ----------------------------------------
 
-SCHEDULES_2 = [("1f1b", 1, 2), ("gpipe", 1, 4), ("interleaved_1f1b", 2, 4), ("zero_bubble", 2, 4)]
+SCHEDULES_2 = [("1f1b", 1, 2), ("gpipe", 1, 4), ("interleaved_1f1b", 2, 4), ("zero_bubble", 2, 4),
+               ("looped_bfs", 2, 4)]
+if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 12):
+    SCHEDULES_2.append(("zbv_zero_bubble", 2, 4))  # V placement; its gloo path self-sends on torch 2.11
 
 
 def _worker2(rank: int, world: int, out: Path) -> dict:
