@@ -463,7 +463,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU ok (Triton interpreter)")
     p.add_argument("--only", nargs="*", default=None,
                    help="groups to run: attention fused_linear_cross_entropy norm activation rotary")
-    p.add_argument("--budget-s", type=float, default=450.0, help="stop timing new variants after this long")
+    p.add_argument("--budget-s", type=float, default=400.0, help="stop timing new variants after this long")
     p.add_argument("--reps", type=int, default=None)
     args = p.parse_args(argv)
 

@@ -46,6 +46,7 @@ def test_matches_reference(shape, reduction, dtype, atol, rtol, poison, close, d
     tokens, d, V = shape
     # several chunks even at these sizes: 4 rows of logits per chunk
     monkeypatch.setattr(flce_module, "_CHUNK_BYTES", 4 * V * dtype.itemsize)
+    monkeypatch.setattr(flce_module, "_MIN_CHUNK_ROWS", 4)
     x, w, t = _make(tokens, d, V, dtype, device)
     _check(x, w, t, close, atol, rtol, reduction=reduction)
 

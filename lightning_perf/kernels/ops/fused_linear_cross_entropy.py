@@ -37,7 +37,10 @@ __all__ = [
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
-_CHUNK_BYTES = 256 * 2**20  # one chunk of logits in the matmul dtype
+_CHUNK_BYTES = 256 * 2**20  # one chunk of logits in the matmul dtype...
+# ...but at least this many rows: each chunk reads and writes all of dW (V x d) once in its addmm, so
+# fewer, longer chunks amortise it (H200, d=4096, V=128256: 1024-row chunks 4% slower than 2048)
+_MIN_CHUNK_ROWS = 2048
 
 
 @triton.jit
@@ -102,7 +105,7 @@ def _ce_rows(logits, target, loss, scale, ignore_index: int, z_loss: float, comp
 
 def _chunk_rows(N: int, V: int, itemsize: int) -> int:
     rows = max(1, _CHUNK_BYTES // max(1, V * itemsize))
-    rows = 1 << (rows.bit_length() - 1)  # a power of two: fewer matmul shapes to tune
+    rows = max(1 << (rows.bit_length() - 1), _MIN_CHUNK_ROWS)  # a power of two: fewer matmul shapes
     return max(1, min(N, rows))
 
 
