@@ -60,6 +60,53 @@ def make_module(**kwargs: Any):
     return Recording(**kwargs)
 
 
+def make_generic(**kwargs: Any):
+    """A LightningModule around a non-GPT network shaped like a Hugging Face decoder
+    (``net.model.layers`` is a ``ModuleList``), built in ``__init__`` rather than ``configure_model``."""
+    import lightning as L
+    import torch.nn as nn
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(32)
+            self.up, self.down = nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 32)
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList(Layer() for _ in range(3))
+            self.head = nn.Linear(32, VOCAB, bias=False)
+
+        def forward(self, idx):
+            x = self.embed(idx)
+            for layer in self.model.layers:
+                x = layer(x)
+            return self.head(x)
+
+    class Generic(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+            self.losses.append(loss.detach().item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Generic(**kwargs)
+
+
 def loader(world: int, epochs_of: int = STEPS, *, rank: Optional[int] = None, batch: int = B):
     """Rank r, step k sees rows k*world*B + r + world*j: one step's union is one reference batch.
 
@@ -117,11 +164,11 @@ class Probe:
 
 
 def fit(strategy, world: int, *, steps: int = STEPS, accumulate: int = 1, ckpt_path=None, save_to=None,
-        plugins=None, module_kwargs=None, epochs_of: int = STEPS):
+        plugins=None, module_kwargs=None, epochs_of: int = STEPS, factory=None):
     import lightning as L
 
     L.seed_everything(0, verbose=False)
-    module = make_module(**(module_kwargs or {}))
+    module = (factory or make_module)(**(module_kwargs or {}))
     probe = Probe.make()
     callbacks = [probe]
     if save_to is not None:  # mid-epoch, by ModelCheckpoint: the loader position is saved too
@@ -208,6 +255,9 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     for stage in (1, 2, 3):
         res[f"native{stage}"] = fit(ZeroStrategy(stage=stage), world)
         res[f"native{stage}_acc"] = fit(ZeroStrategy(stage=stage), world, accumulate=2, steps=STEPS // 2)
+    # composes with activation checkpointing; any LightningModule (a Hugging Face-shaped network)
+    res["native3_ac"] = fit(ZeroStrategy(stage=3), world, module_kwargs={"activation_checkpointing": "full"})
+    res["generic3"] = fit(ZeroStrategy(stage=3), world, factory=make_generic)
     # checkpoint at 10, resume to 20 (stage 3 and stage 1)
     for stage in (1, 3):
         fit(ZeroStrategy(stage=stage), world, save_to=str(out / f"ckpt{stage}.ckpt"), epochs_of=2 * STEPS)
@@ -282,6 +332,18 @@ def test_stages_match_one_process(runs) -> None:
                 assert stats["params"] == n
             else:  # FSDP2 keeps sharded parameters between steps at stage 2 too (gathers once per step)
                 assert stats["params"] <= n / 2 + 64, (stage, stats, n)
+
+
+def test_activation_checkpointing_and_a_generic_module(runs) -> None:
+    ref = _reference()
+    torch.testing.assert_close(_rank_mean(runs, "native3_ac"), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    _close(runs[0]["native3_ac"]["final"], ref["final"])
+    gen = fit("auto", 1, factory=make_generic)
+    torch.testing.assert_close(_rank_mean(runs, "generic3"), torch.tensor(gen["losses"]), rtol=1e-5, atol=1e-6)
+    _close(runs[0]["generic3"]["final"], gen["final"])
+    n = sum(v.numel() for v in gen["final"].values())
+    for r in runs:  # the ModuleList layers were found and sharded
+        assert r["generic3"]["stats"]["params"] <= n / 2 + 64
 
 
 def test_resume_equals_uninterrupted(runs) -> None:
