@@ -166,6 +166,8 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
         res[f"pp2_{name}"] = fit(S(pipeline_parallel_size=2, pipeline_schedule=name, stages_per_rank=spr,
                                    num_microbatches=m), world, val=name == "1f1b")
     res["pp2_accumulate2"] = fit(S(pipeline_parallel_size=2), world, accumulate=2)
+    # built on meta, each stage initialised where it lives (values differ from one process by design)
+    res["tp2_meta"] = fit(S(tensor_parallel_size=2, meta_init=True), world)
     # resharding: save under tp2 after one epoch, resume under pp2
     ckpt = out / "tp2.ckpt"
     fit(S(tensor_parallel_size=2), world, steps=PER_EPOCH, save_to=ckpt)
@@ -244,6 +246,8 @@ def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None
         _check_run(results, f"pp2_{name}", ref)
     _check_run(results, "tp2_to_pp2", ref, first=PER_EPOCH)
     _check_run(results, "pp2_accumulate2", references["accumulate2"])
+    meta = [r["tp2_meta"]["losses"] for r in results]
+    assert meta[0] == meta[1] and all(4.0 < x < 5.5 for x in meta[0]), meta  # ~ln(96) = 4.56 at init
     for key in ("tp2", "pp2_1f1b"):  # forward-only validation, also through the pipeline schedule
         for r in results:
             assert r[key]["val"] == pytest.approx(ref["val"], rel=1e-4), (key, r[key]["val"], ref["val"])
