@@ -125,6 +125,9 @@ class ZeroStrategy(ParallelStrategy):
         self._mesh: Optional[Any] = None
         self._sharded: Optional[nn.Module] = None  # the FSDP2 root
         self._engine: Optional[Any] = None  # the DeepSpeed engine
+        self._prepared: Optional[nn.Module] = None  # the LightningModule already sharded
+        self._ddp: Optional[nn.parallel.DistributedDataParallel] = None
+        self._init_mode = init
         self.num_nodes = 1
 
     # ---- precision: always PerfPrecision (Lightning would install its generic plugin) --------
@@ -239,23 +242,11 @@ class ZeroStrategy(ParallelStrategy):
                 f"{type(module).__name__} has no parameters (0 elements): build the model in __init__ or "
                 "configure_model() before training with a ZeRO strategy"
             )
-        target = find_model(module)
-        full = self._gather_init_state(target)
-        target = self.precision_plugin.convert_module(target)  # bf16-true: cast before sharding
-        if self.config.uses_fsdp:
-            self._setup_fsdp(target, full)
-        elif self.config.uses_ddp:
-            self._materialize(target, full)
-            self.model = apply_ddp(
-                module,
-                device_ids=[self.root_device.index] if self.root_device.type == "cuda" else None,
-                bucket_size_mb=self.config.bucket_size_mb,
-                gradient_compression=self.config.gradient_compression,
-                powersgd_rank=self.config.powersgd_rank,
-            )
-        else:
-            self._materialize(target, full)
-        del full  # rank 0's full copy: free it before the optimizer exists
+        if self._prepared is not module:
+            self._shard_and_materialize(module)
+            self._prepared = module
+        elif self._ddp is not None:  # a later fit/validate of the same module: reuse the wrapper
+            self.model = self._ddp
         module.to(self.root_device)  # what lives outside the sharded model (metrics, buffers)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -267,6 +258,25 @@ class ZeroStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_and_materialize(self, module: "pl.LightningModule") -> None:
+        target = find_model(module)
+        full = self._gather_init_state(target)
+        target = self.precision_plugin.convert_module(target)  # bf16-true: cast before sharding
+        if self.config.uses_fsdp:
+            self._setup_fsdp(target, full)
+        elif self.config.uses_ddp:
+            self._materialize(target, full)
+            self.model = self._ddp = apply_ddp(
+                module,
+                device_ids=[self.root_device.index] if self.root_device.type == "cuda" else None,
+                bucket_size_mb=self.config.bucket_size_mb,
+                gradient_compression=self.config.gradient_compression,
+                powersgd_rank=self.config.powersgd_rank,
+            )
+        else:
+            self._materialize(target, full)
+        # rank 0's full copy (``full``) is released on return, before the optimizer exists
 
     def _gather_init_state(self, target: nn.Module) -> Optional[dict[str, Any]]:
         """Under ``init="rank0"``: rank 0 keeps its full state, every rank turns its module to meta."""
