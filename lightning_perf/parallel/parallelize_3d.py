@@ -36,6 +36,7 @@ __all__ = [
     "Parallelized3D",
     "parallelize_3d",
     "check_model",
+    "check_model_config",
     "allreduce_gradients",
     "clip_grad_norm_3d",
 ]
@@ -107,12 +108,26 @@ def check_model(model: nn.Module, config: Parallel3DConfig) -> nn.Module:
     if tp > 1:
         tp_target = require_protocol(target, "tensor_parallel_plan", f"tensor parallelism (tp={tp})")
         target = target if pp > 1 else tp_target
-    cfg = getattr(target, "config", None)
-    if cfg is not None and all(hasattr(cfg, a) for a in ("n_head", "n_kv_head", "n_layer", "tie_embeddings")):
-        from lightning_perf.models.gpt.parallelize import check_gpt_layout
-
-        check_gpt_layout(cfg, tp=tp, pp=pp, stages_per_rank=config.stages_per_rank if pp > 1 else 1)
+    check_model_config(getattr(target, "config", None), config)
     return target
+
+
+def check_model_config(model_config: Any, config: Parallel3DConfig) -> None:
+    """Check a GPT-shaped model config (heads, kv heads, layers, tied head) against the layout.
+
+    Needs numbers only, so a strategy can call it before any process group exists
+    (a LightningModule that carries its model config before ``configure_model``).
+    Anything that is not GPT-shaped is left to the model's own protocol methods.
+    """
+    fields = ("n_head", "n_kv_head", "n_layer", "tie_embeddings", "intermediate_size", "padded_vocab_size")
+    if model_config is None or not all(hasattr(model_config, a) for a in fields):
+        return
+    from lightning_perf.models.gpt.parallelize import check_gpt_layout
+
+    pp = config.pipeline_parallel_size
+    check_gpt_layout(
+        model_config, tp=config.tensor_parallel_size, pp=pp, stages_per_rank=config.stages_per_rank if pp > 1 else 1
+    )
 
 
 @dataclass

@@ -49,6 +49,7 @@ from lightning_perf.parallel.parallelize_3d import (
     Parallel3DConfig,
     Parallelized3D,
     allreduce_gradients,
+    check_model_config,
     clip_grad_norm_3d,
     parallelize_3d,
 )
@@ -206,6 +207,7 @@ class Parallel3DStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         dims = self.config.dims(self.world_size)  # before the process group: a bad layout never hangs
+        self._check_model_config()
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -227,6 +229,11 @@ class Parallel3DStrategy(ParallelStrategy):
             )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _check_model_config(self) -> None:
+        """A module carrying its model config (``GPTLightningModule.config``) is checked by numbers now."""
+        module = self.lightning_module
+        check_model_config(getattr(module, "config", None), self.config)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

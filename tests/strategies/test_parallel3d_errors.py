@@ -69,3 +69,15 @@ def test_user_model_without_protocol_gets_data_parallel_only() -> None:
         check_model(model, Parallel3DConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match=r"pipeline parallelism \(pp=2\) needs .*pipeline_stage"):
         check_model(model, Parallel3DConfig(pipeline_parallel_size=2))
+
+
+def test_module_config_is_checked_before_the_process_group() -> None:
+    from lightning_perf.models.gpt.module import GPTLightningModule
+
+    strategy = Parallel3DStrategy(tensor_parallel_size=4)
+    strategy._lightning_module = GPTLightningModule(GPTConfig.from_name("tiny-llama", n_head=8, n_kv_head=2))
+    with pytest.raises(ValueError, match=r"n_kv_head \(2\) is not divisible by tensor_parallel_size \(4\)"):
+        strategy._check_model_config()
+    ok = Parallel3DStrategy(tensor_parallel_size=2)
+    ok._lightning_module = GPTLightningModule("tiny-llama")  # 4 heads, 2 kv heads: fine for tp=2
+    ok._check_model_config()
