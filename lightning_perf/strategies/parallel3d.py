@@ -260,9 +260,10 @@ class Parallel3DStrategy(ParallelStrategy):
         mp_policy = None
         if isinstance(precision, PerfPrecision):
             mp_policy = precision.mp_policy()
-        self._parallel = parallelize_3d(
-            module, self.config, self.device_mesh, device=self.root_device, mp_policy=mp_policy
-        )
+        if self._parallel is None:  # once per strategy: fit then validate/test reuse the split model
+            self._parallel = parallelize_3d(
+                module, self.config, self.device_mesh, device=self.root_device, mp_policy=mp_policy
+            )
         if isinstance(precision, PerfPrecision):
             precision.sharded_casting = self._parallel.fsdp and precision.is_mixed
         # norm clipping must see every stage's and every shard's gradients (not one rank's)
@@ -331,6 +332,10 @@ class Parallel3DStrategy(ParallelStrategy):
         if self._parallel is None or self._parallel.runner is None:
             with self._tp_loss_context():
                 return super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:
+            # manual optimisation: the schedule's gradients are in .grad for the user's optimizer.step()
+            return super().training_step(*args, **kwargs)
         params = self._params()
         earlier = [p.grad for p in params]  # accumulated by earlier micro-steps, if any
         for p in params:
