@@ -60,7 +60,9 @@ class ZeroConfig:
         if self.backend not in ("native", "deepspeed"):
             raise ValueError(f"backend must be 'native' or 'deepspeed', got {self.backend!r}")
         if self.offload_params and self.stage != 3:
-            raise ValueError(f"offload_params needs stage 3 (parameters are sharded only there), got stage={self.stage}")
+            raise ValueError(
+                f"offload_params needs stage 3 (parameters are sharded only there), got stage={self.stage}"
+            )
         if (self.offload_optimizer or self.offload_params) and self.backend != "deepspeed":
             raise ValueError("CPU offload runs through DeepSpeed: use backend='deepspeed' (or leave backend unset)")
         if self.backend == "deepspeed":
@@ -99,7 +101,9 @@ class ZeroConfig:
         """Raise ValueError for a precision this backend cannot run (before any collective)."""
         if self.backend == "deepspeed":
             if precision == "bf16-true":
-                raise ValueError("backend='deepspeed' keeps fp32 master weights: use 'bf16-mixed' instead of 'bf16-true'")
+                raise ValueError(
+                    "backend='deepspeed' keeps fp32 master weights: use 'bf16-mixed' instead of 'bf16-true'"
+                )
             if precision == "16-mixed" and device_type == "cpu":
                 raise ValueError("DeepSpeed's CPU accelerator has no fp16: use precision='bf16-mixed' or '32-true'")
 

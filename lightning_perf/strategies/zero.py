@@ -328,7 +328,9 @@ class ZeroStrategy(ParallelStrategy):
         from lightning_perf.parallel import deepspeed_engine
 
         if len(self.optimizers) != 1:
-            raise ValueError(f"backend='deepspeed' takes one optimizer, configure_optimizers returned {len(self.optimizers)}")
+            raise ValueError(
+                f"backend='deepspeed' takes one optimizer, configure_optimizers returned {len(self.optimizers)}"
+            )
         precision = self.precision_plugin
         config = deepspeed_config(
             self.config,
@@ -420,7 +422,10 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Tensor:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
