@@ -6,8 +6,8 @@ batch 8 / dp), 6 steps over 2 epochs of 3 batches, and must reproduce the
 single-process losses (rtol 1e-4) and final parameters. Spawning is the expensive part:
 one 2-process group runs tp2 and pp2 with every schedule, forward-only validation,
 gradient accumulation and a tp2 -> pp2 resume; one 4-process group runs dp2 x tp2,
-pp2 x dp2 (ZeRO 0 and 2), pp2 x tp2 -> dp4 resume + consolidation and fp16 skip-step
-agreement over pp and tp ranks; one 8-process group runs pp2 x tp2 x dp2 with
+pp2 x dp2 (ZeRO 0 and 2, and bf16 against the fp32 losses at rtol 2e-2), pp2 x tp2 ->
+dp4 resume + consolidation and fp16 skip-step agreement over pp and tp ranks; one 8-process group runs pp2 x tp2 x dp2 with
 gradient-norm clipping. Each ``Trainer.fit`` in a group reuses the process group.
 """
 
@@ -183,6 +183,9 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
 
     res["pp2_tp2_fp16"] = fit(S(pipeline_parallel_size=2, tensor_parallel_size=2), world,
                               plugins=[PerfPrecision("16-mixed")], inject_inf_at=2)
+    # bf16: FSDP2's mixed-precision policy under the pipeline (fp32 master weights)
+    res["pp2_dp2_bf16"] = fit(S(pipeline_parallel_size=2, zero_stage=2), world, dp=2,
+                              plugins=[PerfPrecision("bf16-mixed")])
     res["pp2_dp2_zero0"] = fit(S(pipeline_parallel_size=2, zero_stage=0), world, dp=2)
     res["pp2_dp2_zero2"] = fit(S(pipeline_parallel_size=2, zero_stage=2), world, dp=2)
     ckpt = out / "pp2tp2.ckpt"
@@ -259,6 +262,8 @@ def test_four_rank_2d_layouts_and_consolidation(references, tmp_path) -> None:
     ref = references["llama"]
     for key in ("dp2_tp2", "pp2_dp2_zero0", "pp2_dp2_zero2"):
         _check_run(results, key, ref)
+    bf16 = torch.tensor([r["pp2_dp2_bf16"]["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(bf16, torch.tensor(ref["losses"]), rtol=2e-2, atol=0)
     # fp16: all four ranks skipped step 2 and halved the scale, and agree on every loss
     states = [r["pp2_tp2_fp16"]["precision"]["scaler"] for r in results]
     assert all(s == states[0] for s in states), states
