@@ -31,7 +31,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -93,20 +93,29 @@ class HookTimer:
     def __init__(self, step_times: StepTimes, callbacks: list) -> None:
         self.steps = step_times
         self.per_step: dict[int, float] = {}
+        self.per_callback: dict[str, dict[int, float]] = {}
         for cb in callbacks:
             for hook in self.HOOKS:
-                setattr(cb, hook, self._wrap(getattr(cb, hook)))
+                setattr(cb, hook, self._wrap(getattr(cb, hook), type(cb).__name__))
 
-    def _wrap(self, method: Callable) -> Callable:
+    def _wrap(self, method: Callable, owner: str) -> Callable:
+        mine = self.per_callback.setdefault(owner, {})
+
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
+                dt = time.perf_counter() - t0
                 step = len(self.steps.marks) - 1
-                self.per_step[step] = self.per_step.get(step, 0.0) + time.perf_counter() - t0
+                self.per_step[step] = self.per_step.get(step, 0.0) + dt
+                mine[step] = mine.get(step, 0.0) + dt
 
         return timed
+
+    def median_us(self, times: dict[int, float], keep: Callable[[int], bool]) -> Optional[float]:
+        values = [t for k, t in times.items() if keep(k)]
+        return 1e6 * statistics.median(values) if values else None
 
 
 class PlantedItem(GPTLightningModule):
@@ -223,7 +232,9 @@ def part_overhead(cfg: dict[str, Any], res: dict[str, Any]) -> None:
     sampled = set()
     for cb in cbs:
         sampled.update(getattr(cb, "sampled_steps", []) or [])
-    host = [t for k, t in hooks.per_step.items() if k >= skip and k not in sampled and k < steps - 1]
+    keep = lambda k: skip <= k < steps - 1 and k not in sampled  # noqa: E731
+    host = [t for k, t in hooks.per_step.items() if keep(k)]
+    per_callback_us = {name: hooks.median_us(times, keep) for name, times in hooks.per_callback.items()}
     sampled_host = {k: t for k, t in hooks.per_step.items() if k in sampled}
     del trainer
     gc.collect()
@@ -247,6 +258,7 @@ def part_overhead(cfg: dict[str, Any], res: dict[str, Any]) -> None:
         "aa_spread_none_pct": 100 * (max(run_medians["none"]) - min(run_medians["none"])) / med["none"],
         "callback_host_us_per_step_median": 1e6 * statistics.median(host) if host else None,
         "callback_host_pct_of_step": 100 * statistics.median(host) / med["none"] if host else None,
+        "callback_host_us_per_step_by_callback": per_callback_us,
         "sampled_steps": sorted(sampled),
         "sampled_step_host_ms": {str(k): 1e3 * v for k, v in sorted(sampled_host.items())},
         "note": "overhead_median_pct compares pooled medians of unsampled-dominated steps; the A/A spread "

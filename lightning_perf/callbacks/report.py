@@ -50,6 +50,7 @@ class PerfReport(Callback):
         self.summary: Optional[PerfSummary] = None
         self.files: list[str] = []
         self._cuda = False
+        self._events = _throughput.EventPool()
         self._queue: deque[tuple[Any, Any, Any, int, int]] = deque()
         self._start: Any = None
         self._end: Any = None
@@ -59,14 +60,13 @@ class PerfReport(Callback):
 
     def _stamp(self) -> Any:
         if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
+            return self._events.record()
         return _throughput.host_clock()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._cuda = device_of(trainer, pl_module).type == "cuda"
+        self._events = _throughput.EventPool()
         self._queue.clear()
         self._start = self._end = None
         self._index = 0
@@ -99,6 +99,9 @@ class PerfReport(Callback):
             else:
                 step, gap = start - prev_start, start - prev_end
             self._queue.popleft()
+            if self._cuda:
+                self._events.release(prev_start)
+                self._events.release(prev_end)
             if index >= self.warmup_steps:
                 self._measured.append((index, step, gap, tokens))
 

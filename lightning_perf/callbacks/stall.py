@@ -52,6 +52,7 @@ class DataLoaderStallDetector(Callback):
         self.advice: list[str] = []
         self.warned = False
         self._cuda = False
+        self._events = _throughput.EventPool()
         self._fetch = 0.0
         self._fetch_t0: Optional[float] = None
         self._end: Any = None  # host time or event at the previous batch end
@@ -94,6 +95,7 @@ class DataLoaderStallDetector(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device = device_of(trainer, pl_module)
         self._cuda = device.type == "cuda"
+        self._events = _throughput.EventPool()
         self.stats = StallWindow(size=self.window)
         self.fractions, self.warned, self._seen = [], False, 0
         self._pending.clear()
@@ -111,9 +113,7 @@ class DataLoaderStallDetector(Callback):
 
     def _stamp(self) -> Any:
         if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
+            return self._events.record()
         return _throughput.host_clock()
 
     @override
@@ -141,6 +141,9 @@ class DataLoaderStallDetector(Callback):
             else:
                 gap, step = None, start - prev_start
             self._pending.popleft()
+            if self._cuda:
+                self._events.release(prev_start)
+                self._events.release(prev_end)
             self._seen += 1
             if self._seen <= self.warmup_steps:
                 continue

@@ -20,6 +20,7 @@ __all__ = [
     "Throughput",
     "compute_throughput",
     "StepClock",
+    "EventPool",
     "host_clock",
     "measure_matmul_ceiling",
 ]
@@ -111,6 +112,27 @@ def compute_throughput(
     )
 
 
+class EventPool:
+    """Timing events recorded on the current stream, recycled once read (no per-step allocation).
+
+    ``record()`` returns an event recorded now; ``release(event)`` hands back one whose time
+    was read (it has completed, so reusing it cannot disturb a pending measurement).
+    """
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.device = device
+        self._free: list[Any] = []
+
+    def record(self) -> Any:
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def release(self, event: Any) -> None:
+        if event is not None and len(self._free) < 64:
+            self._free.append(event)
+
+
 class StepClock:
     """Durations between consecutive ``mark()`` calls, read without host-device sync.
 
@@ -126,6 +148,7 @@ class StepClock:
         self.max_pending = max_pending
         self._pending: deque[tuple[Any, Any]] = deque()
         self._last: Any = None  # the previous resolved mark (event or host time)
+        self._events = EventPool(self.device) if self.cuda else None
 
     def reset(self) -> None:
         self._pending.clear()
@@ -133,9 +156,8 @@ class StepClock:
 
     def mark(self, payload: Any = None) -> None:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            self._pending.append((event, payload))
+            assert self._events is not None
+            self._pending.append((self._events.record(), payload))
             if len(self._pending) > self.max_pending:  # never read: drop the oldest, no sync
                 self._last = self._pending.popleft()[0]
         else:
@@ -152,6 +174,8 @@ class StepClock:
             if self._last is not None:
                 seconds = self._last.elapsed_time(stamp) / 1e3 if self.cuda else stamp - self._last
                 out.append((seconds, payload))
+                if self._events is not None:
+                    self._events.release(self._last)
             self._last = stamp
         return out
 

@@ -73,7 +73,6 @@ def test_matmul_toy_is_compute_bound(tmp_path):
     # 4 matmuls forward; backward: 4 weight grads + 3 input grads (the data needs none)
     assert cats["matmul"]["flops"] == 11 * 2 * 256**3
     assert result["bound"] == "compute"
-    assert cats["matmul"]["time_share"] > 0.5
     png = os.path.join(str(tmp_path), "roofline_step1.png")
     assert _is_png(png)
     with open(os.path.join(str(tmp_path), "roofline_step1.json")) as f:
