@@ -17,8 +17,9 @@ against the 989 TFLOP/s dense bf16 peak), peak allocated memory (max over ranks)
 exposed communication %. Variants: Lightning ``ddp``, Lightning ``FSDPStrategy``
 FULL_SHARD and SHARD_GRAD_OP (per-block wrap), Lightning ``DeepSpeedStrategy`` stage 2
 (when DeepSpeed imports), ours ``zero1``/``zero2``/``zero3`` eager, ``zero3`` with the
-Triton kernels + per-block ``torch.compile``, and llama-8b under ``zero3`` (too large for
-one GPU under ddp with Adam: 16 bytes/param = 128 GB).
+Triton kernels + per-block ``torch.compile``, llama-8b under ``zero3`` (too large for
+one GPU under ddp with Adam: 16 bytes/param = 128 GB), and ``zero1`` with bf16 / PowerSGD
+gradient compression (speed, and the last step's loss beside uncompressed ``zero1``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zero3": {"strategy": "zero3"},
     "zero3_triton_compile": {"strategy": "zero3", "kernels": "triton", "compile": "default"},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
+    # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
+    "zero1_bf16_compression": {"strategy": "zero1_bf16"},
+    "zero1_powersgd": {"strategy": "zero1_powersgd"},
 }
 
 
@@ -81,6 +85,10 @@ def build_strategy(name: str, smoke: bool) -> Any:
         return "deepspeed_stage_2"
     if name == "zero3_meta":
         return ZeroStrategy(stage=3, init="meta")
+    if name == "zero1_bf16":
+        return ZeroStrategy(stage=1, gradient_compression="fp16" if smoke else "bf16")  # bf16 hook needs NCCL
+    if name == "zero1_powersgd":
+        return ZeroStrategy(stage=1, gradient_compression="powersgd", powersgd_rank=4)
     stage = int(name[-1])
     return ZeroStrategy(stage=stage)
 
@@ -214,6 +222,8 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             mfu_attention_twice=config.flops_per_token_full_attention(T) * tokens_per_s / world / PEAK_BF16,
             peak_mem_gb=(torch.cuda.max_memory_allocated() / 1e9) if torch.cuda.is_available() else None,
             fit_s=time.perf_counter() - t0,
+            final_loss=float(trainer.callback_metrics["train/loss"]) if "train/loss" in trainer.callback_metrics
+            else None,
         )
         if timer.profile_events:
             from lightning_perf.perf.comm import analyze_comm_trace
@@ -329,7 +339,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"bench_parallel{'_smoke' if a.smoke else ''}_{stamp}.json"
     path.write_text(json.dumps(report, indent=2))
-    print(f"\n{'variant':32s} {'tok/s':>10s} {'MFU':>7s} {'mem GB':>8s} {'exp.comm':>9s} {'vs FSDP':>8s}")
+    print(f"\n{'variant':32s} {'tok/s':>10s} {'MFU':>7s} {'mem GB':>8s} {'exp.comm':>9s} {'vs FSDP':>8s} {'loss':>7s}")
     for r in results:
         if not r.get("ok"):
             print(f"{r['variant']:32s} failed: {r.get('error', '')[:80]}")
@@ -337,7 +347,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
         exp = f"{r['exposed_comm_pct']:.1f}%" if r.get("exposed_comm_pct") is not None else "-"
         sp = f"{r['speedup_vs_lightning_fsdp_full_shard']:.2f}x" if "speedup_vs_lightning_fsdp_full_shard" in r else "-"
-        print(f"{r['variant']:32s} {r['tokens_per_s']:10.0f} {100 * r['mfu']:6.1f}% {mem:>8s} {exp:>9s} {sp:>8s}")
+        loss = f"{r['final_loss']:.3f}" if r.get("final_loss") is not None else "-"
+        tps, mfu = f"{r['tokens_per_s']:10.0f}", f"{100 * r['mfu']:6.1f}%"
+        print(f"{r['variant']:32s} {tps} {mfu} {mem:>8s} {exp:>9s} {sp:>8s} {loss:>7s}")
     print(f"\nwrote {path}")
     return 0
 

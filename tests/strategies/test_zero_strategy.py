@@ -168,7 +168,7 @@ class Probe:
 
 
 def fit(strategy, world: int, *, steps: int = STEPS, accumulate: int = 1, ckpt_path=None, save_to=None,
-        plugins=None, module_kwargs=None, epochs_of: int = STEPS, factory=None):
+        plugins=None, module_kwargs=None, epochs_of: int = STEPS, factory=None, precision="32-true"):
     import lightning as L
 
     L.seed_everything(0, verbose=False)
@@ -184,7 +184,7 @@ def fit(strategy, world: int, *, steps: int = STEPS, accumulate: int = 1, ckpt_p
         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=save_to is not None,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=callbacks,
-        plugins=plugins, use_distributed_sampler=False,
+        plugins=plugins, use_distributed_sampler=False, precision=None if plugins else precision,
     )
     # the reference sees the global batch of WORLD_REF ranks per step
     data = loader(world, epochs_of) if world > 1 else loader_ref(epochs_of)
@@ -260,6 +260,9 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     for stage in (1, 2, 3):
         res[f"native{stage}"] = fit(ZeroStrategy(stage=stage), world)
         res[f"native{stage}_acc"] = fit(ZeroStrategy(stage=stage), world, accumulate=2, steps=STEPS // 2)
+    # Trainer(precision=...) becomes PerfPrecision: bf16 FSDP2 policy / bf16 weights
+    res["bf16_mixed"] = fit(ZeroStrategy(stage=3), world, precision="bf16-mixed")
+    res["bf16_true"] = fit(ZeroStrategy(stage=2), world, precision="bf16-true")
     # composes with activation checkpointing; any LightningModule (a Hugging Face-shaped network)
     res["native3_ac"] = fit(ZeroStrategy(stage=3), world, module_kwargs={"activation_checkpointing": "full"})
     res["generic3"] = fit(ZeroStrategy(stage=3), world, factory=make_generic)
@@ -342,6 +345,16 @@ def test_stages_match_one_process(runs) -> None:
                 assert stats["params"] == n
             else:  # FSDP2 keeps sharded parameters between steps at stage 2 too (gathers once per step)
                 assert stats["params"] <= n / 2 + 64, (stage, stats, n)
+
+
+def test_precision_from_the_trainer_flag(runs) -> None:
+    ref = _reference()
+    for key, tol in (("bf16_mixed", 2e-2), ("bf16_true", 5e-2)):
+        losses = _rank_mean(runs, key)
+        torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=tol, atol=0)
+        assert runs[0][key]["precision"] == {}  # no loss scaler outside fp16
+    assert runs[0]["bf16_mixed"]["final"]["model.norm.weight"].dtype == torch.float32  # fp32 master weights
+    assert runs[0]["bf16_true"]["final"]["model.norm.weight"].dtype == torch.bfloat16
 
 
 def test_activation_checkpointing_and_a_generic_module(runs) -> None:
