@@ -198,7 +198,13 @@ def _optimizer_host_scalar(frame: Any, args: tuple) -> bool:
     """``.item()`` of a CPU scalar inside ``torch.optim`` (e.g. Adam's step count): a host value on GPU too."""
     if not (args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" and args[0].numel() == 1):
         return False
-    return frame is not None and _OPTIM_DIR in frame.f_code.co_filename
+    for _ in range(8):  # through torch's wrappers (dynamo's disable, _compile) to the optimizer's frame
+        if frame is None:
+            return False
+        if _OPTIM_DIR in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class CudaSyncCatcher:

@@ -151,3 +151,15 @@ def test_inner_kernel_ops_are_timed_in_their_category():
     assert groups["attention"].seconds == pytest.approx(2e-3) and groups["attention"].flops == 1e9
     assert groups["attention"].bound == "compute"
     assert groups["attention"].time_share == pytest.approx(0.5)
+
+
+def test_optimizer_step_counters_are_not_sync_sites():
+    """Adam keeps its step count on the host (it stays there on GPU too): not a sync site."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    rec = SyncRecorder()
+    with DispatchSyncDetector(rec):
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    assert rec.sites == {}
