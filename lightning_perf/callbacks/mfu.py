@@ -32,7 +32,9 @@ class MFUMonitor(Callback):
     FLOPs per token come from ``flops_per_token=`` if given, else the LightningModule's
     ``flops_per_token(seq_len)`` method, else one count of the forward on the first batch
     (``OpCounter``: ``FlopCounterMode``'s formulas with causal attention counted once;
-    model FLOPs = 3 x forward, so recomputation is never counted). HFU is reported when the
+    model FLOPs = 3 x forward, so recomputation is never counted). When the module (or its
+    ``config``) also has ``flops_per_token_full_attention``, ``perf/mfu_full_attention`` gives
+    the figure under the PaLM / nanoGPT convention, for comparison. HFU is reported when the
     module has ``hardware_flops_per_token(seq_len)`` or with ``count_backward=True``, which
     also counts one backward (recomputation included).
 
@@ -91,6 +93,7 @@ class MFUMonitor(Callback):
         self.ceiling_flops: Optional[float] = None
         self.history: list[Throughput] = []
         self._fpt_cache: dict[Optional[int], tuple[float, Optional[float]]] = {}
+        self._full_attention_ratio: Optional[float] = None
         self._clock: Optional[StepClock] = None
         self._recent: deque[tuple[float, tuple[int, int, float, Optional[float]]]] = deque()
         self._window_done: list[tuple[float, tuple[int, int, float, Optional[float]]]] = []
@@ -116,6 +119,11 @@ class MFUMonitor(Callback):
             model = count.model / max(tokens, 1)
             hw = count.hardware / max(tokens, 1) if count.hardware is not None else None
         self._fpt_cache[seq_len] = (model, hw)
+        full_fn = getattr(pl_module, "flops_per_token_full_attention", None)
+        if not callable(full_fn):
+            full_fn = getattr(getattr(pl_module, "config", None), "flops_per_token_full_attention", None)
+        if callable(full_fn) and self.flops_per_token_override is None and model > 0:
+            self._full_attention_ratio = float(full_fn(seq_len)) / model
         return model, hw
 
     def _count(self, pl_module: LightningModule, batch: Any, batch_idx: int) -> Any:
@@ -205,6 +213,9 @@ class MFUMonitor(Callback):
                 value = getattr(result, key)
                 if value is not None:
                     values[f"perf/{key}"] = value
+            if result.mfu is not None and self._full_attention_ratio is not None:
+                # the PaLM / nanoGPT / torchtitan convention (attention over the full square), to compare
+                values["perf/mfu_full_attention"] = result.mfu * self._full_attention_ratio
             log_scalars(pl_module, values, prog_bar=("perf/tokens_per_sec", "perf/mfu") if self.prog_bar else ())
 
     def _compute(self) -> Throughput:
@@ -237,5 +248,8 @@ class MFUMonitor(Callback):
         """The median window's figures (robust to steps other callbacks profiled) and the peak used."""
         ranked = sorted(self.history, key=lambda t: t.step_time_s)
         mid = ranked[len(ranked) // 2].as_dict() if ranked else {}
-        return {**mid, "windows": len(ranked), "peak_flops": self.peak_flops, "peak": self.peak_name,
-                "ceiling_flops": self.ceiling_flops}
+        out = {**mid, "windows": len(ranked), "peak_flops": self.peak_flops, "peak": self.peak_name,
+               "ceiling_flops": self.ceiling_flops}
+        if mid.get("mfu") is not None and self._full_attention_ratio is not None:
+            out["mfu_full_attention"] = mid["mfu"] * self._full_attention_ratio
+        return out

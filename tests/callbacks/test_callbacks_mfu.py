@@ -53,6 +53,18 @@ def test_module_flops_per_token_is_used_and_hfu_counted(tmp_path, fake_clock):
     assert last.hfu == pytest.approx(last.mfu)
 
 
+def test_full_attention_convention_is_logged_beside(tmp_path, fake_clock):
+    class WithBoth(ToyLMWithFlops):
+        def flops_per_token_full_attention(self, seq_len=None):
+            return 2 * self.flops_per_token(seq_len)
+
+    mon = MFUMonitor(peak_flops=1e9, warmup_steps=0, window=1)
+    tr = trainer(tmp_path, [mon], max_steps=2)
+    tr.fit(WithBoth(), loader())
+    assert tr.callback_metrics["perf/mfu_full_attention"].item() == pytest.approx(2 * mon.history[-1].mfu)
+    assert mon.summary()["mfu_full_attention"] == pytest.approx(2 * mon.summary()["mfu"])
+
+
 def test_logged_metrics_are_cpu_scalars(tmp_path, fake_clock):
     mon = MFUMonitor(peak_flops=1e9, warmup_steps=0, window=2)
     tr = trainer(tmp_path, [mon], max_steps=3)
