@@ -254,3 +254,43 @@ def test_find_blocks_generic_models() -> None:
     assert find_blocks(gpt) == list(gpt.blocks.values())
     with pytest.raises(ValueError, match="set of nn.Module classes"):
         find_blocks(m, {int})
+
+
+def test_checkpoint_saves_are_atomic(tmp_path: Path) -> None:
+    """One process, no process group: a crash mid-save never costs the previous checkpoint."""
+    import pickle
+
+    from lightning_perf.parallel import load_checkpoint, save_checkpoint
+    from lightning_perf.parallel.checkpoint import update_link
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = batches(1, 1)[0]
+    model(x, y).backward()
+    opt.step()
+    path = tmp_path / "step1"
+    save_checkpoint(path, model, [opt], extra={"step": 1})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    # a later save of the same path crashed while writing: its .tmp is partial
+    (tmp_path / "step1.tmp").mkdir()
+    (tmp_path / "step1.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    fresh = GPT(tiny_config())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
+    assert load_checkpoint(path, fresh, [fresh_opt]) == {"step": 1}
+    _close(fresh.state_dict(), saved, rtol=0, atol=0)
+    assert fresh_opt.state_dict()["state"][0]["step"] == 1
+    # overwriting works (the stale .tmp is replaced), and a crash between the two renames
+    # leaves <path>.old, which load_checkpoint falls back to
+    save_checkpoint(path, model, [opt], extra={"step": 2})
+    assert not (tmp_path / "step1.tmp").exists()
+    path.rename(tmp_path / "step1.old")
+    assert load_checkpoint(path, fresh, [fresh_opt]) == {"step": 2}
+    # the "last" link moves atomically, and loads
+    update_link(tmp_path / "last", tmp_path / "step1.old")
+    update_link(tmp_path / "last", tmp_path / "step1.old")
+    assert (tmp_path / "last").is_symlink() and load_checkpoint(tmp_path / "last", fresh)["step"] == 2
+    # loads are weights_only: arbitrary pickled objects in the extra state are refused
+    save_checkpoint(tmp_path / "unsafe", model, extra={"obj": tiny_config()})
+    with pytest.raises(pickle.UnpicklingError):
+        load_checkpoint(tmp_path / "unsafe", fresh)
