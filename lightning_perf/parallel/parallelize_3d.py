@@ -101,12 +101,17 @@ def check_model(model: nn.Module, config: Parallel3DConfig) -> nn.Module:
     nothing from it); with them, the model must implement the protocol method.
     A model exposing ``config`` with GPT fields is checked for divisibility too.
     """
+    from lightning_perf.parallel.zero import find_model
+
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    target = model
+    # the inner network (a LightningModule's ``model``), so FSDP2's root hooks fire on its forward
+    target = find_model(model)
     if pp > 1:
         target = require_protocol(model, "pipeline_stage", f"pipeline parallelism (pp={pp})")
     if tp > 1:
-        tp_target = require_protocol(target, "tensor_parallel_plan", f"tensor parallelism (tp={tp})")
+        tp_target = require_protocol(
+            target if pp > 1 else model, "tensor_parallel_plan", f"tensor parallelism (tp={tp})"
+        )
         target = target if pp > 1 else tp_target
     check_model_config(getattr(target, "config", None), config)
     return target

@@ -4,7 +4,8 @@ Every layout trains the same tiny Llama-style GPT (GQA, untied head; a GPT-2-sty
 one for TP with learned positions) on the same global batch of 8 sequences (per-rank
 batch 8 / dp), 6 steps over 2 epochs of 3 batches, and must reproduce the
 single-process losses (rtol 1e-4) and final parameters. Spawning is the expensive part:
-one 2-process group runs tp2 and pp2 with every schedule, forward-only validation,
+one 2-process group runs tp2 and pp2 with every schedule, dp2 of a model without the
+protocol, forward-only validation,
 gradient accumulation and a tp2 -> pp2 resume; one 4-process group runs dp2 x tp2,
 pp2 x dp2 (ZeRO 0 and 2, and bf16 against the fp32 losses at rtol 2e-2), pp2 x tp2 ->
 dp4 resume + consolidation and fp16 skip-step agreement over pp and tp ranks; one 8-process group runs pp2 x tp2 x dp2 with
@@ -41,7 +42,32 @@ def tiny_config(kind: str = "llama"):
                      positions="rope", tie_embeddings=False, bias=False)
 
 
+def make_plain_module():
+    """A user's LightningModule without the 3D protocol: data parallelism / ZeRO only."""
+    import lightning as L
+
+    class Plain(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 32), torch.nn.GELU(),
+                                           torch.nn.Linear(32, VOCAB, bias=False))
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+            self.losses.append(loss.detach().item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Plain()
+
+
 def make_module(kind: str = "llama", inject_inf_at: Optional[int] = None):
+    if kind == "plain":
+        return make_plain_module()
     from lightning_perf.models.gpt.module import GPTLightningModule
 
     class Recording(GPTLightningModule):
@@ -162,6 +188,7 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     res: dict[str, Any] = {}
     res["tp2"] = fit(S(tensor_parallel_size=2), world, val=True)
     res["tp2_gpt2"] = fit(S(tensor_parallel_size=2), world, kind="gpt2")
+    res["dp2_plain"] = fit(S(zero_stage=3), world, dp=2, kind="plain")  # no protocol: FSDP2 only
     for name, spr, m in SCHEDULES_2:
         res[f"pp2_{name}"] = fit(S(pipeline_parallel_size=2, pipeline_schedule=name, stages_per_rank=spr,
                                    num_microbatches=m), world, val=name == "1f1b")
@@ -235,7 +262,7 @@ def references():
     def one(**kwargs: Any) -> dict:
         return fit(SingleDeviceStrategy(torch.device("cpu")), 1, **kwargs)
 
-    return {"llama": one(val=True), "gpt2": one(kind="gpt2"), "accumulate2": one(accumulate=2),
+    return {"plain": one(kind="plain"), "llama": one(val=True), "gpt2": one(kind="gpt2"), "accumulate2": one(accumulate=2),
             "clip": one(clip=0.05)}
 
 
@@ -245,6 +272,7 @@ def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None
     ref = references["llama"]
     _check_run(results, "tp2", ref)
     _check_run(results, "tp2_gpt2", references["gpt2"])
+    _check_run(results, "dp2_plain", references["plain"])
     for name, _, _ in SCHEDULES_2:
         _check_run(results, f"pp2_{name}", ref)
     _check_run(results, "tp2_to_pp2", ref, first=PER_EPOCH)

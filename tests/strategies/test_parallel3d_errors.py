@@ -63,8 +63,11 @@ def test_model_layout_checks(model_kw, cfg_kw, match) -> None:
 
 
 def test_user_model_without_protocol_gets_data_parallel_only() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     assert check_model(model, Parallel3DConfig(data_parallel_size=4)) is model
+    wrapper = torch.nn.Module()
+    wrapper.model = model  # a LightningModule-like holder: its inner network is what gets sharded
+    assert check_model(wrapper, Parallel3DConfig(data_parallel_size=4)) is model
     with pytest.raises(ValueError, match=r"tensor parallelism \(tp=2\) needs .*tensor_parallel_plan"):
         check_model(model, Parallel3DConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match=r"pipeline parallelism \(pp=2\) needs .*pipeline_stage"):
