@@ -18,8 +18,9 @@ and gradients), then times each kernel and its baselines with CUDA events after 
 
 Writes ``bench_kernels_<date>.json`` and ``bench_kernels_<date>.png`` under ``--out``
 (default ``$OUT`` or ``benchmarks/results``) and prints a table. A failing variant is
-recorded with its error and the run goes on. ``--smoke`` runs the same code at tiny sizes
-on the CPU (Triton interpreter) to catch Python errors.
+recorded with its error and the run goes on; ``--budget-s`` stops starting new variants
+after that many seconds. ``--quick`` times the headline shapes only (about 3 minutes);
+``--smoke`` runs the same code at tiny sizes on the CPU (Triton interpreter).
 """
 
 from __future__ import annotations
@@ -378,7 +379,7 @@ def run_case(b: Bench, case: Case, ceilings: dict) -> dict:
     return row
 
 
-def build_cases(device, smoke: bool) -> list[Case]:
+def build_cases(device, smoke: bool, quick: bool = False) -> list:
     dt_ = torch.bfloat16 if device.type == "cuda" else torch.float32
     if smoke:
         tokens, widths, acts = 64, [32, 48], [64]
@@ -391,7 +392,10 @@ def build_cases(device, smoke: bool) -> list[Case]:
         flce = [(768, 50304), (2048, 128256), (4096, 128256)]
         attn = [(16, 12, 12, 1024, 64), (4, 16, 16, 4096, 128), (2, 16, 16, 8192, 128), (4, 32, 8, 2048, 128),
                 (8, 16, 16, 1024, 128)]
-    cases: list[Case] = []
+    if quick and not smoke:  # the headline shapes only
+        widths, acts = [4096], [8192]
+        flce = [(768, 50304), (4096, 128256)]
+        attn = [(16, 12, 12, 1024, 64), (4, 16, 16, 4096, 128)]
     builders = [
         ("attention", lambda: attention_cases(device, dt_, attn)),
         ("fused_linear_cross_entropy", lambda: flce_cases(device, dt_, tokens, flce)),
@@ -463,17 +467,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU ok (Triton interpreter)")
     p.add_argument("--only", nargs="*", default=None,
                    help="groups to run: attention fused_linear_cross_entropy norm activation rotary")
-    p.add_argument("--budget-s", type=float, default=400.0, help="stop timing new variants after this long")
+    p.add_argument("--quick", action="store_true", help="headline shapes only (about 3 minutes on an H200)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop timing new variants after this long (default 400, --quick 200)")
     p.add_argument("--reps", type=int, default=None)
     args = p.parse_args(argv)
 
     t_start = time.time()
+    if args.budget_s is None:
+        args.budget_s = 200.0 if args.quick else 400.0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
         return 2
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-    reps = args.reps or (3 if args.smoke else 30)
+    reps = args.reps or (3 if args.smoke else 15 if args.quick else 30)
     b = Bench(device, warmup=1 if args.smoke else 3, reps=reps, deadline=t_start + args.budget_s)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -488,7 +496,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "smoke": args.smoke,
-        "config": {"reps": reps, "warmup": b.warmup, "budget_s": args.budget_s, "only": args.only,
+        "config": {"reps": reps, "warmup": b.warmup, "budget_s": args.budget_s, "only": args.only, "quick": args.quick,
                    "dtype": "bf16" if device.type == "cuda" else "fp32"},
         "rows": [],
         "errors": [],
@@ -496,7 +504,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result["ceilings"] = measure_ceilings(b, args.smoke)
     print(f"device {result['device']}: copy {result['ceilings']['copy_GBps']:.0f} GB/s, "
           f"matmul {result['ceilings']['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
-    for group, build in build_cases(device, args.smoke):
+    for group, build in build_cases(device, args.smoke, args.quick):
         if args.only and group not in args.only:
             continue
         if b.out_of_time():
