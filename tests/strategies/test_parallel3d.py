@@ -8,7 +8,8 @@ one 2-process group runs tp2 and pp2 with every schedule, dp2 of a model without
 protocol, forward-only validation,
 gradient accumulation and a tp2 -> pp2 resume; one 4-process group runs dp2 x tp2,
 pp2 x dp2 (ZeRO 0 and 2, and bf16 against the fp32 losses at rtol 2e-2), pp2 x tp2 ->
-dp4 resume + consolidation and fp16 skip-step agreement over pp and tp ranks; one 8-process group runs pp2 x tp2 x dp2 with
+dp4 resume + consolidation and fp16 skip-step agreement over pp and tp ranks; one
+8-process group runs pp2 x tp2 x dp2 with
 gradient-norm clipping. Each ``Trainer.fit`` in a group reuses the process group.
 """
 
@@ -113,7 +114,8 @@ def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "l
     module = make_module(kind, inject_inf_at)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=steps // PER_EPOCH,
-        plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=1 if val else 0, accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
     )
@@ -262,7 +264,8 @@ def references():
     def one(**kwargs: Any) -> dict:
         return fit(SingleDeviceStrategy(torch.device("cpu")), 1, **kwargs)
 
-    return {"plain": one(kind="plain"), "llama": one(val=True), "gpt2": one(kind="gpt2"), "accumulate2": one(accumulate=2),
+    return {"plain": one(kind="plain"), "llama": one(val=True), "gpt2": one(kind="gpt2"),
+            "accumulate2": one(accumulate=2),
             "clip": one(clip=0.05)}
 
 
