@@ -3,14 +3,15 @@
 Every layout trains the same tiny Llama-style GPT (GQA, untied head; a GPT-2-style tied
 one for TP with learned positions) on the same global batch of 8 sequences (per-rank
 batch 8 / dp), 6 steps over 2 epochs of 3 batches, and must reproduce the
-single-process losses (rtol 1e-4) and final parameters. Spawning is the expensive part:
-one 2-process group runs tp2 and pp2 with every schedule, dp2 of a model without the
-protocol, forward-only validation,
-gradient accumulation and a tp2 -> pp2 resume; one 4-process group runs dp2 x tp2,
-pp2 x dp2 (ZeRO 0 and 2, and bf16 against the fp32 losses at rtol 2e-2), pp2 x tp2 ->
-dp4 resume + consolidation and fp16 skip-step agreement over pp and tp ranks; one
-8-process group runs pp2 x tp2 x dp2 with
-gradient-norm clipping. Each ``Trainer.fit`` in a group reuses the process group.
+single-process losses (rtol 1e-4) and final parameters. Spawning is the expensive part,
+so each process group runs several ``Trainer.fit`` calls in turn (reusing the group):
+
+- 2 ranks: tp2, pp2 with every schedule, dp2 of a model without the protocol,
+  forward-only validation, gradient accumulation, meta-device init, tp2 -> pp2 resume;
+- 4 ranks: dp2 x tp2, pp2 x dp2 (ZeRO 0 and 2; bf16 against the fp32 losses at rtol
+  2e-2), pp2 x tp2 -> dp4 resume + consolidation, fp16 skip-step agreement over pp and
+  tp ranks;
+- 8 ranks: pp2 x tp2 x dp2 with gradient-norm clipping, mesh coordinates, sampler ranks.
 """
 
 from __future__ import annotations
