@@ -168,7 +168,7 @@ class Probe:
 
 
 def fit(strategy, world: int, *, steps: int = STEPS, accumulate: int = 1, ckpt_path=None, save_to=None,
-        plugins=None, module_kwargs=None, epochs_of: int = STEPS, factory=None, precision="32-true"):
+        plugins=None, module_kwargs=None, epochs_of: int = STEPS, factory=None, precision="32-true", clip=None):
     import lightning as L
 
     L.seed_everything(0, verbose=False)
@@ -185,6 +185,7 @@ def fit(strategy, world: int, *, steps: int = STEPS, accumulate: int = 1, ckpt_p
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=callbacks,
         plugins=plugins, use_distributed_sampler=False, precision=None if plugins else precision,
+        gradient_clip_val=clip,
     )
     # the reference sees the global batch of WORLD_REF ranks per step
     data = loader(world, epochs_of) if world > 1 else loader_ref(epochs_of)
@@ -266,6 +267,7 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     # composes with activation checkpointing; any LightningModule (a Hugging Face-shaped network)
     res["native3_ac"] = fit(ZeroStrategy(stage=3), world, module_kwargs={"activation_checkpointing": "full"})
     res["generic3"] = fit(ZeroStrategy(stage=3), world, factory=make_generic)
+    res["native3_clip"] = fit(ZeroStrategy(stage=3), world, clip=0.05)  # norm over all shards
     # checkpoint at 10, resume to 20 (stage 3 and stage 1)
     for stage in (1, 3):
         fit(ZeroStrategy(stage=stage), world, save_to=str(out / f"ckpt{stage}.ckpt"), epochs_of=2 * STEPS)
@@ -357,10 +359,13 @@ def test_precision_from_the_trainer_flag(runs) -> None:
     assert runs[0]["bf16_true"]["final"]["model.norm.weight"].dtype == torch.bfloat16
 
 
-def test_activation_checkpointing_and_a_generic_module(runs) -> None:
+def test_activation_checkpointing_clipping_and_a_generic_module(runs) -> None:
     ref = _reference()
     torch.testing.assert_close(_rank_mean(runs, "native3_ac"), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
     _close(runs[0]["native3_ac"]["final"], ref["final"])
+    clipped = fit("auto", 1, clip=0.05)
+    torch.testing.assert_close(_rank_mean(runs, "native3_clip"), torch.tensor(clipped["losses"]), rtol=1e-5, atol=1e-6)
+    _close(runs[0]["native3_clip"]["final"], clipped["final"])
     gen = fit("auto", 1, factory=make_generic)
     torch.testing.assert_close(_rank_mean(runs, "generic3"), torch.tensor(gen["losses"]), rtol=1e-5, atol=1e-6)
     _close(runs[0]["generic3"]["final"], gen["final"])
