@@ -197,13 +197,12 @@ class KernelDispatcher:
 
 
 class _Default:
-    dispatcher: Optional[KernelDispatcher] = None
+    # built at import (cheap: no Triton), so a compiled model never constructs it inside a traced frame
+    dispatcher: KernelDispatcher = KernelDispatcher()
 
 
 def default_dispatcher() -> KernelDispatcher:
     """The per-process dispatcher used by ``models.gpt.ops`` (holds the attention choices)."""
-    if _Default.dispatcher is None:
-        _Default.dispatcher = KernelDispatcher()
     return _Default.dispatcher
 
 

@@ -34,6 +34,24 @@ def test_gpt_with_triton_kernels_matches_torch(preset, close, device):
         close(p_tri.grad, p_ref.grad, 2e-5, 1e-4, f"grad of {name}")
 
 
+def test_compiled_gpt_has_no_graph_break(close, device):
+    """The GPT with every kernel compiles as one graph (``fullgraph=True`` raises on a break) and agrees."""
+    cfg = GPTConfig.from_name("tiny-llama", n_layer=1, kernels="triton", attention="triton")
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen).to(device)
+    targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen).to(device)
+    eager = model(idx, targets)
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(idx, targets)
+    close(loss, eager, 1e-5, 1e-5, "compiled loss")
+    for (name, _), g, e in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
+                               eager_grads):
+        close(g, e, 1e-5, 1e-5, f"compiled grad of {name}")
+
+
 def test_dispatch_falls_back_where_no_kernel_applies(device):
     x = torch.randn(4, 8, device=device, dtype=torch.bfloat16 if device == "cpu" else torch.float64)
     w = torch.ones(8, device=device, dtype=x.dtype)
