@@ -290,16 +290,21 @@ def consolidate(ckpt_dir: PathLike, out_file: PathLike, *, prefix: Optional[str]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``consolidate CKPT_DIR OUT_FILE [--prefix P]``: one full-state file from a sharded checkpoint."""
+    """``consolidate CKPT_DIR OUT_FILE`` (or ``--ckpt_dir D --out F``) ``[--prefix P]``."""
     parser = argparse.ArgumentParser(
         prog="lightning-perf consolidate",
         description="Merge a sharded (DCP) checkpoint into one state-dict file a plain model loads.",
     )
-    parser.add_argument("ckpt_dir", help="checkpoint directory written by the zero strategies")
-    parser.add_argument("out_file", help="output file (torch.save'd state dict)")
+    parser.add_argument("ckpt", nargs="?", help="checkpoint directory written by the zero / 3D strategies")
+    parser.add_argument("out_file", nargs="?", help="output file (torch.save'd state dict)")
+    parser.add_argument("--ckpt_dir", "--ckpt-dir", dest="ckpt_flag", default=None, help="same as CKPT")
+    parser.add_argument("--out", dest="out_flag", default=None, help="same as OUT_FILE")
     parser.add_argument("--prefix", default=None, help="key prefix to strip (default: auto, e.g. 'model.')")
     args = parser.parse_args(argv)
-    out = consolidate(args.ckpt_dir, args.out_file, prefix=args.prefix)
+    ckpt_dir, out_file = args.ckpt_flag or args.ckpt, args.out_flag or args.out_file
+    if ckpt_dir is None or out_file is None:
+        parser.error("need a checkpoint directory and an output file")
+    out = consolidate(ckpt_dir, out_file, prefix=args.prefix)
     n = len(torch.load(out, map_location="cpu", weights_only=True))
     print(f"wrote {out} ({n} tensors)")
     return 0

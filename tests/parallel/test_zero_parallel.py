@@ -224,6 +224,7 @@ def test_zero_parallel_pieces(tmp_path: Path) -> None:
 
     out = tmp_path / "full.pt"
     assert consolidate_main([str(tmp_path / "ckpt"), str(out)]) == 0
+    assert consolidate_main(["--ckpt_dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "full2.pt")]) == 0
     plain = GPT(tiny_config())
     plain.load_state_dict(torch.load(out, weights_only=True))
     _close(plain.state_dict(), at_two)
