@@ -86,7 +86,7 @@ def make_data(cfg, seq_len: int, batch: int, steps: int, device: torch.device):
     return dm
 
 
-def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode):
+def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block"):
     from lightning_perf.models import GPT, GPTConfig
     from lightning_perf.models.gpt.transforms import apply_compile
 
@@ -94,7 +94,7 @@ def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
-    apply_compile(list(model.blocks.values()), compile_mode)
+    apply_compile(list(model.blocks.values()) if scope == "block" else [model], compile_mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     dm = make_data(cfg, seq_len, batch, warmup + steps, device)
     dm.setup("fit")
@@ -115,7 +115,7 @@ def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode
     return timer.step_times(skip=warmup), cfg
 
 
-def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mode):
+def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block"):
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
@@ -132,7 +132,7 @@ def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mo
             timer.mark()
 
     torch.manual_seed(0)
-    module = GPTLightningModule(cfg, learning_rate=1e-4, warmup_steps=0, compile=compile_mode)
+    module = GPTLightningModule(cfg, learning_rate=1e-4, warmup_steps=0, compile=compile_mode, compile_scope=scope)
     dm = make_data(cfg, seq_len, batch, warmup + steps, device)
     trainer = L.Trainer(
         accelerator=device.type,
@@ -169,13 +169,17 @@ def summarise(times, cfg, seq_len, batch, ceiling):
 
 
 VARIANTS = {
-    # name: (runner, kernels, compile mode)
+    # name: (runner, kernels, compile mode[, compile scope])
     "plain-compile": (run_plain, "torch", "default"),
     "trainer-compile": (run_trainer, "torch", "default"),
     "trainer-eager": (run_trainer, "torch", None),
     "trainer-triton-compile": (run_trainer, "triton", "default"),
     "trainer-triton-eager": (run_trainer, "triton", None),
     "plain-triton-compile": (run_plain, "triton", "default"),
+    "plain-compile-model": (run_plain, "torch", "default", "model"),
+    "trainer-compile-model": (run_trainer, "torch", "default", "model"),
+    "plain-cudagraphs-model": (run_plain, "torch", "reduce-overhead", "model"),
+    "trainer-cudagraphs-model": (run_trainer, "torch", "reduce-overhead", "model"),
 }
 
 
@@ -194,8 +198,7 @@ def main() -> None:
     if args.smoke:
         args.models, args.steps, args.warmup = "tiny:64:4", 3, 1
         for k in list(VARIANTS):
-            runner, kern, _ = VARIANTS[k]
-            VARIANTS[k] = (runner, "torch", None)
+            VARIANTS[k] = (VARIANTS[k][0], "torch", None) + tuple(VARIANTS[k][3:])
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     ceiling = measure_matmul_ceiling(device) if device.type == "cuda" else None
@@ -215,15 +218,16 @@ def main() -> None:
         name, T, B = spec.split(":")
         T, B = int(T), int(B)
         for variant in args.variants.split(","):
-            runner, kernels, compile_mode = VARIANTS[variant]
+            runner, kernels, compile_mode, *rest = VARIANTS[variant]
+            scope = rest[0] if rest else "block"
             entry = {"model": name, "seq_len": T, "batch": B, "variant": variant, "kernels": kernels,
-                     "compile": compile_mode}
+                     "compile": compile_mode, "compile_scope": scope}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.time()
             try:
-                times, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode)
+                times, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode, scope)
                 entry.update(summarise(times, cfg, T, B, ceiling))
             except Exception as err:  # record and go on with the next variant
                 entry["error"] = f"{type(err).__name__}: {err}"
@@ -234,10 +238,16 @@ def main() -> None:
             print(json.dumps({k: v for k, v in entry.items() if k != "traceback"}), flush=True)
     # ratios against the plain loop of the same model
     for run in result["runs"]:
-        base = next((r for r in result["runs"] if r["model"] == run["model"] and r["variant"] == "plain-compile"
+        # the plain loop with the same kernels / compile settings (the variant name with trainer -> plain)
+        twin = run["variant"].replace("trainer", "plain")
+        base = next((r for r in result["runs"] if r["model"] == run["model"] and r["variant"] == twin
                      and "tokens_per_s" in r), None)
+        if base is None:
+            base = next((r for r in result["runs"] if r["model"] == run["model"] and r["variant"] == "plain-compile"
+                         and "tokens_per_s" in r), None)
         if base and "tokens_per_s" in run:
-            run["ratio_vs_plain_compile"] = run["tokens_per_s"] / base["tokens_per_s"]
+            run["baseline"] = base["variant"]
+            run["ratio_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fname = out / f"bench_gpt{args.tag}{'_smoke' if args.smoke else ''}.json"
@@ -246,7 +256,7 @@ def main() -> None:
     for r in result["runs"]:
         if "tokens_per_s" in r:
             print(f"{r['model']:<11} {r['variant']:<24} {r['tokens_per_s']:>10.0f} "
-                  f"{r.get('ratio_vs_plain_compile', float('nan')):>6.3f} {r['mfu_causal_989']:>8.1%} "
+                  f"{r.get('ratio_vs_plain', float('nan')):>6.3f} {r['mfu_causal_989']:>8.1%} "
                   f"{(r['peak_mem_gb'] or 0):>7.1f}")
         else:
             print(f"{r['model']:<11} {r['variant']:<24} ERROR {r['error'][:80]}")

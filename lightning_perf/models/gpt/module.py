@@ -15,7 +15,13 @@ from typing_extensions import override
 from lightning_perf.models.gpt.config import GPTConfig
 from lightning_perf.models.gpt.generate import generate
 from lightning_perf.models.gpt.model import GPT
-from lightning_perf.models.gpt.transforms import AC_MODES, COMPILE_MODES, apply_activation_checkpointing, apply_compile
+from lightning_perf.models.gpt.transforms import (
+    AC_MODES,
+    COMPILE_MODES,
+    COMPILE_SCOPES,
+    apply_activation_checkpointing,
+    apply_compile,
+)
 
 __all__ = ["GPTLightningModule", "cosine_with_warmup"]
 
@@ -45,6 +51,8 @@ class GPTLightningModule(L.LightningModule):
         fused_adam: fused AdamW kernel; ``None`` uses it whenever the parameters are on CUDA.
         compile: ``torch.compile`` each block: ``None`` (off), ``"default"``, ``"reduce-overhead"``
             (CUDA graphs, for small models), ``"max-autotune"``.
+        compile_scope: ``"block"`` (one graph per block, composes with sharding per block) or
+            ``"model"`` (one graph for the whole GPT: fewer launches, for one GPU).
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per block.
         vocab_size, block_size: override the preset's (e.g. to match a tokenizer or a data module).
     """
@@ -62,6 +70,7 @@ class GPTLightningModule(L.LightningModule):
         eps: float = 1e-8,
         fused_adam: Optional[bool] = None,
         compile: Optional[str] = None,
+        compile_scope: str = "block",
         activation_checkpointing: str = "none",
         vocab_size: Optional[int] = None,
         block_size: Optional[int] = None,
@@ -80,6 +89,8 @@ class GPTLightningModule(L.LightningModule):
             cfg = cfg.replace(**overrides)
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile={compile!r} is not one of {COMPILE_MODES}")
+        if compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope={compile_scope!r} is not one of {COMPILE_SCOPES}")
         if activation_checkpointing not in AC_MODES:
             raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of {AC_MODES}")
         if learning_rate <= 0 or not 0.0 <= min_lr_ratio <= 1.0 or warmup_steps < 0:
@@ -94,6 +105,7 @@ class GPTLightningModule(L.LightningModule):
         self.model: Optional[GPT] = None
         self.val_loss = MeanMetric()
         self._batch_shape: Optional[tuple[int, int]] = None
+        self._loss_copies: list[tuple[torch.Tensor, Any]] = []  # (pinned host copy, CUDA event) in flight
 
     # ---- model ---------------------------------------------------------------------------
 
@@ -105,7 +117,8 @@ class GPTLightningModule(L.LightningModule):
         self.model = GPT(self.config)
         blocks = list(self.model.blocks.values())
         apply_activation_checkpointing(blocks, self.hparams.activation_checkpointing)
-        apply_compile(blocks, self.hparams.compile)
+        scope = self.hparams.get("compile_scope", "block")
+        apply_compile(blocks if scope == "block" else [self.model], self.hparams.compile)
 
     def _gpt(self) -> GPT:
         if self.model is None:
@@ -154,8 +167,32 @@ class GPTLightningModule(L.LightningModule):
         x, y = self._check_batch(batch)
         self._batch_shape = (x.shape[0], x.shape[1])
         loss = self(x, y)
-        self.log("train/loss", loss, prog_bar=True)
+        self._log_train_loss(loss)
         return loss
+
+    def _log_train_loss(self, loss: torch.Tensor) -> None:
+        """Log the training loss without a host-device sync.
+
+        Lightning turns progress-bar metrics into Python floats (``.item()``) on every step, which
+        on a GPU waits for the step to finish and starves the launch queue. On CUDA the loss is
+        copied to pinned host memory asynchronously and logged once that copy has landed (usually
+        one step later, ``train/loss`` then shows the previous step's value); the copy is checked
+        with ``Event.query()``, never waited on.
+        """
+        if loss.device.type != "cuda":
+            self.log("train/loss", loss.detach(), prog_bar=True)
+            return
+        ready = None
+        while self._loss_copies and self._loss_copies[0][1].query():
+            ready = self._loss_copies.pop(0)[0]
+        if ready is not None:
+            self.log("train/loss", ready, prog_bar=True)
+        if len(self._loss_copies) < 4:  # bounded: at most a few steps in flight
+            host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+            host.copy_(loss.detach(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._loss_copies.append((host, event))
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
