@@ -1,12 +1,14 @@
 """Kernel tests: Triton's CPU interpreter when there is no GPU, NaN-poisoned allocations.
 
-``TRITON_INTERPRET`` is read when a kernel is decorated (``triton.jit`` at import of the
-kernel module), so it is set here, before any test module of this folder imports the
-kernels, and only on machines without CUDA (on a GPU the kernels compile as usual; setting
-it there would also turn torch.compile's own Triton kernels into interpreted ones). Other
-test folders are unaffected on CPU: torch.compile uses C++ there, and library code falls
-back to the PyTorch references where a kernel cannot launch. Kernel modules imported before
-this file (by another folder's tests) are re-imported so they pick the interpreter up.
+Triton reads ``TRITON_INTERPRET`` when a function is decorated with ``triton.jit``: its own
+standard library (``tl.sum``, ``tl.sigmoid``, ...) at ``import triton``, our kernels at the import
+of their module. So it is set here, only on machines without CUDA (on a GPU the kernels compile
+as usual, and setting it would also turn torch.compile's Triton kernels into interpreted ones).
+When this folder runs alone, nothing has imported Triton yet. In a whole-suite run something
+earlier usually has (``import lightning`` does), so the Triton language modules and any kernel
+module already imported are re-imported here, in interpreter mode. Other folders are unaffected
+on CPU: torch.compile generates C++ there, and the library falls back to the PyTorch references
+wherever a kernel cannot launch.
 """
 
 from __future__ import annotations
@@ -19,11 +21,20 @@ import sys
 import pytest
 import torch
 
+
+def _is_compiled_jit(fn) -> bool:
+    return type(fn).__name__ == "JITFunction"
+
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    if "triton.language" in sys.modules and _is_compiled_jit(getattr(sys.modules["triton.language"], "sum", None)):
+        for _name in ("triton.language.standard", "triton.language.random", "triton.language"):
+            if _name in sys.modules:
+                importlib.reload(sys.modules[_name])
     for _name in sorted(n for n in sys.modules if n.startswith("lightning_perf.kernels.")):
         _module = sys.modules[_name]
-        if any(type(v).__name__ == "JITFunction" for v in vars(_module).values()):
+        if any(_is_compiled_jit(v) for v in vars(_module).values()):
             importlib.reload(_module)
 
 
