@@ -6,8 +6,8 @@ base-2 exponentials with scale * log2(e) folded in) and saves LSE = m + log2(l) 
 backward recomputes P = exp2(S * log2(e) - LSE) block by block:
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta) with delta = rowsum(dO * O),
     dK = scale * dS^T Q,  dQ = scale * dS K,
-in two kernels (dK/dV per key block, looping over the query heads of its group; dQ per query
-block), so no atomics are needed. Accumulation is fp32; blocks on the causal diagonal and the
+in two kernels (dQ per query block, which also writes delta; then dK/dV per key block, looping
+over the query heads of its group), so no atomics are needed. Accumulation is fp32; blocks on the causal diagonal and the
 sequence tail are masked, all others run unmasked.
 
 Shapes: q (B, H, T, D), k / v (B, Hkv, T, D) with H % Hkv == 0, D a power of two in [16, 256],
@@ -210,8 +210,8 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
-                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ,
+                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
                    H, T, GROUP, qk_scale, sm_scale,
                    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     bh = tl.program_id(0)
@@ -230,7 +230,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :], mask=row_mask,
                  other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
-    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
+    # delta = rowsum(dO * O): computed here and stored for the dK/dV kernel, launched after this one
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sot + offs_d[None, :], mask=row_mask,
+                other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
     K_base = K + b * skb + hk * skh
     V_base = V + b * svb + hk * svh
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
@@ -336,9 +340,8 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
     B, H, T, D = q.shape
     HK = k.shape[1]
     group = H // HK
-    delta = (o.float() * do.float()).sum(-1)  # (B, H, T)
-    if not delta.is_contiguous():
-        delta = delta.contiguous()
+    o = _last_contiguous(o)
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qk_scale = scale * _LOG2E
 
@@ -350,14 +353,14 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
 
     def run_dq(cfg):
         grid = (B * H, triton.cdiv(T, cfg["BLOCK_M"]))
-        _bwd_dq_kernel[grid](q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
-                             *_strides(do), *_strides(dq), H, T, group, qk_scale, scale,
+        _bwd_dq_kernel[grid](q, k, v, o, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
+                             *_strides(o), *_strides(do), *_strides(dq), H, T, group, qk_scale, scale,
                              CAUSAL=causal, HEAD_DIM=D, **cfg)
 
     tuner = default_tuner()
     key = (D, causal, shape_bucket(T), q.dtype, group > 1)
-    run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key, _dkdv_configs(D, q.is_cuda), run_dkdv, q.device))
     run_dq(tuner.pick("flash_attn_bwd_dq", key, _dq_configs(D, q.is_cuda), run_dq, q.device))
+    run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key, _dkdv_configs(D, q.is_cuda), run_dkdv, q.device))
     return dq, dk, dv
 
 
