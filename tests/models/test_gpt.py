@@ -214,3 +214,5 @@ def test_bad_input():
         GPTLightningModule("tiny", activation_checkpointing="some")
     with pytest.raises(ValueError, match="compile='fast'"):
         GPTLightningModule("tiny", compile="fast")
+    with pytest.raises(ValueError, match="compile_scope='layer'"):
+        GPTLightningModule("tiny", compile="default", compile_scope="layer")
