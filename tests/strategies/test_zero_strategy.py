@@ -297,8 +297,15 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     return res
 
 
-def _reference(steps: int = STEPS, accumulate: int = 1, epochs_of: int = STEPS):
-    return fit("auto", 1, steps=steps, accumulate=accumulate, epochs_of=epochs_of)
+_REFERENCES: dict[tuple, dict] = {}
+
+
+def _reference(steps: int = STEPS, accumulate: int = 1, epochs_of: int = STEPS, **kwargs: Any) -> dict:
+    """The single-process run (Lightning's default strategy), computed once per configuration."""
+    key = (steps, accumulate, epochs_of, tuple(sorted(kwargs.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = fit("auto", 1, steps=steps, accumulate=accumulate, epochs_of=epochs_of, **kwargs)
+    return _REFERENCES[key]
 
 
 def _close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -363,10 +370,10 @@ def test_activation_checkpointing_clipping_and_a_generic_module(runs) -> None:
     ref = _reference()
     torch.testing.assert_close(_rank_mean(runs, "native3_ac"), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
     _close(runs[0]["native3_ac"]["final"], ref["final"])
-    clipped = fit("auto", 1, clip=0.05)
+    clipped = _reference(clip=0.05)
     torch.testing.assert_close(_rank_mean(runs, "native3_clip"), torch.tensor(clipped["losses"]), rtol=1e-5, atol=1e-6)
     _close(runs[0]["native3_clip"]["final"], clipped["final"])
-    gen = fit("auto", 1, factory=make_generic)
+    gen = _reference(factory=make_generic)
     torch.testing.assert_close(_rank_mean(runs, "generic3"), torch.tensor(gen["losses"]), rtol=1e-5, atol=1e-6)
     _close(runs[0]["generic3"]["final"], gen["final"])
     n = sum(v.numel() for v in gen["final"].values())
@@ -418,7 +425,7 @@ def test_deepspeed_backend_matches_one_process(runs) -> None:
         _close(runs[0][key]["final"], r["final"], rtol=1e-2, atol=1e-3)
         _close(runs[0][key]["final"], runs[1][key]["final"], rtol=0, atol=0)
     # with plain SGD (no per-element normalisation to amplify rounding) it is exact
-    sgd = fit("auto", 1, factory=make_generic_sgd)
+    sgd = _reference(factory=make_generic_sgd)
     for key in ("ds2_sgd", "ds3_sgd"):
         torch.testing.assert_close(_rank_mean(runs, key), torch.tensor(sgd["losses"]), rtol=1e-5, atol=1e-6)
         _close(runs[0][key]["final"], sgd["final"])
