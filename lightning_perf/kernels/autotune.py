@@ -104,7 +104,8 @@ class KernelTuner:
         self.cache = cache if cache is not None else AutotuneCache()
         self.warmup = warmup
         self.repeat = repeat
-        self._memory: dict[tuple[str, str, str], Config] = {}
+        self._memory: dict[tuple[str, str, str], Config] = {}  # (kernel, GPU name, key) -> config
+        self._fast: dict[tuple, Config] = {}  # (kernel, key, device index) -> config
 
     def pick(
         self,
@@ -119,18 +120,24 @@ class KernelTuner:
         ``launch(config)`` must run the kernel once with ``config`` and have no side effect
         beyond writing its outputs (it may be called several times).
         """
+        # hot path first: this runs on every kernel call, so no strings or device queries before the hit
+        fast_key = (kernel, tuple(key), device.index)
+        hit = self._fast.get(fast_key)
+        if hit is not None:
+            return hit
         if not configs:
             raise ValueError(f"no launch configuration given for kernel {kernel!r}")
         if device.type != "cuda" or len(configs) == 1:
-            return dict(configs[0])
+            return configs[0]
         device_name = self.device_name(device)
         key_str = "|".join(str(k) for k in key)
         mem_key = (kernel, device_name, key_str)
         if mem_key in self._memory:
+            self._fast[fast_key] = self._memory[mem_key]
             return self._memory[mem_key]
         cached = self.cache.load(kernel, device_name, key_str)
         if cached is not None and cached in [dict(c) for c in configs]:
-            self._memory[mem_key] = cached
+            self._memory[mem_key] = self._fast[fast_key] = cached
             return cached
         best, best_ms, timings = None, float("inf"), []
         for cfg in configs:
@@ -146,7 +153,7 @@ class KernelTuner:
             raise RuntimeError(f"every launch configuration of {kernel} failed for key {key_str}")
         log.info("autotuned %s [%s] on %s: %s (%.3f ms of %d configs)", kernel, key_str, device_name, best, best_ms,
                  len(timings))
-        self._memory[mem_key] = best
+        self._memory[mem_key] = self._fast[fast_key] = best
         self.cache.store(kernel, device_name, key_str, best)
         return best
 

@@ -85,11 +85,14 @@ def _ce_rows_kernel(LOGITS, stride_row, TARGET, LOSS, SCALE, R, V, ignore_index,
             tl.store(ptrs + offs[None, :], g.to(LOGITS.dtype.element_ty), mask=mask)
 
 
+_CE_CONFIGS_GPU = [dict(BLOCK_R=1, BLOCK_V=b, num_warps=w) for b in (2048, 4096, 8192) for w in (8, 16)]
+
+
 def _ce_rows(logits, target, loss, scale, ignore_index: int, z_loss: float, compute_grad: bool,
              per_row: bool) -> None:
     C, V = logits.shape
     if logits.is_cuda:
-        configs = [dict(BLOCK_R=1, BLOCK_V=b, num_warps=w) for b in (2048, 4096, 8192) for w in (8, 16)]
+        configs = _CE_CONFIGS_GPU
     else:  # interpreter: a handful of programs
         configs = [dict(BLOCK_R=min(16, max(1, next_power_of_2(C) // 4)),
                         BLOCK_V=min(256 if V <= 1024 else 4096, next_power_of_2(V)), num_warps=4)]

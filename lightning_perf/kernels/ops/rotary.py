@@ -43,6 +43,9 @@ def _rotary_kernel(X, Y, COS, SIN, H, T, HALF,
     tl.store(y_base + HALF, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=mask)
 
 
+_CONFIGS_GPU = [dict(BLOCK_T=bt, num_warps=w) for bt in (16, 32, 64) for w in (2, 4, 8)]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -53,8 +56,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     block_d = next_power_of_2(half)
-    configs = ([dict(BLOCK_T=bt, num_warps=w) for bt in (16, 32, 64) for w in (2, 4, 8)]
-               if x.is_cuda else [dict(BLOCK_T=8 if T <= 64 else 64, num_warps=4)])
+    configs = _CONFIGS_GPU if x.is_cuda else [dict(BLOCK_T=8 if T <= 64 else 64, num_warps=4)]
 
     def run(cfg):
         _rotary_kernel[(B * H, triton.cdiv(T, cfg["BLOCK_T"]))](
