@@ -9,6 +9,7 @@ from lightning_perf.callbacks.report import PerfReport
 from lightning_perf.callbacks.roofline import RooflineMonitor
 from lightning_perf.callbacks.stall import DataLoaderStallDetector
 from lightning_perf.callbacks.sync import SyncPointError, SyncPointWarner, SyncPointWarning
+from lightning_perf.callbacks.watchdog import CollectiveTimeoutError, RankFailureError, RankWatchdog
 
 __all__ = [
     "MFUMonitor",
@@ -19,4 +20,7 @@ __all__ = [
     "SyncPointError",
     "CommOverlapMonitor",
     "PerfReport",
+    "RankWatchdog",
+    "RankFailureError",
+    "CollectiveTimeoutError",
 ]

@@ -1,0 +1,255 @@
+"""Dead-rank and hang diagnosis from heartbeats kept in the process group's store.
+
+When a rank dies (SIGKILL, OOM killer, lost node) the others fail inside their next
+collective with a transport error ("Connection closed by peer", an NCCL abort) or, when
+the collectives of the ranks no longer match, with a timeout after the process group's
+``timeout``. Neither names the rank at fault. :class:`PeerWatchdog` runs one daemon
+thread per rank that, every ``interval`` seconds, writes a heartbeat (a counter and the
+rank's current training step) into the c10d store (``TCPStore``, hosted by rank 0) and
+reads every peer's. A peer whose counter has not moved for ``dead_after`` seconds is dead
+(or frozen); one that wrote its ``done`` marker left the training loop. After a failed
+collective :meth:`PeerWatchdog.diagnose` turns the exception into
+
+- :class:`RankFailureError` naming the silent rank(s) and the step they last reported;
+- :class:`CollectiveTimeoutError` when every rank is alive but a collective timed out
+  (the ranks issued different collectives: one skipped or added a step), with each
+  rank's step.
+
+The thread adds no work to the training step: :meth:`beat` only stores an integer.
+A store that no longer answers means its host, rank 0, is gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "PeerState",
+    "PeerWatchdog",
+    "RankFailureError",
+    "is_timeout_error",
+]
+
+_GENERATION = itertools.count()  # one key namespace per watchdog (same order on every rank)
+_DONE = "done"
+
+
+class RankFailureError(RuntimeError):
+    """A peer rank stopped (its heartbeat went silent): ``ranks`` lists them."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective timed out while every rank was alive (mismatched collectives)."""
+
+    def __init__(self, message: str, steps: dict[int, Optional[int]]) -> None:
+        super().__init__(message)
+        self.steps = steps
+
+
+def is_timeout_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is a collective timeout (gloo, NCCL, store)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        text = f"{type(exc).__name__}: {exc}".lower()
+        if "timed out" in text or "timeout" in text or "deadline" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
+
+
+@dataclass(kw_only=True)
+class PeerState:
+    """What this rank knows of one peer."""
+
+    rank: int
+    step: Optional[int]  # last step the peer reported (None: never heard from)
+    silent_s: float  # seconds since its heartbeat last changed (as seen here)
+    done: bool  # it left the training loop cleanly
+
+
+class PeerWatchdog:
+    """Heartbeats through a c10d store; see the module docstring.
+
+    Args:
+        store: the process group's store (default: the default group's).
+        rank, world_size: this rank and the number of ranks (default: the default group's).
+        interval: seconds between heartbeats.
+        dead_after: seconds of silence after which a peer counts as dead.
+    """
+
+    def __init__(
+        self,
+        store: Optional[Any] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        *,
+        interval: float = 0.5,
+        dead_after: float = 5.0,
+    ) -> None:
+        if interval <= 0 or dead_after <= interval:
+            raise ValueError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
+        if store is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("PeerWatchdog needs a store or an initialised default process group")
+            store = dist.distributed_c10d._get_default_store()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.interval = float(interval)
+        self.dead_after = float(dead_after)
+        self._prefix = f"lightning_perf/watchdog/{next(_GENERATION)}/"
+        self._store = store
+        self._step: Optional[int] = None
+        self._counter = 0
+        self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last value, monotonic time it changed)
+        self._store_error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._started_at = time.monotonic()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> "PeerWatchdog":
+        if self._thread is None:
+            self._started_at = time.monotonic()
+            self._publish()
+            self._thread = threading.Thread(target=self._run, name="lightning_perf-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, *, done: bool = True) -> None:
+        """Stop the thread; ``done`` tells the peers this rank left the loop on purpose."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval + 1.0)
+            self._thread = None
+        if done:
+            try:
+                self._store.set(self._key(self.rank), f"{_DONE}:{self._step if self._step is not None else ''}")
+            except Exception:  # the store's host may be gone already
+                pass
+
+    def beat(self, step: int) -> None:
+        """Record the current step (no I/O: the thread publishes it)."""
+        self._step = int(step)
+
+    # ---- the thread -------------------------------------------------------------------------
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}{rank}"
+
+    def _publish(self) -> None:
+        self._counter += 1
+        step = "" if self._step is None else str(self._step)
+        self._store.set(self._key(self.rank), f"{self._counter}:{step}")
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            key = self._key(peer)
+            if not self._store.check([key]):
+                continue
+            value = self._store.get(key).decode()
+            with self._lock:
+                last = self._seen.get(peer)
+                if last is None or last[0] != value:
+                    self._seen[peer] = (value, now)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._publish()
+                self._poll()
+            except Exception as e:  # the store (rank 0's TCPStore) is unreachable
+                with self._lock:
+                    self._store_error = e
+                return
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    def peers(self) -> list[PeerState]:
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            for peer in range(self.world_size):
+                if peer == self.rank:
+                    out.append(PeerState(rank=peer, step=self._step, silent_s=0.0, done=False))
+                    continue
+                value, since = self._seen.get(peer, ("", self._started_at))
+                head, _, step = value.partition(":")
+                out.append(
+                    PeerState(
+                        rank=peer,
+                        step=int(step) if step else None,
+                        silent_s=now - since,
+                        done=head == _DONE,
+                    )
+                )
+        return out
+
+    def silent_ranks(self) -> list[int]:
+        """Peers silent for ``dead_after`` seconds or gone (``done``); rank 0 if the store is unreachable."""
+        with self._lock:
+            if self._store_error is not None:
+                return [0] if self.rank != 0 else []
+        return [p.rank for p in self.peers() if p.rank != self.rank and (p.done or p.silent_s >= self.dead_after)]
+
+    def diagnose(self, exc: Optional[BaseException] = None, *, wait: bool = True) -> Optional[RuntimeError]:
+        """The error to raise instead of ``exc`` after a failed collective, or ``None`` if nothing is known.
+
+        With ``wait``, gives a peer that died just now up to ``dead_after`` seconds to go
+        silent (a transport error can arrive before the heartbeat is overdue).
+        """
+        deadline = time.monotonic() + (self.dead_after + 2 * self.interval if wait else 0.0)
+        timed_out = exc is not None and is_timeout_error(exc)
+        while True:
+            silent = self.silent_ranks()
+            if silent or time.monotonic() >= deadline or self._thread is None:
+                break
+            time.sleep(self.interval / 2)
+        states = {p.rank: p for p in self.peers()}
+        cause = f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})" if exc is not None else ""
+        if silent:
+            with self._lock:
+                store_gone = self._store_error is not None
+            parts = []
+            for r in silent:
+                if store_gone:
+                    parts.append(f"rank {r} (the store host) is unreachable")
+                elif states[r].done:
+                    parts.append(f"rank {r} left the training loop at step {states[r].step}")
+                else:
+                    parts.append(
+                        f"rank {r} stopped responding at step {states[r].step} "
+                        f"(no heartbeat for {states[r].silent_s:.1f} s)"
+                    )
+            return RankFailureError(
+                f"rank {self.rank}: a collective failed because {'; '.join(parts)}: it died or was killed; "
+                f"this rank was at step {self._step}. Restart the job (e.g. ckpt_path='last') to resume "
+                f"from the last checkpoint{cause}",
+                silent,
+            )
+        if timed_out:
+            steps = {r: s.step for r, s in states.items()}
+            listing = ", ".join(f"rank {r}: step {s}" for r, s in sorted(steps.items()))
+            return CollectiveTimeoutError(
+                f"rank {self.rank}: a collective timed out while every rank is alive ({listing}): the ranks "
+                "issued different collectives (one skipped or added a step, or a rank-dependent branch "
+                f"calls a collective){cause}",
+                steps,
+            )
+        return None
