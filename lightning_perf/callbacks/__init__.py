@@ -5,6 +5,7 @@ Each one adds no host-device synchronisation on the steps it does not sample.
 
 from lightning_perf.callbacks.comm import CommOverlapMonitor
 from lightning_perf.callbacks.mfu import MFUMonitor
+from lightning_perf.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from lightning_perf.callbacks.report import PerfReport
 from lightning_perf.callbacks.roofline import RooflineMonitor
 from lightning_perf.callbacks.stall import DataLoaderStallDetector
@@ -20,6 +21,8 @@ __all__ = [
     "SyncPointError",
     "CommOverlapMonitor",
     "PerfReport",
+    "NonFiniteGuard",
+    "NonFiniteError",
     "RankWatchdog",
     "RankFailureError",
     "CollectiveTimeoutError",

@@ -35,11 +35,15 @@ def tiny_config():
 def make_module(**hooks: Any):
     """A GPTLightningModule that records (global_step, loss) and a fingerprint of each batch.
 
-    ``hooks``: ``on_step(module, global_step)`` called at every training batch start (fault injection).
+    ``hooks``: ``on_step(module, global_step)`` called at every training batch start (fault injection),
+    ``nan_at`` (global steps whose loss is NaN), ``skip_batches`` (batch indices that return ``None``:
+    Lightning then takes no optimizer step, the reference of a skipped step).
     """
     from lightning_perf.models.gpt.module import GPTLightningModule
 
     on_step: Optional[Callable[[Any, int], Any]] = hooks.get("on_step")
+    nan_at: set[int] = set(hooks.get("nan_at", ()))  # global steps whose loss becomes NaN
+    skip_batches: set[int] = set(hooks.get("skip_batches", ()))  # batches that take no step (None)
 
     class Recording(GPTLightningModule):
         def __init__(self) -> None:
@@ -58,7 +62,11 @@ def make_module(**hooks: Any):
             # the synthetic windows are random: the first 4 tokens identify a sample
             ids = (x[:, :4].long() * torch.tensor([1, VOCAB, VOCAB**2, VOCAB**3])).sum(1)
             self.samples.append((self.trainer.global_step, ids.tolist()))
+            if batch_idx in skip_batches:
+                return None
             loss = super().training_step(batch, batch_idx)
+            if self.trainer.global_step in nan_at:
+                loss = loss * float("nan")
             self.losses[self.trainer.global_step] = loss.detach().float().item()
             return loss
 
