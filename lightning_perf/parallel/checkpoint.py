@@ -19,6 +19,11 @@ only after all ranks finished, so a crash mid-save leaves the previous checkpoin
 intact (and ``load_checkpoint`` falls back to ``<ckpt>.old`` if it crashed between the two
 renames of an overwrite). :func:`update_link` moves a ``last`` symlink atomically.
 
+Saves record every file's size and CRC-32 in ``extra.pt`` (each rank checksums a share of
+the files, read back from the page cache); loads check them first (again shared over the
+ranks), so a truncated, missing or altered file fails with :class:`CheckpointCorruptError`
+naming it instead of loading part of a checkpoint.
+
 :func:`consolidate` turns a checkpoint into one ``state_dict`` file that a plain
 single-device model loads (``GPT(config).load_state_dict(torch.load(f, weights_only=True))``).
 """
@@ -27,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import shutil
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -38,10 +45,12 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 __all__ = [
+    "CheckpointCorruptError",
     "save_checkpoint",
     "load_checkpoint",
     "is_checkpoint",
     "read_extra",
+    "verify_files",
     "consolidate",
     "update_link",
     "prepare_tmp",
@@ -54,6 +63,10 @@ __all__ = [
 EXTRA_FILE = "extra.pt"
 _FORMAT = 1
 PathLike = Union[str, os.PathLike]
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint file is missing, truncated or altered since it was saved (the message names it)."""
 
 
 def _dist() -> bool:
@@ -79,6 +92,55 @@ def _hyperparams(osd: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])]
 
 
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _my_share(names: list[str], group: Optional[dist.ProcessGroup]) -> list[str]:
+    world = dist.get_world_size(group) if _dist() else 1
+    return [n for i, n in enumerate(sorted(names)) if i % world == _rank(group)]
+
+
+def _gather_dicts(part: dict[str, Any], group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+    if not _dist():
+        return dict(part)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, part, group=group)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def _manifest(tmp: Path, checksum: bool, group: Optional[dist.ProcessGroup]) -> dict[str, list[int]]:
+    """``{file: [size, crc32 or -1]}`` of the checkpoint's files (every rank checksums a share)."""
+    names = [f.name for f in tmp.iterdir() if f.is_file() and f.name != EXTRA_FILE]
+    part = {n: [(tmp / n).stat().st_size, _crc32(tmp / n) if checksum else -1] for n in _my_share(names, group)}
+    return _gather_dicts(part, group)
+
+
+def verify_files(path: PathLike, files: dict[str, Any], *, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Check the files of checkpoint ``path`` against the saved manifest (every rank a share)."""
+    path = Path(path)
+    problems: dict[str, str] = {}
+    for name in _my_share(list(files), group):
+        size, crc = files[name]
+        f = path / name
+        if not f.is_file():
+            problems[name] = f"{f} is missing"
+        elif f.stat().st_size != size:
+            problems[name] = f"{f} is truncated or overwritten: {f.stat().st_size} bytes, saved with {size}"
+        elif crc >= 0 and _crc32(f) != crc:
+            problems[name] = f"{f} is corrupted: its CRC-32 differs from the one recorded at save time"
+    problems = _gather_dicts(problems, group)
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint {path} is damaged, nothing was loaded: " + "; ".join(problems[k] for k in sorted(problems))
+            + ". Resume from an earlier checkpoint."
+        )
+
+
 def is_checkpoint(path: PathLike) -> bool:
     p = Path(path)
     return p.is_dir() and (p / EXTRA_FILE).is_file()
@@ -91,11 +153,13 @@ def save_checkpoint(
     extra: Optional[dict[str, Any]] = None,
     *,
     group: Optional[dist.ProcessGroup] = None,
+    checksum: bool = True,
 ) -> Path:
     """Save ``model`` + ``optimizers`` shards (every rank) and ``extra`` (rank 0) to directory ``path``.
 
     ``extra`` must hold only what ``torch.load(weights_only=True)`` accepts (tensors,
     numbers, strings, lists, tuples, dicts). Collective: every rank of ``group`` calls it.
+    ``checksum``: record each file's CRC-32 (sizes are always recorded).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -109,6 +173,7 @@ def save_checkpoint(
     if optims:
         state["optim"] = {"state": osd["state"]}
     dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _dist())
+    files = _manifest(tmp, checksum, group)  # every rank's files are complete once dcp.save returns
     if rank == 0:
         blob = {
             "format": _FORMAT,
@@ -116,6 +181,7 @@ def save_checkpoint(
             "extra": extra or {},
             "param_groups": _hyperparams(osd),
             "has_optim": bool(optims),
+            "files": files,
         }
         torch.save(blob, tmp / EXTRA_FILE)
     commit_tmp(tmp, path, group=group)
@@ -167,8 +233,18 @@ def resolve(path: PathLike) -> Path:
 
 
 def read_extra(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
-    """The ``extra.pt`` blob of a checkpoint (``extra``, optimizer hyper-parameters)."""
-    return torch.load(resolve(path) / EXTRA_FILE, map_location="cpu", weights_only=weights_only)
+    """The ``extra.pt`` blob of a checkpoint (``extra``, optimizer hyper-parameters).
+
+    A pickled object that ``weights_only`` loading refuses raises ``pickle.UnpicklingError``;
+    an unreadable file raises :class:`CheckpointCorruptError` naming it.
+    """
+    f = resolve(path) / EXTRA_FILE
+    try:
+        return torch.load(f, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError:
+        raise
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointCorruptError(f"{f} is unreadable (truncated or corrupted): {e}") from e
 
 
 def load_checkpoint(
@@ -179,8 +255,12 @@ def load_checkpoint(
     strict: bool = True,
     weights_only: bool = True,
     group: Optional[dist.ProcessGroup] = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
-    """Load shards into ``model`` (+ ``optimizers``), resharding as needed; return ``extra``."""
+    """Load shards into ``model`` (+ ``optimizers``), resharding as needed; return ``extra``.
+
+    ``verify``: check every file's size and CRC-32 against the save-time manifest first.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -194,6 +274,8 @@ def load_checkpoint(
     blob = read_extra(path, weights_only=weights_only)
     if blob.get("backend", "dcp") != "dcp":
         raise ValueError(f"{path} was written by the {blob['backend']} backend; resume it with that backend")
+    if verify and "files" in blob:
+        verify_files(path, blob["files"], group=group)
     optims = _local_optimizers(optimizers)
     if optims and not blob.get("has_optim", False):
         raise ValueError(f"{path} holds no optimizer state; load it with optimizers=()")
@@ -201,7 +283,13 @@ def load_checkpoint(
     state: dict[str, Any] = {"model": msd}
     if optims:
         state["optim"] = {"state": osd["state"]}
-    dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not _dist())
+    try:
+        dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not _dist())
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        first = next((line for line in str(e).splitlines() if "Error" in line), str(e).splitlines()[0] if str(e) else "")
+        raise RuntimeError(f"reading checkpoint {path} failed ({first.strip()})") from e
     options = StateDictOptions(strict=strict)
     if optims:
         osd["state"] = state["optim"]["state"]
@@ -264,6 +352,9 @@ def consolidate(ckpt_dir: PathLike, out_file: PathLike, *, prefix: Optional[str]
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = resolve(ckpt_dir)
+    blob = read_extra(path)
+    if "files" in blob:
+        verify_files(path, blob["files"])
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a DCP checkpoint (DeepSpeed-backend checkpoints use DeepSpeed's zero_to_fp32)")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
