@@ -120,11 +120,18 @@ def _manifest(tmp: Path, checksum: bool, group: Optional[dist.ProcessGroup]) -> 
     return _gather_dicts(part, group)
 
 
-def verify_files(path: PathLike, files: dict[str, Any], *, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Check the files of checkpoint ``path`` against the saved manifest (every rank a share)."""
+def verify_files(
+    path: PathLike, files: dict[str, Any], *, group: Optional[dist.ProcessGroup] = None, local: bool = False
+) -> None:
+    """Check the files of checkpoint ``path`` against the saved manifest.
+
+    Every rank of ``group`` checks a share and the findings are gathered; ``local=True`` checks
+    every file in this process and uses no collective (for single-process tools such as
+    :func:`consolidate`, which may run on one rank of a live process group).
+    """
     path = Path(path)
     problems: dict[str, str] = {}
-    for name in _my_share(list(files), group):
+    for name in (sorted(files) if local else _my_share(list(files), group)):
         size, crc = files[name]
         f = path / name
         if not f.is_file():
@@ -133,7 +140,8 @@ def verify_files(path: PathLike, files: dict[str, Any], *, group: Optional[dist.
             problems[name] = f"{f} is truncated or overwritten: {f.stat().st_size} bytes, saved with {size}"
         elif crc >= 0 and _crc32(f) != crc:
             problems[name] = f"{f} is corrupted: its CRC-32 differs from the one recorded at save time"
-    problems = _gather_dicts(problems, group)
+    if not local:
+        problems = _gather_dicts(problems, group)
     if problems:
         raise CheckpointCorruptError(
             f"checkpoint {path} is damaged, nothing was loaded: " + "; ".join(problems[k] for k in sorted(problems))
@@ -354,7 +362,7 @@ def consolidate(ckpt_dir: PathLike, out_file: PathLike, *, prefix: Optional[str]
     path = resolve(ckpt_dir)
     blob = read_extra(path)
     if "files" in blob:
-        verify_files(path, blob["files"])
+        verify_files(path, blob["files"], local=True)
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a DCP checkpoint (DeepSpeed-backend checkpoints use DeepSpeed's zero_to_fp32)")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
