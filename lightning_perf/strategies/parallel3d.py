@@ -54,6 +54,7 @@ from lightning_perf.parallel.parallelize_3d import (
     parallelize_3d,
 )
 from lightning_perf.parallel.tensor_parallel import tp_sequence_check
+from lightning_perf.parallel.validate import check_data_layout, data_shape
 from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
 
 if TYPE_CHECKING:
@@ -234,6 +235,16 @@ class Parallel3DStrategy(ParallelStrategy):
         """A module carrying its model config (``GPTLightningModule.config``) is checked by numbers now."""
         module = self.lightning_module
         check_model_config(getattr(module, "config", None), self.config)
+        # the data module's numbers too (a batch the pipeline cannot split would fail in a collective)
+        batch_size, seq_len = data_shape(getattr(getattr(module, "_trainer", None), "datamodule", None))
+        check_data_layout(
+            batch_size=batch_size,
+            seq_len=seq_len,
+            model_config=getattr(module, "config", None),
+            tp=self.config.tensor_parallel_size,
+            sequence_parallel=self.config.sequence_parallel,
+            pipeline=self.config.pipeline,
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -45,6 +45,7 @@ from lightning_perf.parallel import checkpoint as ckpt
 from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks, set_gradient_sync
 from lightning_perf.parallel.init import has_meta_tensors, materialize_from_rank0, materialize_local, take_full_state
 from lightning_perf.parallel.zero import ZeroConfig, deepspeed_config, find_model
+from lightning_perf.parallel.validate import check_data_layout, data_shape
 from lightning_perf.parallel.zero1 import apply_ddp, shard_optimizer
 from lightning_perf.plugins.precision import PerfPrecision
 
@@ -198,6 +199,9 @@ class ZeroStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         # every check that needs no other rank runs before the process group exists
         self.config.check_precision(self.precision_plugin.precision, self.root_device.type)
+        module = self.lightning_module
+        _, seq_len = data_shape(getattr(getattr(module, "_trainer", None), "datamodule", None))
+        check_data_layout(seq_len=seq_len, model_config=getattr(module, "config", None))
         self.precision_plugin.device_type = self.root_device.type
         super().setup_environment()
         reset_seed()

@@ -1,0 +1,61 @@
+"""Checks of the data shape against the model and the layout, with numbers only.
+
+The layout (:class:`~lightning_perf.parallel.dims.ParallelDims`,
+:class:`~lightning_perf.parallel.pipeline.PipelineConfig`), the GPT config and the ZeRO
+options are validated when they are built. What only shows once data arrives (a batch
+the pipeline cannot cut into microbatches, a sequence longer than the model's context or
+not divisible over sequence-parallel ranks) is checked here from the data module's
+numbers, so the strategies can call it in ``setup_environment`` before the process
+group exists: every rank raises the same ``ValueError`` instead of failing inside a
+collective on the first batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["check_data_layout", "data_shape"]
+
+
+def data_shape(datamodule: Any) -> tuple[Optional[int], Optional[int]]:
+    """``(per-rank batch_size, seq_len)`` of a data module that exposes them (else ``None``)."""
+    if datamodule is None:
+        return None, None
+    out = []
+    for name in ("batch_size", "seq_len"):
+        value = getattr(datamodule, name, None)
+        out.append(value if isinstance(value, int) and not isinstance(value, bool) else None)
+    return out[0], out[1]
+
+
+def check_data_layout(
+    *,
+    batch_size: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    model_config: Any = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    pipeline: Any = None,
+) -> None:
+    """Raise ``ValueError`` (with the numbers) if batches of this shape cannot train.
+
+    Args:
+        batch_size: samples per batch on one data-parallel rank.
+        seq_len: tokens per sample.
+        model_config: anything with ``block_size`` (a ``GPTConfig``).
+        tp, sequence_parallel: tensor parallelism and whether it shards the sequence.
+        pipeline: a ``PipelineConfig`` (its microbatches must divide the batch) or ``None``.
+    """
+    block_size = getattr(model_config, "block_size", None)
+    if seq_len is not None and isinstance(block_size, int) and seq_len > block_size:
+        raise ValueError(
+            f"seq_len={seq_len} is longer than the model's block_size={block_size}: lower the data "
+            f"module's seq_len or build the model with block_size >= {seq_len}"
+        )
+    if seq_len is not None and sequence_parallel and tp > 1 and seq_len % tp:
+        raise ValueError(
+            f"sequence parallelism splits seq_len={seq_len} over tp={tp} ranks: {seq_len} / {tp} = "
+            f"{seq_len / tp:.3g}; use a seq_len divisible by {tp} or sequence_parallel=False"
+        )
+    if batch_size is not None and pipeline is not None and getattr(pipeline, "pp", 1) > 1:
+        pipeline.check_batch(batch_size)
