@@ -28,8 +28,8 @@ from _harness import launch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-N_EXAMPLES = 600
-TRAIN_SAMPLE = 4
+N_EXAMPLES = 500
+TRAIN_SAMPLE = 2
 COUNTS: Counter = Counter()
 REASONS: Counter = Counter()  # first words of each refusal
 ACCEPTED: list[dict] = []
@@ -40,8 +40,8 @@ class ReachedProcessGroup(Exception):
 
 
 def _pick(rnd, valid: list, invalid: list = ()) -> Any:
-    """A valid value, or (1 time in 16, when there are any) an impossible one."""
-    if invalid and rnd.random() < 1 / 16:
+    """A valid value, or (1 time in 24, when there are any) an impossible one."""
+    if invalid and rnd.random() < 1 / 24:
         return rnd.choice(list(invalid))
     return rnd.choice(valid)
 
@@ -100,6 +100,10 @@ def configs(draw) -> dict:
             "activation_checkpointing": p(["none", "full", "selective"], ["some"]),
         }
         s = cfg["strategy"]
+        if rnd.random() < 0.75:  # usually a stage count the schedule runs, an untied head under pp
+            fixed = SCHEDULES.get(s["pipeline_schedule"], (None, None, 1))[2]
+            s["stages_per_rank"] = fixed or (2 if s["pipeline_parallel_size"] > 1 else 1)
+            model["tie_embeddings"] = model["tie_embeddings"] and s["pipeline_parallel_size"] == 1
         if rnd.random() < 0.75:  # usually a world size that fits the layout
             dp = s["data_parallel_size"] if s["data_parallel_size"] != "auto" else rnd.choice([1, 2])
             cfg["world"] = max(1, dp * s["tensor_parallel_size"] * s["pipeline_parallel_size"])
@@ -209,12 +213,12 @@ def _train_sample(rank: int, world: int, out: Path, cfgs: list[dict]) -> list[An
 
 def _sample(accepted: list[dict]) -> list[dict]:
     chosen, seen = [], set()
-    for cfg in accepted:
+    for cfg in sorted(accepted, key=lambda c: c["kind"] != "parallel3d"):  # stable: 3D layouts first
         s = cfg["strategy"]
         key = (cfg["kind"], s.get("stage"), s.get("tensor_parallel_size"), s.get("pipeline_parallel_size"))
         deepspeed = s.get("backend") == "deepspeed" or s.get("offload_optimizer") or s.get("offload_params")
         # DeepSpeed (a JIT-built op) and the half precisions train in tests/strategies; here: layouts
-        if key not in seen and cfg["precision"] == "32-true" and not deepspeed:
+        if key not in seen and cfg["precision"] in ("32-true", "bf16-mixed") and not deepspeed:
             seen.add(key)
             chosen.append(cfg)
     return chosen[:TRAIN_SAMPLE]
@@ -225,6 +229,7 @@ def test_a_sample_of_accepted_configs_trains(tmp_path) -> None:
         test_every_config_is_accepted_or_refused_clearly()
     sample = _sample(ACCEPTED)
     assert len(sample) >= 2, ACCEPTED[:5]
+    print("\ntraining a step of:", [(c["kind"], c["strategy"], c["batch_size"], c["seq_len"]) for c in sample])
     run = launch(_train_sample, 2, tmp_path, sample, timeout=120)
     assert all(c == 0 for c in run.exitcodes), (sample, run.errors)
     for losses in run.results:
