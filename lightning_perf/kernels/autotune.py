@@ -19,13 +19,14 @@ import logging
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["AutotuneCache", "KernelTuner", "default_tuner", "configure", "shape_bucket"]
+__all__ = ["AutotuneCache", "KernelTuner", "default_tuner", "configure", "shape_bucket", "hold_gpu"]
 
 log = logging.getLogger(__name__)
 
@@ -163,14 +164,38 @@ class KernelTuner:
     def _time(self, launch: Callable[[Config], Any], cfg: Config) -> float:
         for _ in range(max(1, self.warmup)):  # the first call compiles
             launch(cfg)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        launch(cfg)
+        host_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # A short kernel (norms, activations: tens of microseconds) finishes before the host has
+        # launched the next one, so a plain event pair times the Python launch path, not the kernel.
+        # Keep the GPU busy while the launches are queued: the window then holds GPU time only.
+        hold_gpu(2.0 * self.repeat * host_s + 50e-6)
         start.record()
         for _ in range(self.repeat):
             launch(cfg)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / self.repeat
+
+
+# cycles of torch.cuda._sleep per second: above any current GPU clock, so a hold is never too short
+_SLEEP_CYCLES_PER_S = 2.5e9
+_MAX_HOLD_S = 0.05
+
+
+def hold_gpu(seconds: float) -> None:
+    """Queue a spin kernel of about ``seconds`` on the current stream (capped at 50 ms).
+
+    Launches queued behind it run back to back once it ends, so CUDA events around them
+    measure device time even when the host needs longer to launch them than the GPU to run them.
+    """
+    cycles = int(min(max(seconds, 0.0), _MAX_HOLD_S) * _SLEEP_CYCLES_PER_S)
+    if cycles > 0:
+        torch.cuda._sleep(cycles)
 
 
 class _Default:

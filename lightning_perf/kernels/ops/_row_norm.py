@@ -6,11 +6,14 @@ Per row h = x (+ residual), N features, statistics in fp32:
 Backward with g = dy * w:
     dh = rstd * (g - xhat * mean(g * xhat) - mean(g))   (the last term LayerNorm only) (+ d residual_out)
     dw = sum_rows(dy * xhat), db = sum_rows(dy)
-dw / db are reduced per program into an fp32 (programs, N) buffer, then summed.
+Backward: one program per SM (times PROGRAMS_PER_SM) walks a contiguous band of rows,
+BLOCK_M rows per step, keeping dw / db as [BLOCK_M, N] fp32 tiles in registers; they are
+reduced over rows once, after the loop, into an fp32 (programs, N) buffer, then summed.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -63,8 +66,9 @@ def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, row
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # per-element partial sums: the cross-row reduction happens once after the loop, not every step
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     for r0 in range(row_start, row_end, BLOCK_M):
@@ -90,38 +94,54 @@ def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, row
         if HAS_DRES:
             dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += tl.sum(dy * xhat, axis=0)
+        dw_acc += dy * xhat
         if HAS_BIAS:
-            db_acc += tl.sum(dy, axis=0)
-    tl.store(DW_PART + pid * N + cols, dw_acc, mask=col_mask)
+            db_acc += dy
+    tl.store(DW_PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB_PART + pid * N + cols, db_acc, mask=col_mask)
+        tl.store(DB_PART + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
-def _fwd_configs(block_n: int, cuda: bool, rows: int) -> list[dict]:
+# Elements of one [BLOCK_M, BLOCK_N] tile per thread. The backward keeps about eight fp32 tiles
+# live (h, dy, xhat, g, dx and the dw / db accumulators): above 16 per thread that passes the
+# 255-register limit and spills to local memory, which costs more traffic than the rows themselves.
+_FWD_MAX_PER_THREAD = 32
+_BWD_MAX_PER_THREAD = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_configs(block_n: int, cuda: bool, rows_bucket: int) -> tuple[dict, ...]:
     if not cuda:  # interpreter: few programs, but several of them on small test inputs
-        return [dict(BLOCK_M=min(32, max(2, next_power_of_2(rows) // 4)), num_warps=4)]
+        return (dict(BLOCK_M=min(32, max(2, rows_bucket // 4)), num_warps=4),)
     out = []
     for bm in (1, 2, 4, 8, 16):
-        if bm * block_n > 32768 or (bm > 1 and block_n >= 8192):
+        tile = bm * block_n
+        if tile > 32768 or (bm > 1 and block_n >= 8192):
             continue
-        for w in (4, 8, 16):
-            if w * 32 * 2 <= bm * block_n or w == 4:  # at least ~2 elements per thread
+        for w in (4, 8, 16, 32):
+            per_thread = tile // (32 * w)
+            if per_thread <= _FWD_MAX_PER_THREAD and (per_thread >= 2 or w == 4):
                 out.append(dict(BLOCK_M=bm, num_warps=w))
-    return out
+    return tuple(out) or (dict(BLOCK_M=1, num_warps=32),)  # the widest rows: one row, every thread
 
 
-def _bwd_configs(block_n: int, cuda: bool, rows: int) -> list[dict]:
+@functools.lru_cache(maxsize=None)
+def _bwd_configs(block_n: int, cuda: bool, rows_bucket: int) -> tuple[dict, ...]:
     if not cuda:
-        return [dict(BLOCK_M=min(32, max(2, next_power_of_2(rows) // 8)), num_warps=4, PROGRAMS_PER_SM=1)]
+        return (dict(BLOCK_M=min(32, max(2, rows_bucket // 8)), num_warps=4, PROGRAMS_PER_SM=1),)
     out = []
-    for bm in (1, 2, 4, 8):
-        if bm * block_n > 16384 or (bm > 1 and block_n >= 8192):
+    for bm in (1, 2, 4, 8, 16):
+        tile = bm * block_n
+        if tile > 16384 or (bm > 1 and block_n >= 8192):
             continue
-        for w in (4, 8, 16):
+        for w in (4, 8, 16, 32):
+            per_thread = tile // (32 * w)
+            if per_thread > _BWD_MAX_PER_THREAD or (per_thread < 2 and w > 4):
+                continue
             for p in (1, 2, 4):
-                out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p))
-    return out
+                if w * p <= 64:  # at most 64 resident warps per SM
+                    out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p))
+    return tuple(out) or (dict(BLOCK_M=1, num_warps=32, PROGRAMS_PER_SM=1),)
 
 
 def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
@@ -144,8 +164,9 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
             x2, r2, w, b, y, h if has_res else y, mean if not is_rms else rstd, rstd, M, N, eps,
             IS_RMS=is_rms, HAS_RES=has_res, HAS_BIAS=bias is not None, BLOCK_N=block_n, **cfg)
 
-    cfg = default_tuner().pick("norm_fwd", (block_n, shape_bucket(M), x.dtype, is_rms, has_res),
-                               _fwd_configs(block_n, x.is_cuda, M), run, x.device)
+    rows_bucket = shape_bucket(M)
+    cfg = default_tuner().pick("norm_fwd", (block_n, rows_bucket, x.dtype, is_rms, has_res),
+                               _fwd_configs(block_n, x.is_cuda, rows_bucket), run, x.device)
     run(cfg)
     return y.view(x.shape), (h.view(x.shape) if has_res else h), mean, rstd
 
@@ -176,8 +197,9 @@ def norm_bwd(h, weight, bias, mean, rstd, dy, dres, is_rms: bool):
             IS_RMS=is_rms, HAS_DRES=has_dres, HAS_BIAS=has_bias, BLOCK_N=block_n, **kw)
         parts[0] = (dw_part, db_part)
 
-    cfg = default_tuner().pick("norm_bwd", (block_n, shape_bucket(M), h.dtype, is_rms, has_dres, has_bias),
-                               _bwd_configs(block_n, h.is_cuda, M), run, h.device)
+    rows_bucket = shape_bucket(M)
+    cfg = default_tuner().pick("norm_bwd", (block_n, rows_bucket, h.dtype, is_rms, has_dres, has_bias),
+                               _bwd_configs(block_n, h.is_cuda, rows_bucket), run, h.device)
     run(cfg)
     dw_part, db_part = parts[0]
     dw = dw_part.sum(0).to(weight.dtype)

@@ -23,27 +23,36 @@ __all__ = ["rotary_embedding", "rotary_embedding_reference", "RotaryFunction", "
 @triton.jit
 def _rotary_kernel(X, Y, COS, SIN, H, T, HALF,
                    sxb, sxh, sxt, syb, syh, syt, scos,
-                   INVERSE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
+                   INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program: BLOCK_T positions of BLOCK_H heads; the fp32 cos / sin tile (as many bytes as
+    # the bf16 rows it rotates) is loaded once and reused for every head instead of once per head
+    heads = tl.cdiv(H, BLOCK_H)
+    b = tl.program_id(0) // heads
+    h0 = (tl.program_id(0) % heads) * BLOCK_H
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)
     mask = (t[:, None] < T) & (d[None, :] < HALF)
-    x_base = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t[:, None].to(tl.int64) * sxt + d[None, :]
-    y_base = Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + t[:, None].to(tl.int64) * syt + d[None, :]
-    x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_base + HALF, mask=mask, other=0.0).to(tl.float32)
     cs_off = t[:, None] * scos + d[None, :]
     cos = tl.load(COS + cs_off, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(SIN + cs_off, mask=mask, other=0.0).to(tl.float32)
     if INVERSE:
         sin = -sin
-    tl.store(y_base, (x1 * cos - x2 * sin).to(Y.dtype.element_ty), mask=mask)
-    tl.store(y_base + HALF, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=mask)
+    x_row = X + b.to(tl.int64) * sxb + t[:, None].to(tl.int64) * sxt + d[None, :]
+    y_row = Y + b.to(tl.int64) * syb + t[:, None].to(tl.int64) * syt + d[None, :]
+    for i in range(BLOCK_H):
+        h = h0 + i
+        t_end = tl.where(h < H, T, 0)  # a head past H (tail program) writes nothing
+        m = (t[:, None] < t_end) & (d[None, :] < HALF)
+        x_base = x_row + h.to(tl.int64) * sxh
+        y_base = y_row + h.to(tl.int64) * syh
+        x1 = tl.load(x_base, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(x_base + HALF, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_base, (x1 * cos - x2 * sin).to(Y.dtype.element_ty), mask=m)
+        tl.store(y_base + HALF, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=m)
 
 
-_CONFIGS_GPU = [dict(BLOCK_T=bt, num_warps=w) for bt in (16, 32, 64) for w in (2, 4, 8)]
+_CONFIGS_GPU = tuple(dict(BLOCK_H=bh, BLOCK_T=bt, num_warps=w) for bh in (2, 4, 8) for bt in (16, 32, 64)
+                     for w in (2, 4, 8))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -56,15 +65,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     block_d = next_power_of_2(half)
-    configs = _CONFIGS_GPU if x.is_cuda else [dict(BLOCK_T=8 if T <= 64 else 64, num_warps=4)]
+    # interpreter: two heads per program, so head tails (odd H) are exercised by the tests
+    configs = _CONFIGS_GPU if x.is_cuda else (dict(BLOCK_H=2, BLOCK_T=8 if T <= 64 else 64, num_warps=4),)
 
     def run(cfg):
-        _rotary_kernel[(B * H, triton.cdiv(T, cfg["BLOCK_T"]))](
-            x, y, cos, sin, H, T, half, *x.stride()[:3], *y.stride()[:3], cos.stride(0),
-            INVERSE=inverse, BLOCK_D=block_d, **cfg)
+        grid = (B * triton.cdiv(H, cfg["BLOCK_H"]), triton.cdiv(T, cfg["BLOCK_T"]))
+        _rotary_kernel[grid](x, y, cos, sin, H, T, half, *x.stride()[:3], *y.stride()[:3], cos.stride(0),
+                             INVERSE=inverse, BLOCK_D=block_d, **cfg)
 
-    run(default_tuner().pick("rotary", (block_d, shape_bucket(T), shape_bucket(B * H), x.dtype), configs, run,
-                             x.device))
+    run(default_tuner().pick("rotary", (block_d, shape_bucket(T), shape_bucket(H), shape_bucket(B * H), x.dtype),
+                             configs, run, x.device))
     return y
 
 
