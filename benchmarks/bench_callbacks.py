@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ThroughputMonitor  # noqa: E402
@@ -51,6 +52,7 @@ from lightning_perf.callbacks import (  # noqa: E402
     SyncPointWarner,
     SyncPointWarning,
 )
+from _timing import StepTimer  # noqa: E402
 from lightning_perf.data import TokenDataModule  # noqa: E402
 from lightning_perf.models.gpt.module import GPTLightningModule  # noqa: E402
 
@@ -59,30 +61,19 @@ CPU_PEAKS = dict(peak_flops=1e11, peak_bandwidth=2e10)  # --smoke only: a rough 
 
 
 class StepTimes(L.Callback):
-    """Event (or host clock) at every batch start; all read after the fit."""
+    """A step mark at every batch start; all read after the fit."""
 
     def __init__(self) -> None:
-        self.marks: list[Any] = []
-        self.cuda = False
+        self.timer = StepTimer(False)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.cuda = trainer.strategy.root_device.type == "cuda"
+        self.timer = StepTimer(trainer.strategy.root_device.type == "cuda")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
+        self.timer.mark()
 
     def step_times(self, skip: int) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            t = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            t = [b - a for a, b in zip(self.marks, self.marks[1:])]
-        return t[skip:]
+        return self.timer.step_times(skip)
 
 
 class HookTimer:
@@ -107,7 +98,7 @@ class HookTimer:
                 return method(*args, **kwargs)
             finally:
                 dt = time.perf_counter() - t0
-                step = len(self.steps.marks) - 1
+                step = len(self.steps.timer.marks) - 1
                 self.per_step[step] = self.per_step.get(step, 0.0) + dt
                 mine[step] = mine.get(step, 0.0) + dt
 

@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import StepTimer  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet
 
@@ -45,30 +48,6 @@ def measure_matmul_ceiling(device: torch.device) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
     return 2 * n**3 / statistics.median(times)
-
-
-class StepTimer:
-    """Record an event pair per step; read them all at the end."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def step_times(self, skip: int) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            t = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks[:-1], self.marks[1:])]
-        else:
-            t = [b - a for a, b in zip(self.marks[:-1], self.marks[1:])]
-        return t[skip:]
 
 
 def make_data(cfg, seq_len: int, batch: int, steps: int, device: torch.device):
@@ -99,7 +78,7 @@ def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode
     dm = make_data(cfg, seq_len, batch, warmup + steps, device)
     dm.setup("fit")
     loader = dm.train_dataloader()
-    timer = StepTimer(device)
+    timer = StepTimer(device.type == "cuda")
     it = iter(loader)
     use_amp = device.type == "cuda"
     for i in range(warmup + steps):
@@ -122,7 +101,7 @@ def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mo
     from lightning_perf.models import GPTConfig, GPTLightningModule
 
     cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa")
-    timer = StepTimer(device)
+    timer = StepTimer(device.type == "cuda")
 
     class Timing(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
