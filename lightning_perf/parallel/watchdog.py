@@ -212,10 +212,12 @@ class PeerWatchdog:
         """The error to raise instead of ``exc`` after a failed collective, or ``None`` if nothing is known.
 
         With ``wait``, gives a peer that died just now up to ``dead_after`` seconds to go
-        silent (a transport error can arrive before the heartbeat is overdue).
+        silent (a transport error can arrive before the heartbeat is overdue). After a
+        timeout there is no wait: a dead peer has been silent for the whole timeout already.
         """
-        deadline = time.monotonic() + (self.dead_after + 2 * self.interval if wait else 0.0)
         timed_out = exc is not None and is_timeout_error(exc)
+        wait = wait and not timed_out
+        deadline = time.monotonic() + (self.dead_after + 2 * self.interval if wait else 0.0)
         while True:
             silent = self.silent_ranks()
             if silent or time.monotonic() >= deadline or self._thread is None:

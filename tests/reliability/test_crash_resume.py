@@ -1,11 +1,19 @@
-"""A rank killed with SIGKILL (in a training step, or in the middle of a checkpoint write):
-every other rank exits within the collective timeout with an error naming the dead rank,
-``last`` still points at the previous complete checkpoint, and a restart with
-``ckpt_path="last"`` continues the loss curve of an uninterrupted run exactly (fp32, CPU),
-seeing every sample once (the data position is restored mid-epoch).
+"""Dead and diverging ranks (2 gloo processes, the tiny GPT, fp32).
 
-ZeRO-2 (killed inside ``dcp.save``) and Parallel3D pp2 / 1F1B (killed at a step start).
-Resume equality for the other ZeRO stages is covered in ``tests/strategies``.
+1. A rank killed with SIGKILL -- inside ``dcp.save`` under ZeRO-2, at a step start under
+   Parallel3D pp2 / 1F1B -- makes the other rank exit within the collective timeout with a
+   ``RankFailureError`` naming the dead rank; ``last`` still points at the previous
+   complete checkpoint; a restart with ``ckpt_path="last"`` continues the loss curve of
+   an uninterrupted one-process run exactly and sees every remaining sample once (the
+   data position is restored mid-epoch).
+2. Hangs: a collective that one rank never joins times out after the process group's
+   ``timeout`` with a ``CollectiveTimeoutError`` listing each rank's step, and a rank that
+   leaves the training loop early (a rank-local ``should_stop``) is named within the
+   bound instead of hanging for NCCL's default 10 minutes.
+
+Spawning dominates the cost, so three process groups run the phases in turn; each
+phase's results are saved before the next one starts. Resume equality for the other
+ZeRO stages is in ``tests/strategies``.
 """
 
 from __future__ import annotations
@@ -16,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _harness import data, kill_self, launch, make_module, reference, trainer
 
 TIMEOUT = 6.0  # the strategies' collective timeout (seconds)
@@ -39,22 +46,26 @@ def _watchdog():
     return RankWatchdog(interval=0.25, dead_after=DEAD_AFTER)
 
 
-def _killed_run(rank: int, world: int, out: Path, kind: str) -> dict:
+def _stamp(out: Path, name: str) -> None:
+    (out / name).write_text(str(time.time()))
+
+
+def _killed(rank: int, world: int, out: Path, kind: str, root: Path) -> None:
+    """Train ``kind`` with a checkpoint every 2 steps; rank 1 is killed at step 4's save / step 3."""
     import lightning as L
 
     L.seed_everything(0, verbose=False)
     strategy, dp = _strategy(kind)
     on_step = None
     if kind == "zero2" and rank == 1:
-        # die inside the second checkpoint write (global step 4): rank 0 is writing its shard
         import torch.distributed.checkpoint as dcp
 
         real_save, calls = dcp.save, []
 
-        def dying_save(*args, **kwargs):
+        def dying_save(*args, **kwargs):  # the second save (global step 4): rank 0 is writing its shard
             calls.append(1)
             if len(calls) == 2:
-                (out / "killed_at").write_text(str(time.time()))
+                _stamp(out, f"{kind}_killed_at")
                 kill_self()
             return real_save(*args, **kwargs)
 
@@ -62,62 +73,151 @@ def _killed_run(rank: int, world: int, out: Path, kind: str) -> dict:
     elif rank == 1:
         def on_step(module, step):  # noqa: F811
             if step == 3:
-                (out / "killed_at").write_text(str(time.time()))
+                _stamp(out, f"{kind}_killed_at")
                 kill_self()
 
     module = make_module(on_step=on_step)
-    t = trainer(strategy, world, steps=STEPS, ckpt_dir=out / "ckpt", callbacks=[_watchdog()])
+    t = trainer(strategy, world, steps=STEPS, ckpt_dir=root / f"{kind}_ckpt", callbacks=[_watchdog()])
     t.fit(module, data(GB, dp, SAMPLES))
-    return {"losses": module.losses}
+    raise AssertionError("the run survived the kill")
 
 
-def _resumed_run(rank: int, world: int, out: Path, kind: str) -> dict:
+def _resume(rank: int, world: int, out: Path, kind: str, root: Path) -> None:
     import lightning as L
 
+    from lightning_perf.parallel.checkpoint import read_extra
+
+    extra = read_extra(root / f"{kind}_ckpt" / "last.ckpt")["extra"]  # what the killed run left
+    (out / f"{kind}_last_step{rank}").write_text(str(extra.get("lightning", extra)["global_step"]))
+    (out / f"{kind}_tmp_left").write_text(str((root / f"{kind}_ckpt" / "last.ckpt.tmp").is_dir()))
     L.seed_everything(0, verbose=False)
     strategy, dp = _strategy(kind)
     module = make_module()
-    t = trainer(strategy, world, steps=STEPS, ckpt_dir=out.parent / "ckpt", callbacks=[_watchdog()])
+    t = trainer(strategy, world, steps=STEPS, ckpt_dir=root / f"{kind}_ckpt", callbacks=[_watchdog()])
     t.fit(module, data(GB, dp, SAMPLES), ckpt_path="last")
-    return {"losses": module.losses, "samples": module.samples}
+    torch.save({"losses": module.losses, "samples": module.samples}, out / f"{kind}_resumed{rank}.pt")
+
+
+def _hangs(rank: int, world: int, out: Path) -> None:
+    """A collective rank 1 never joins, then a rank-local early stop (rank 1 leaves the loop)."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_perf.parallel.watchdog import CollectiveTimeoutError, PeerWatchdog
+
+    watchdog = PeerWatchdog(interval=0.25, dead_after=DEAD_AFTER).start()
+    watchdog.beat(10 + rank)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    if rank == 0:
+        _stamp(out, "mismatch_at")
+        try:
+            dist.all_reduce(torch.ones(1), group=group)  # rank 1 skips it
+            raise AssertionError("the collective completed without rank 1")
+        except RuntimeError as e:
+            error = watchdog.diagnose(e)
+            _stamp(out, "mismatch_caught_at")
+            assert isinstance(error, CollectiveTimeoutError), (e, error)
+            (out / "mismatch.txt").write_text(str(error))
+    else:
+        time.sleep(3.0)  # alive (heartbeats go on), busy elsewhere
+    watchdog.stop()
+    dist.barrier()
+
+    L.seed_everything(0, verbose=False)
+
+    def leave(module, step):
+        if rank == 1 and step == 2:
+            _stamp(out, "left_at")
+            module.trainer.should_stop = True  # rank-local: the other rank goes on to step 3
+
+    strategy, dp = _strategy("zero2")
+    trainer(strategy, world, steps=STEPS, callbacks=[_watchdog()]).fit(make_module(on_step=leave), data(GB, dp, SAMPLES))
+    if rank == 1:  # stay alive (sockets open) until rank 0 has given up
+        deadline = time.time() + 3 * TIMEOUT
+        while not (out / "rank0.err").exists() and time.time() < deadline:
+            time.sleep(0.1)
+
+
+def _all_phases(rank: int, world: int, out: Path, phase: int, root: Path) -> None:
+    if phase == 1:
+        _killed(rank, world, out, "zero2", root)
+    elif phase == 2:
+        _resume(rank, world, out, "zero2", root)
+        _killed(rank, world, out, "pp2", root)
+    else:
+        _resume(rank, world, out, "pp2", root)
+        _hangs(rank, world, out)
 
 
 @pytest.fixture(scope="module")
-def ref() -> dict:
-    return reference(STEPS, GB, SAMPLES)
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("faults")  # checkpoints live here across the phases
+    res = {phase: launch(_all_phases, 2, root / f"p{phase}", phase, root, timeout=120) for phase in (1, 2, 3)}
+    res["root"] = root
+    res["ref"] = reference(STEPS, GB, SAMPLES)
+    return res
 
 
-@pytest.mark.parametrize("kind", ["zero2", "parallel3d_pp2"])
-def test_killed_rank_is_named_and_last_resumes_exactly(kind: str, ref: dict, tmp_path: Path) -> None:
-    from lightning_perf.parallel.checkpoint import read_extra
-
-    killed = launch(_killed_run, 2, tmp_path, kind, timeout=90)
-    assert killed.exitcodes[1] == -9, killed.errors  # SIGKILL
-    assert killed.exitcodes[0] == 1, killed.errors
-    err = killed.errors[0]
+def _check_killed(outcome, out: Path, kind: str, resumed: Path) -> None:
+    assert outcome.exitcodes[1] == -9, outcome.errors  # SIGKILL
+    assert outcome.exitcodes[0] == 1, outcome.errors
+    err = outcome.errors[0]
     assert err.startswith("RankFailureError"), err
     assert "rank 1 stopped responding" in err, err
     # noticed within the collective timeout (+ the watchdog's wait for the heartbeat to go silent)
-    elapsed = killed.error_times[0] - float((tmp_path / "killed_at").read_text())
+    elapsed = outcome.error_times[0] - float((out / f"{kind}_killed_at").read_text())
     assert 0 <= elapsed < TIMEOUT + DEAD_AFTER + 2, elapsed
+    for r in range(2):  # "last" pointed at the last complete save when the restart began
+        assert (resumed / f"{kind}_last_step{r}").read_text() == "2"
 
-    last = tmp_path / "ckpt" / "last.ckpt"
-    extra = read_extra(last)["extra"]
-    assert extra.get("lightning", extra)["global_step"] == 2  # the last complete save
-    if kind == "zero2":  # the save that was cut short left only its temporary directory
-        assert (tmp_path / "ckpt" / "last.ckpt.tmp").is_dir()
 
-    resumed = launch(_resumed_run, 2, tmp_path / "resume", kind, timeout=90).check_ok()
+def _check_resumed(out: Path, kind: str, ref: dict) -> None:
+    resumed = [torch.load(out / f"{kind}_resumed{r}.pt", weights_only=False) for r in range(2)]
     steps = list(range(2, STEPS))
     for r in resumed:
         assert sorted(r["losses"]) == steps
-    # ZeRO ranks see half the batch each (the mean is the global batch's loss); pp ranks see the whole
+    # ZeRO ranks see half the batch each (the mean is the global batch's loss); pp ranks the whole
     mean = torch.tensor([[r["losses"][s] for s in steps] for r in resumed]).mean(0)
     torch.testing.assert_close(mean, torch.tensor([ref["losses"][s] for s in steps]), rtol=1e-5, atol=1e-6)
     # every sample of steps 2.. exactly once, the same ones as uninterrupted (no repeat, no skip)
     ref_ids = sorted(i for s, ids in ref["samples"] if s >= 2 for i in ids)
-    if kind == "zero2":
-        got = sorted(i for r in resumed for _, ids in r["samples"] for i in ids)
-    else:
-        got = sorted(i for _, ids in resumed[0]["samples"] for i in ids)
-    assert got == ref_ids
+    ranks = resumed if kind == "zero2" else resumed[:1]
+    assert sorted(i for r in ranks for _, ids in r["samples"] for i in ids) == ref_ids
+
+
+def test_zero2_rank_killed_mid_save(runs) -> None:
+    root = runs["root"]
+    _check_killed(runs[1], root / "p1", "zero2", root / "p2")
+    assert (root / "p2" / "zero2_tmp_left").read_text() == "True"  # the cut-short save never went live
+
+
+def test_zero2_resumes_from_last_exactly(runs) -> None:
+    _check_resumed(runs["root"] / "p2", "zero2", runs["ref"])
+
+
+def test_pp2_rank_killed_at_a_step(runs) -> None:
+    root = runs["root"]
+    _check_killed(runs[2], root / "p2", "pp2", root / "p3")
+
+
+def test_pp2_resumes_from_last_exactly(runs) -> None:
+    _check_resumed(runs["root"] / "p3", "pp2", runs["ref"])
+
+
+def test_collective_mismatch_times_out_with_each_ranks_step(runs) -> None:
+    out = runs["root"] / "p3"
+    text = (out / "mismatch.txt").read_text()
+    assert "timed out while every rank is alive (rank 0: step 10, rank 1: step 11)" in text, text
+    waited = float((out / "mismatch_caught_at").read_text()) - float((out / "mismatch_at").read_text())
+    assert 1.5 < waited < 2 + 3, waited  # the group's 2 s timeout, not minutes
+
+
+def test_rank_leaving_the_loop_is_named_within_the_timeout(runs) -> None:
+    outcome, out = runs[3], runs["root"] / "p3"
+    assert outcome.exitcodes[1] == 0, outcome.errors
+    assert outcome.exitcodes[0] == 1, outcome.errors
+    err = outcome.errors[0]
+    assert err.startswith(("RankFailureError", "CollectiveTimeoutError")), err
+    assert "rank 1" in err, err
+    elapsed = outcome.error_times[0] - float((out / "left_at").read_text())
+    assert elapsed < TIMEOUT + DEAD_AFTER + 3, elapsed
