@@ -231,18 +231,20 @@ class PeerWatchdog:
             parts = []
             for r in silent:
                 if store_gone:
-                    parts.append(f"rank {r} (the store host) is unreachable")
+                    parts.append(f"rank {r} (the store host) is unreachable: it died or was killed")
                 elif states[r].done:
-                    parts.append(f"rank {r} left the training loop at step {states[r].step}")
+                    parts.append(
+                        f"rank {r} left the training loop at step {states[r].step} while this rank went on "
+                        "(the ranks disagree on when training ends: a rank-local stop or early return)"
+                    )
                 else:
                     parts.append(
                         f"rank {r} stopped responding at step {states[r].step} "
-                        f"(no heartbeat for {states[r].silent_s:.1f} s)"
+                        f"(no heartbeat for {states[r].silent_s:.1f} s): it died or was killed"
                     )
             return RankFailureError(
-                f"rank {self.rank}: a collective failed because {'; '.join(parts)}: it died or was killed; "
-                f"this rank was at step {self._step}. Restart the job (e.g. ckpt_path='last') to resume "
-                f"from the last checkpoint{cause}",
+                f"rank {self.rank}: a collective failed because {'; '.join(parts)}; this rank was at step "
+                f"{self._step}. Restart the job (e.g. ckpt_path='last') to resume from the last checkpoint{cause}",
                 silent,
             )
         if timed_out:

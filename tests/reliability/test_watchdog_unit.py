@@ -1,0 +1,90 @@
+"""PeerWatchdog's verdicts in one process: a HashStore stands in for the process group's
+TCPStore and this test plays the peer (rank 1) by writing its heartbeat key by hand."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from lightning_perf.parallel.watchdog import (
+    CollectiveTimeoutError,
+    PeerWatchdog,
+    RankFailureError,
+    is_timeout_error,
+)
+
+INTERVAL, DEAD_AFTER = 0.05, 0.4
+
+
+def _pair():
+    store = dist.HashStore()
+    wd = PeerWatchdog(store, rank=0, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER).start()
+    wd.beat(7)
+    peer_key = wd._key(1)
+    return store, wd, peer_key
+
+
+def _beat_for(store, key: str, seconds: float, step: int) -> None:
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        n += 1
+        store.set(key, f"{n}:{step}")
+        time.sleep(INTERVAL)
+
+
+def test_alive_peer_and_a_timeout_give_the_steps() -> None:
+    store, wd, key = _pair()
+    _beat_for(store, key, 3 * DEAD_AFTER, step=8)
+    assert wd.silent_ranks() == []
+    error = wd.diagnose(RuntimeError("Timed out waiting 2000ms for recv operation to complete"))
+    assert isinstance(error, CollectiveTimeoutError)
+    assert error.steps == {0: 7, 1: 8}
+    assert "rank 0: step 7, rank 1: step 8" in str(error)
+    # a transport error with every rank alive: nothing to add (the original error stands)
+    start = time.monotonic()
+    assert wd.diagnose(RuntimeError("Connection reset"), wait=False) is None
+    assert time.monotonic() - start < DEAD_AFTER
+    wd.stop()
+
+
+def test_silent_peer_is_named_with_its_last_step() -> None:
+    store, wd, key = _pair()
+    _beat_for(store, key, 2 * INTERVAL, step=5)  # then it dies
+    error = wd.diagnose(RuntimeError("Connection closed by peer"))  # waits for the silence
+    assert isinstance(error, RankFailureError) and error.ranks == [1]
+    assert "rank 1 stopped responding at step 5" in str(error) and "this rank was at step 7" in str(error)
+    wd.stop()
+
+
+def test_peer_that_left_the_loop_and_a_lost_store() -> None:
+    store, wd, key = _pair()
+    store.set(key, "done:3")
+    time.sleep(3 * INTERVAL)
+    error = wd.diagnose(RuntimeError("Timed out"), wait=False)
+    assert isinstance(error, RankFailureError) and "rank 1 left the training loop at step 3" in str(error)
+    wd.stop()
+
+    class Broken:
+        def set(self, *a):
+            raise RuntimeError("connection refused")
+
+    wd = PeerWatchdog(dist.HashStore(), rank=1, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER).start()
+    wd._store = Broken()  # rank 0, which hosts the TCPStore, is gone
+    time.sleep(3 * INTERVAL)
+    error = wd.diagnose(RuntimeError("Connection closed by peer"))
+    assert isinstance(error, RankFailureError) and "rank 0 (the store host) is unreachable" in str(error)
+    wd.stop()
+
+
+def test_timeout_detection_and_bad_arguments() -> None:
+    assert is_timeout_error(RuntimeError("Timed out waiting 2000ms"))
+    wrapped = RuntimeError("collective failed")
+    wrapped.__cause__ = TimeoutError("deadline exceeded")
+    assert is_timeout_error(wrapped)
+    assert not is_timeout_error(RuntimeError("Connection closed by peer"))
+    with pytest.raises(ValueError, match="interval < dead_after"):
+        PeerWatchdog(dist.HashStore(), rank=0, world_size=2, interval=1.0, dead_after=0.5)
+    with pytest.raises(ValueError, match="initialised default process group"):
+        PeerWatchdog()
