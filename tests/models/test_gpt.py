@@ -126,6 +126,39 @@ def test_flops_per_token_hand_count():
     assert cfg.flops_per_token(T) == 6 * non_embedding + 6 * L * d * T == 798_759_936
     assert cfg.flops_per_token_full_attention(T) == 6 * non_embedding + 12 * L * d * T
     assert GPTLightningModule("gpt2-124m").flops_per_token(T) == 798_759_936
+    # full activation checkpointing recomputes each block's forward except the MLP's down projection
+    blocks, down = L * per_layer, L * (4 * d * d + d)
+    assert cfg.num_params("blocks") == blocks
+    full = GPTLightningModule("gpt2-124m", activation_checkpointing="full")
+    assert full.hardware_flops_per_token(T) == 798_759_936 + 2 * (blocks - down) + 2 * L * d * T
+    selective = GPTLightningModule("gpt2-124m", activation_checkpointing="selective")
+    assert selective.hardware_flops_per_token(T) == 798_759_936
+
+
+def test_recomputed_matmul_flops_match_a_flop_count():
+    """FlopCounterMode sees exactly the matmuls the hardware formula adds for full checkpointing."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = GPTConfig.from_name("tiny", n_layer=2, block_size=32)
+    T = 32
+
+    def matmul_flops(mode):
+        model = GPT(cfg)
+        apply_activation_checkpointing(list(model.blocks.values()), mode)
+        idx = torch.randint(0, 260, (1, T))
+        with FlopCounterMode(display=False) as counter:
+            model(idx, idx).backward()
+        counts = counter.get_flop_counts()["Global"]
+        return sum(v for k, v in counts.items() if "mm" in str(k))  # mm/addmm/bmm: the linear layers
+
+    extra = matmul_flops("full") - matmul_flops("none")
+    d, f = cfg.n_embd, cfg.intermediate_size
+    recomputed_weights = cfg.n_layer * (4 * d * d + d * f)  # q, k, v, o and up; not down
+    assert extra == 2 * recomputed_weights * T
+    attention = 2 * cfg.n_layer * d * T * T  # causal attention forward, counted once
+    formula = cfg.hardware_flops_per_token(T, "full") - cfg.flops_per_token(T)
+    biases_and_norms = formula * T - extra - attention
+    assert 0 <= biases_and_norms <= 2 * T * cfg.n_layer * (4 * d + f + 4 * d)
 
 
 def test_meta_build_then_init_weights():

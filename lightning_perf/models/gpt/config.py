@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 __all__ = ["GPTConfig", "PRESETS"]
 
@@ -114,16 +114,17 @@ class GPTConfig:
 
     # ---- sizes -------------------------------------------------------------------------------
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def num_params(self, include_embedding: Union[bool, Literal["blocks"]] = True) -> int:
         """Parameter count of the model this config builds (computed, not instantiated).
 
         ``include_embedding=False`` leaves out the token and position embeddings but keeps
         the LM head (counted once when tied: the tied matrix does the head's matmul).
+        ``include_embedding="blocks"`` counts the transformer blocks alone.
         """
         d, V, L = self.n_embd, self.padded_vocab_size, self.n_layer
         kv = self.n_kv_head * self.head_dim
         b = 1 if self.bias else 0
-        norm = d * (2 if self.norm == "layernorm" else 1)  # layernorm has a bias
+        norm = d * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ layernorm bias)
         attn = d * d + 2 * d * kv + d * d + b * (d + 2 * kv + d)
         f = self.intermediate_size
         if self.activation == "swiglu":
@@ -132,6 +133,8 @@ class GPTConfig:
             mlp = 2 * d * f + b * (f + d)
         block = attn + mlp + 2 * norm
         body = L * block + norm  # + final norm
+        if include_embedding == "blocks":  # the transformer blocks alone
+            return L * block
         tok = V * d
         pos = self.block_size * d if self.positions == "learned" else 0
         head = V * d
@@ -151,6 +154,24 @@ class GPTConfig:
         """
         T = self.block_size if seq_len is None else seq_len
         return 6 * self.num_params(include_embedding=False) + 6 * self.n_layer * self.n_embd * T
+
+    def hardware_flops_per_token(self, seq_len: Optional[int] = None, activation_checkpointing: str = "none") -> int:
+        """FLOPs per token the hardware executes, recomputation included (for HFU).
+
+        ``full`` checkpointing runs each block's forward again in backward, up to the last
+        activation backward needs: PyTorch's non-reentrant checkpoint stops before the MLP's
+        down projection, whose output nothing saves. That adds
+        ``2 * (N_blocks - L * N_down_proj) + 2 * L * d * T`` (causal attention counted once).
+        ``selective`` recomputes only norms and elementwise ops, whose FLOPs are negligible
+        next to the matmuls, so it equals :meth:`flops_per_token`.
+        """
+        T = self.block_size if seq_len is None else seq_len
+        model = self.flops_per_token(T)
+        if activation_checkpointing == "full":
+            down_proj = self.intermediate_size * self.n_embd + (self.n_embd if self.bias else 0)
+            recomputed = self.num_params("blocks") - self.n_layer * down_proj
+            return model + 2 * recomputed + 2 * self.n_layer * self.n_embd * T
+        return model
 
     def flops_per_token_full_attention(self, seq_len: Optional[int] = None) -> int:
         """The PaLM / nanoGPT / torchtitan convention: attention counted over the full square."""

@@ -140,6 +140,14 @@ class GPTLightningModule(L.LightningModule):
         """Model FLOPs per trained token, causal attention counted once (see GPTConfig)."""
         return self.config.flops_per_token(seq_len)
 
+    def hardware_flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """FLOPs per token including activation-checkpointing recomputation (HFU); see GPTConfig."""
+        return self.config.hardware_flops_per_token(seq_len, self.hparams.activation_checkpointing)
+
+    def flops_per_token_full_attention(self, seq_len: Optional[int] = None) -> int:
+        """The PaLM / nanoGPT / torchtitan convention (attention over the full square), for comparison."""
+        return self.config.flops_per_token_full_attention(seq_len)
+
     @property
     def flops_per_batch(self) -> Optional[int]:
         """FLOPs of the last training batch (fwd + bwd), for Lightning's ThroughputMonitor."""
