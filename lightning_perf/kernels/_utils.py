@@ -11,6 +11,7 @@ __all__ = [
     "is_interpreted",
     "can_launch",
     "next_power_of_2",
+    "cdiv",
     "kernel_dtypes",
     "num_sms",
     "ELEMENTWISE_DTYPES",
@@ -45,6 +46,12 @@ def kernel_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     if device.type == "cuda":
         return ELEMENTWISE_DTYPES
     return (torch.float32, torch.float16)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for launch grids; plain integer maths (``triton.cdiv`` is a constexpr
+    function object in recent Triton releases, several microseconds per host call)."""
+    return -(-a // b)
 
 
 def next_power_of_2(n: int) -> int:

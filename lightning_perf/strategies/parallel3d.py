@@ -96,6 +96,11 @@ class Parallel3DStrategy(ParallelStrategy):
         meta_init: build the model on the meta device in ``configure_model`` and
             initialise only the local shards after sharding (for models larger than a device).
         fsdp_prefetch: blocks all-gathered ahead by FSDP2.
+        compile: ``torch.compile`` mode (``"default"``, ``"max-autotune"``, ...) applied after
+            tensor parallelism and before FSDP2: per block, or under TP per attention/MLP
+            sublayer (removes the eager DTensor dispatch cost). ``None``: off; blocks the
+            module compiled itself are kept (re-scoped to sublayers under TP).
+        compile_backend: the ``torch.compile`` backend (``"aot_eager"`` isolates inductor).
     """
 
     strategy_name = "parallel3d"
@@ -114,6 +119,8 @@ class Parallel3DStrategy(ParallelStrategy):
         activation_checkpointing: str = "none",
         meta_init: bool = False,
         fsdp_prefetch: int = 1,
+        compile: Optional[str] = None,
+        compile_backend: str = "inductor",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         **kwargs: Any,
@@ -131,6 +138,8 @@ class Parallel3DStrategy(ParallelStrategy):
             async_tensor_parallel=async_tensor_parallel,
             activation_checkpointing=activation_checkpointing,
             fsdp_prefetch=fsdp_prefetch,
+            compile=compile,
+            compile_backend=compile_backend,
         )
         super().__init__(**kwargs)
         self.meta_init = meta_init

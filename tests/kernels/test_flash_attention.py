@@ -77,6 +77,35 @@ def test_large_logits_do_not_overflow(poison, close, device):
     _check(q, k, v, True, close, 1e-4, 1e-4)
 
 
+@pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
+def test_gpu_config_lists_fit_the_causal_loops(D):
+    from lightning_perf.kernels.ops import flash_attention as fa
+
+    for kernel, build in (("fwd", fa._fwd_configs), ("dq", fa._dq_configs), ("dkdv", fa._dkdv_configs)):
+        every = build(D, True)
+        causal = fa.usable_configs(kernel, every, True)
+        assert causal and fa.usable_configs(kernel, every, False) == list(every)
+        for c in causal:
+            small, big = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
+            assert c[big] % c[small] == 0, (kernel, D, c)
+
+
+def test_unequal_blocks_and_unusable_first_config(monkeypatch, poison, close, device):
+    """Query and key blocks of different sizes (as on the GPU), with a causally unusable config
+    listed first: it must be skipped, the others must give the reference on both masks."""
+    from lightning_perf.kernels.ops import flash_attention as fa
+
+    cfg = fa._cfg
+    monkeypatch.setattr(fa, "_config_cache", {})
+    monkeypatch.setattr(fa, "_fwd_configs", lambda D, cuda: [cfg(16, 32, 4, 1), cfg(32, 16, 4, 1)])
+    monkeypatch.setattr(fa, "_dq_configs", lambda D, cuda: [cfg(16, 32, 4, 1), cfg(32, 16, 4, 1)])
+    monkeypatch.setattr(fa, "_dkdv_configs", lambda D, cuda: [cfg(32, 16, 4, 1), cfg(16, 32, 4, 1)])
+    q, k, v = _qkv(1, 2, 1, 45, 16, torch.float32, device)
+    _check(q, k, v, True, close, 2e-5, 2e-5)
+    q, k, v = _qkv(1, 2, 1, 45, 16, torch.float32, device)  # non-causal takes the first configs
+    _check(q, k, v, False, close, 2e-5, 2e-5)
+
+
 def test_bad_inputs_raise(device):
     q = torch.randn(1, 3, 8, 16, device=device)
     k = torch.randn(1, 2, 8, 16, device=device)

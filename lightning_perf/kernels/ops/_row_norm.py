@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import kernel_dtypes, can_launch, next_power_of_2, num_sms
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, next_power_of_2, num_sms, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["norm_fwd", "norm_bwd", "norm_supported", "norm_op", "NormFunction"]
@@ -160,7 +160,7 @@ def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
     b = bias.contiguous() if bias is not None else w
 
     def run(cfg):
-        _norm_fwd_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
+        _norm_fwd_kernel[(cdiv(M, cfg["BLOCK_M"]),)](
             x2, r2, w, b, y, h if has_res else y, mean if not is_rms else rstd, rstd, M, N, eps,
             IS_RMS=is_rms, HAS_RES=has_res, HAS_BIAS=bias is not None, BLOCK_N=block_n, **cfg)
 
@@ -187,8 +187,8 @@ def norm_bwd(h, weight, bias, mean, rstd, dy, dres, is_rms: bool):
 
     def run(cfg):
         programs = max(1, min(M, num_sms(h.device) * cfg["PROGRAMS_PER_SM"]))
-        rows_per_program = triton.cdiv(M, programs)
-        programs = triton.cdiv(M, rows_per_program)
+        rows_per_program = cdiv(M, programs)
+        programs = cdiv(M, rows_per_program)
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=h.device)
         db_part = torch.empty((programs, N), dtype=torch.float32, device=h.device) if has_bias else dw_part
         kw = {k: v for k, v in cfg.items() if k != "PROGRAMS_PER_SM"}

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import can_launch
+from lightning_perf.kernels._utils import can_launch, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["flash_attention", "attention_reference", "FlashAttentionFunction", "flash_attention_supported"]
@@ -298,6 +298,34 @@ def _dq_configs(D: int, cuda: bool) -> list[dict]:
     return [_cfg(64, 32, 8, 2), _cfg(64, 16, 4, 2), _cfg(32, 32, 4, 2), _cfg(32, 16, 4, 2)]
 
 
+def usable_configs(kernel: str, configs, causal: bool) -> list[dict]:
+    """The configs whose block sizes the kernel's loops can walk.
+
+    With causal masking the query-block kernels (forward, dQ) run unmasked up to the diagonal
+    block in steps of BLOCK_N, so BLOCK_N must divide BLOCK_M; the dK/dV kernel steps over
+    query blocks from its key block's start, so BLOCK_M must divide BLOCK_N. A config breaking
+    this would skip or double-count keys next to the diagonal (silently wrong, not slower).
+    """
+    if not causal:
+        return list(configs)
+    if kernel == "dkdv":
+        return [c for c in configs if c["BLOCK_N"] % c["BLOCK_M"] == 0]
+    return [c for c in configs if c["BLOCK_M"] % c["BLOCK_N"] == 0]
+
+
+_CONFIG_LISTS = {"fwd": lambda D, cuda: _fwd_configs(D, cuda), "dq": lambda D, cuda: _dq_configs(D, cuda),
+                 "dkdv": lambda D, cuda: _dkdv_configs(D, cuda)}
+_config_cache: dict[tuple, list[dict]] = {}
+
+
+def _configs(kernel: str, D: int, cuda: bool, causal: bool) -> list[dict]:
+    """Candidate configs per (kernel, head dim, device kind, causal), built once."""
+    key = (kernel, D, cuda, causal)
+    if key not in _config_cache:
+        _config_cache[key] = usable_configs(kernel, _CONFIG_LISTS[kernel](D, cuda), causal)
+    return _config_cache[key]
+
+
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -324,12 +352,12 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     qk_scale = scale * _LOG2E
 
     def run(cfg):
-        grid = (B * H, triton.cdiv(T, cfg["BLOCK_M"]))
+        grid = (B * H, cdiv(T, cfg["BLOCK_M"]))
         _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
                           H, T, group, qk_scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
 
     cfg = default_tuner().pick("flash_attn_fwd", (D, causal, shape_bucket(T), q.dtype),
-                               _fwd_configs(D, q.is_cuda), run, q.device)
+                               _configs("fwd", D, q.is_cuda, causal), run, q.device)
     run(cfg)
     return o, lse
 
@@ -346,21 +374,23 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
     qk_scale = scale * _LOG2E
 
     def run_dkdv(cfg):
-        grid = (B * HK, triton.cdiv(T, cfg["BLOCK_N"]))
+        grid = (B * HK, cdiv(T, cfg["BLOCK_N"]))
         _bwd_dkdv_kernel[grid](q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
                                *_strides(do), *_strides(dk), *_strides(dv), H, HK, T, group, qk_scale, scale,
                                CAUSAL=causal, HEAD_DIM=D, **cfg)
 
     def run_dq(cfg):
-        grid = (B * H, triton.cdiv(T, cfg["BLOCK_M"]))
+        grid = (B * H, cdiv(T, cfg["BLOCK_M"]))
         _bwd_dq_kernel[grid](q, k, v, o, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
                              *_strides(o), *_strides(do), *_strides(dq), H, T, group, qk_scale, scale,
                              CAUSAL=causal, HEAD_DIM=D, **cfg)
 
     tuner = default_tuner()
     key = (D, causal, shape_bucket(T), q.dtype, group > 1)
-    run_dq(tuner.pick("flash_attn_bwd_dq", key, _dq_configs(D, q.is_cuda), run_dq, q.device))
-    run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key, _dkdv_configs(D, q.is_cuda), run_dkdv, q.device))
+    run_dq(tuner.pick("flash_attn_bwd_dq", key, _configs("dq", D, q.is_cuda, causal), run_dq,
+                      q.device))
+    run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key, _configs("dkdv", D, q.is_cuda, causal),
+                        run_dkdv, q.device))
     return dq, dk, dv
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import can_launch, next_power_of_2
+from lightning_perf.kernels._utils import can_launch, next_power_of_2, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = [
@@ -98,7 +98,7 @@ def _ce_rows(logits, target, loss, scale, ignore_index: int, z_loss: float, comp
                         BLOCK_V=min(256 if V <= 1024 else 4096, next_power_of_2(V)), num_warps=4)]
 
     def run(cfg):
-        _ce_rows_kernel[(triton.cdiv(C, cfg["BLOCK_R"]),)](
+        _ce_rows_kernel[(cdiv(C, cfg["BLOCK_R"]),)](
             logits, logits.stride(0), target, loss, scale, C, V, ignore_index, z_loss,
             COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=per_row, **cfg)
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import kernel_dtypes, can_launch
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = [
@@ -75,7 +75,7 @@ def _launch(kernel, name: str, ref: torch.Tensor, *args, has_mul: bool) -> None:
     configs = _CONFIGS_GPU if ref.is_cuda else (_CONFIGS_CPU_SMALL if n <= 2048 else _CONFIGS_CPU)
 
     def run(cfg):
-        kernel[(triton.cdiv(n, cfg["BLOCK"]),)](*args, n, HAS_MUL=has_mul, **cfg)
+        kernel[(cdiv(n, cfg["BLOCK"]),)](*args, n, HAS_MUL=has_mul, **cfg)
 
     run(default_tuner().pick(name, (shape_bucket(n), ref.dtype, has_mul), configs, run, ref.device))
 

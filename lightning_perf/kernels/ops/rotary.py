@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import kernel_dtypes, can_launch, next_power_of_2
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, next_power_of_2, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference", "RotaryFunction", "rotary_supported"]
@@ -69,7 +69,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     configs = _CONFIGS_GPU if x.is_cuda else (dict(BLOCK_H=2, BLOCK_T=8 if T <= 64 else 64, num_warps=4),)
 
     def run(cfg):
-        grid = (B * triton.cdiv(H, cfg["BLOCK_H"]), triton.cdiv(T, cfg["BLOCK_T"]))
+        grid = (B * cdiv(H, cfg["BLOCK_H"]), cdiv(T, cfg["BLOCK_T"]))
         _rotary_kernel[grid](x, y, cos, sin, H, T, half, *x.stride()[:3], *y.stride()[:3], cos.stride(0),
                              INVERSE=inverse, BLOCK_D=block_d, **cfg)
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import kernel_dtypes, can_launch
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["swiglu", "swiglu_reference", "SwiGLUFunction", "swiglu_supported"]
@@ -53,7 +53,7 @@ def _launch(kernel, name: str, n: int, ref: torch.Tensor, *args: torch.Tensor) -
     configs = _CONFIGS_GPU if ref.is_cuda else (_CONFIGS_CPU_SMALL if n <= 2048 else _CONFIGS_CPU)
 
     def run(cfg):
-        kernel[(triton.cdiv(n, cfg["BLOCK"]),)](*args, n, **cfg)
+        kernel[(cdiv(n, cfg["BLOCK"]),)](*args, n, **cfg)
 
     run(default_tuner().pick(name, (shape_bucket(n), ref.dtype), configs, run, ref.device))
 
