@@ -3,8 +3,19 @@
     1. pipeline split   model.pipeline_stage(i, n) for this rank's stages
     2. activation ckpt  per block (parameter names unchanged)
     3. tensor parallel  model.tensor_parallel_plan(tp_mesh) on every stage
-    4. data parallel    FSDP2 over the "dp" mesh (ZeRO 1-3), or a plain gradient all-reduce (ZeRO 0)
-    5. materialise      meta tensors -> device, the model's own init (only if built on meta)
+    4. compile          torch.compile per block (per attention/MLP sublayer under TP), see below
+    5. data parallel    FSDP2 over the "dp" mesh (ZeRO 1-3), or a plain gradient all-reduce (ZeRO 0)
+    6. materialise      meta tensors -> device, the model's own init (only if built on meta)
+
+Compile under tensor parallelism: eager DTensor dispatch costs host time on every
+op (the GPU idles between small launches), so TP wants compiled blocks. A compiled
+region must not begin with ``DTensor.from_local`` of a plain-tensor graph input: the
+sequence-parallel norm does exactly that with the residual stream, and AOTAutograd
+then hands the embedding's redistribution a plain gradient in backward (an
+``AttributeError: '_local_tensor'``). So under TP each block's sublayers that own
+matrices (attention, MLP: their inputs arrive as DTensors) are compiled, and the
+norms and residual adds stay eager; without TP whole blocks are compiled. Blocks the
+module compiled itself (``GPTLightningModule(compile=...)``) are re-scoped the same way.
 
 :class:`Parallel3DConfig` is checked with numbers alone (no process group);
 :func:`check_model` checks a model against it before any collective.
@@ -39,6 +50,8 @@ __all__ = [
     "check_model_config",
     "allreduce_gradients",
     "clip_grad_norm_3d",
+    "compile_blocks",
+    "compile_targets",
 ]
 
 AC_MODES = ("none", "full", "selective")
@@ -59,6 +72,8 @@ class Parallel3DConfig:
     async_tensor_parallel: bool = False
     activation_checkpointing: str = "none"
     fsdp_prefetch: int = 1
+    compile: Optional[str] = None
+    compile_backend: str = "inductor"
     pipeline: Optional[PipelineConfig] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +88,12 @@ class Parallel3DConfig:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.activation_checkpointing not in AC_MODES:
             raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} is not one of {AC_MODES}")
+        from lightning_perf.models.gpt.transforms import COMPILE_MODES
+
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile={self.compile!r} is not one of {COMPILE_MODES}")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(f"compile_backend must be a torch.compile backend name, got {self.compile_backend!r}")
         if self.fsdp_prefetch < 0:
             raise ValueError(f"fsdp_prefetch must be >= 0, got {self.fsdp_prefetch}")
         # the schedule is checked even without pipeline parallelism, so a typo never waits for a pp run
@@ -190,6 +211,10 @@ def parallelize_3d(
         for stage in stages.values():
             # a whole model is called by user code (plain tensors out); a stage feeds the pipeline loss
             apply_tp(stage, mesh["tp"], sequence_parallel=config.sequence_parallel, local_output=pp == 1)
+    mode = _compile_mode(model, stages, config)
+    if mode is not None:
+        for stage in stages.values():
+            compile_blocks(_blocks(stage), mode, backend=config.compile_backend, tensor_parallel=tp > 1)
     use_fsdp = dp > 1 and config.zero_stage > 0
     if use_fsdp:
         from lightning_perf.parallel.fsdp import apply_fsdp
@@ -215,6 +240,45 @@ def parallelize_3d(
     if pp > 1:
         runner = PipelineRunner(pcfg, stages, mesh["pp"].get_group(), device, loss_fn=loss_fn)
     return Parallelized3D(target=target, stages=stages, runner=runner, fsdp=use_fsdp)
+
+
+def _compile_mode(model: nn.Module, stages: dict[int, nn.Module], config: Parallel3DConfig) -> Optional[str]:
+    """The strategy's compile mode; under TP, blocks the module compiled itself move to sublayer scope."""
+    if config.tensor_parallel_size == 1:
+        return config.compile  # blocks compiled by the module stay as they are
+    compiled = [m for s in stages.values() for m in s.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    if not compiled:
+        return config.compile
+    for module in compiled:  # a whole-model or per-block compile: re-applied per sublayer (module docstring)
+        module._compiled_call_impl = None
+    warnings.warn(
+        f"tensor parallelism: the model's torch.compile ({len(compiled)} compiled modules) is re-applied to each "
+        f"block's attention and MLP sublayers (the sequence-parallel norms stay eager)",
+        stacklevel=3,
+    )
+    hparams = getattr(model, "hparams", None)
+    module_mode = hparams.get("compile") if hasattr(hparams, "get") else None
+    return config.compile or module_mode or "default"
+
+
+def compile_targets(block: nn.Module, *, tensor_parallel: bool) -> list[nn.Module]:
+    """What to compile in ``block``: the block itself, or under TP its sublayers that own matrices."""
+    if not tensor_parallel:
+        return [block]
+    subs = [c for c in block.children() if any(p.dim() >= 2 for p in c.parameters())]
+    return subs or [block]
+
+
+def compile_blocks(blocks: list[nn.Module], mode: str, *, backend: str = "inductor", tensor_parallel: bool) -> None:
+    """``torch.compile`` per block (names and state dict unchanged); after TP, before FSDP."""
+    for block in blocks:
+        for target in compile_targets(block, tensor_parallel=tensor_parallel):
+            if getattr(target, "_compiled_call_impl", None) is not None:
+                continue
+            if backend == "inductor":
+                target.compile(mode=None if mode == "default" else mode)
+            else:  # another backend (e.g. "aot_eager" to isolate inductor): modes are inductor's
+                target.compile(backend=backend)
 
 
 def _enable_async_tp(tp_mesh: Any, device: torch.device) -> None:
