@@ -101,6 +101,8 @@ class Parallel3DStrategy(ParallelStrategy):
             sublayer (removes the eager DTensor dispatch cost). ``None``: off; blocks the
             module compiled itself are kept (re-scoped to sublayers under TP).
         compile_backend: the ``torch.compile`` backend (``"aot_eager"`` isolates inductor).
+        timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
+            fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
     """
 
     strategy_name = "parallel3d"
@@ -122,7 +124,7 @@ class Parallel3DStrategy(ParallelStrategy):
         compile: Optional[str] = None,
         compile_backend: str = "inductor",
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         # numbers only: a bad layout fails here, long before any process group exists
@@ -144,7 +146,8 @@ class Parallel3DStrategy(ParallelStrategy):
         super().__init__(**kwargs)
         self.meta_init = meta_init
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        # seconds (int/float) or a timedelta: how long a collective may wait before every rank fails
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._device_mesh: Optional[Any] = None
         self._parallel: Optional[Parallelized3D] = None
         self._pp_grads: Optional[list[Optional[Tensor]]] = None

@@ -73,6 +73,8 @@ class ZeroStrategy(ParallelStrategy):
             initialises its own shards with the model's ``init_weights()`` (nothing whole
             anywhere: for models larger than one host).
         deepspeed_config: entries merged over the generated DeepSpeed config.
+        timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
+            fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
     """
 
     strategy_name = "zero"
@@ -98,7 +100,7 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
     ) -> None:
         self.config = ZeroConfig(
             stage=stage,
@@ -122,7 +124,8 @@ class ZeroStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        # seconds (int/float) or a timedelta: how long a collective may wait before every rank fails
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._mesh: Optional[Any] = None
         self._sharded: Optional[nn.Module] = None  # the FSDP2 root
         self._engine: Optional[Any] = None  # the DeepSpeed engine

@@ -35,7 +35,7 @@ def _strategy(kind: str):
     from lightning_perf.strategies import Parallel3DStrategy, ZeroStrategy
 
     if kind == "zero2":
-        return ZeroStrategy(stage=2, timeout=timedelta(seconds=TIMEOUT)), 2
+        return ZeroStrategy(stage=2, timeout=TIMEOUT), 2  # seconds
     return Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="1f1b",
                               timeout=timedelta(seconds=TIMEOUT)), 1
 
