@@ -136,7 +136,12 @@ class Outcome:
 def launch(fn: Callable, world: int, out_dir: Path, *args: Any, timeout: float = 120.0) -> Outcome:
     """Run ``fn(rank, world, out_dir, *args)`` on ``world`` spawned gloo-ready processes."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    # a fork server that imported torch and Lightning once forks every rank of every launch:
+    # no per-process import (most of a spawned rank's start-up), and no fork of a process
+    # whose OpenMP pool already ran (the test process trains too)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "lightning_perf.strategies",
+                                "lightning_perf.callbacks", "lightning_perf.data"])
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, fn, world, port, str(out_dir), args), daemon=True)
              for r in range(world)]

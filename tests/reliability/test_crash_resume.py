@@ -26,8 +26,8 @@ import pytest
 import torch
 from _harness import data, kill_self, launch, make_module, reference, trainer
 
-TIMEOUT = 6.0  # the strategies' collective timeout (seconds)
-DEAD_AFTER = 2.0  # RankWatchdog's silence threshold
+TIMEOUT = 4.0  # the strategies' collective timeout (seconds)
+DEAD_AFTER = 1.5  # RankWatchdog's silence threshold
 GB, SAMPLES, STEPS = 4, 32, 6  # global batch, samples per epoch (8 steps), steps
 
 
@@ -119,7 +119,7 @@ def _hangs(rank: int, world: int, out: Path) -> None:
             assert isinstance(error, CollectiveTimeoutError), (e, error)
             (out / "mismatch.txt").write_text(str(error))
     else:
-        time.sleep(3.0)  # alive (heartbeats go on), busy elsewhere
+        time.sleep(2.5)  # alive (heartbeats go on), busy elsewhere
     watchdog.stop()
     dist.barrier()
 
