@@ -252,7 +252,12 @@ class PipelineRunner:
     def _run(self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor) -> None:
         self.config.check_batch(inputs.shape[0])
         args = (inputs,) if self.has_first else ()
-        run(*args, target=targets if self.has_last else None)
+        kwargs: dict[str, Any] = {"target": targets if self.has_last else None}
+        if "return_outputs" in inspect.signature(run).parameters:
+            # only the loss is needed: by default the last stage keeps every microbatch's logits
+            # (B/m, T, V) until the step ends and concatenates them (GBs at a 50k vocabulary)
+            kwargs["return_outputs"] = False
+        run(*args, **kwargs)
 
     def train_step(
         self,

@@ -7,7 +7,8 @@ single-process losses (rtol 1e-4) and final parameters. Spawning is the expensiv
 so each process group runs several ``Trainer.fit`` calls in turn (reusing the group):
 
 - 2 ranks: tp2, pp2 with every schedule, dp2 of a model without the protocol,
-  forward-only validation, gradient accumulation, meta-device init, tp2 -> pp2 resume;
+  forward-only validation, gradient accumulation, meta-device init, tp2 -> pp2 resume
+  (both compiled: per attention/MLP sublayer under TP, per block under PP);
 - 4 ranks: dp2 x tp2, pp2 x dp2 (ZeRO 0 and 2; bf16 against the fp32 losses at rtol
   2e-2), pp2 x tp2 -> dp4 resume + consolidation, fp16 skip-step agreement over pp and
   tp ranks;
@@ -198,10 +199,13 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     res["pp2_accumulate2"] = fit(S(pipeline_parallel_size=2), world, accumulate=2)
     # built on meta, each stage initialised where it lives (values differ from one process by design)
     res["tp2_meta"] = fit(S(tensor_parallel_size=2, meta_init=True), world)
-    # resharding: save under tp2 after one epoch, resume under pp2
+    # resharding: save under tp2 after one epoch, resume under pp2; both compiled (aot_eager: the
+    # DTensor/AOTAutograd path without inductor's C++ build), per sublayer under TP, per block under PP
     ckpt = out / "tp2.ckpt"
-    fit(S(tensor_parallel_size=2), world, steps=PER_EPOCH, save_to=ckpt)
-    res["tp2_to_pp2"] = fit(S(pipeline_parallel_size=2), world, ckpt_path=ckpt)
+    res["tp2_compile"] = fit(S(tensor_parallel_size=2, compile="default", compile_backend="aot_eager"), world,
+                             steps=PER_EPOCH, save_to=ckpt)
+    res["tp2_to_pp2_compile"] = fit(S(pipeline_parallel_size=2, compile="default", compile_backend="aot_eager"),
+                                    world, ckpt_path=ckpt)
     return res
 
 
@@ -279,7 +283,9 @@ def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None
     _check_run(results, "dp2_plain", references["plain"])
     for name, _, _ in SCHEDULES_2:
         _check_run(results, f"pp2_{name}", ref)
-    _check_run(results, "tp2_to_pp2", ref, first=PER_EPOCH)
+    tp2_compile = torch.tensor([r["tp2_compile"]["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(tp2_compile, torch.tensor(ref["losses"][:PER_EPOCH]), rtol=1e-4, atol=0)
+    _check_run(results, "tp2_to_pp2_compile", ref, first=PER_EPOCH)
     _check_run(results, "pp2_accumulate2", references["accumulate2"])
     meta = [r["tp2_meta"]["losses"] for r in results]
     assert meta[0] == meta[1] and all(4.0 < x < 5.5 for x in meta[0]), meta  # ~ln(96) = 4.56 at init
