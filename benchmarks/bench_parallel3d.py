@@ -1,17 +1,21 @@
 """Tensor, pipeline and data parallelism side by side on one host (2x H200, NVLink).
 
     python benchmarks/bench_parallel3d.py --out DIR     # every variant, ~6-8 min on 2x H200
+    python benchmarks/bench_parallel3d.py --out DIR --only 'dp2*,tp2*,pp2_1f1b_m4*' --no-llama
     python benchmarks/bench_parallel3d.py --smoke       # same code paths, tiny models, CPU/gloo
 
 All variants train inside Lightning's ``Trainer.fit`` with ``Parallel3DStrategy``
-(bf16-mixed, random tokens, AdamW, eager, parameters built on meta and initialised
+(bf16-mixed, random tokens, AdamW, eager unless ``_compile``, parameters built on meta and initialised
 on the GPUs). gpt-1.3b (untied head, so every layout runs the same model) sees the
 same global batch of 16 x 2048 tokens per step in every layout:
 
 - ``dp2``: 8 sequences per GPU, FSDP2 (ZeRO-2) over the two GPUs: the baseline;
 - ``tp2``: 16 sequences, both GPUs split every layer (sequence parallel);
 - ``pp2_<schedule>_m<m>``: 16 sequences in ``m`` microbatches through 2 stages, for
-  1F1B, GPipe and interleaved 1F1B (2 stages per GPU) at m = 4 and 8.
+  1F1B (m = 4 and 8), GPipe and interleaved 1F1B (2 stages per GPU) at m = 4;
+- ``*_compile``: dp2, tp2 and pp2 1F1B m=4 again with the strategy's ``compile="default"``
+  (inductor per block; under TP per attention/MLP sublayer, after TP and before FSDP2),
+  against their eager runs in the same group (eager DTensor dispatch starves tp2's GPU).
 
 Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 and tp2
 with full activation checkpointing, 4 x 2048 tokens per step.
@@ -20,7 +24,9 @@ Per variant: ``--warmup`` steps, then ``--steps`` timed with CUDA events (median
 one profiled step. Reported: tokens/s, MFU per GPU (causal attention counted once,
 against 989 TFLOP/s dense bf16), peak allocated memory (max over ranks), exposed
 communication % (NCCL kernel time overlapped by no compute kernel, over the step), the
-GPU compute-idle share of the step (max over ranks), and for pipelines the measured
+GPU compute-idle share of the step (max over ranks), the host time to issue one step
+(``host_step_s_median``: close to the step time means the host, not the GPU, sets the
+pace, as with eager DTensor dispatch), and for pipelines the measured
 bubble ``1 - t(dp2) / t(pp2)`` (same global batch: a bubble-free pipeline would match
 dp2's step time) against the theory ``(p-1) / (s*m + p-1)``, plus throughput as a share
 of the bubble bound ``dp2 tokens/s * (1 - theory)``.
@@ -53,11 +59,14 @@ PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "dp2": {"dp": 2},
     "tp2": {"tp": 2},
-    **{
-        f"pp2_{sched}_m{m}": {"pp": 2, "schedule": sched, "m": m, "spr": 2 if sched == "interleaved_1f1b" else 1}
-        for sched in ("1f1b", "gpipe", "interleaved_1f1b")
-        for m in (4, 8)
-    },
+    "pp2_1f1b_m4": {"pp": 2, "schedule": "1f1b", "m": 4},
+    "pp2_1f1b_m8": {"pp": 2, "schedule": "1f1b", "m": 8},
+    "pp2_gpipe_m4": {"pp": 2, "schedule": "gpipe", "m": 4},
+    "pp2_interleaved_1f1b_m4": {"pp": 2, "schedule": "interleaved_1f1b", "m": 4, "spr": 2},
+    # compiled (first step compiles: covered by the warm-up steps)
+    "dp2_compile": {"dp": 2, "compile": "default"},
+    "tp2_compile": {"tp": 2, "compile": "default"},
+    "pp2_1f1b_m4_compile": {"pp": 2, "schedule": "1f1b", "m": 4, "compile": "default"},
 }
 LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
     "llama8b_pp2": {"pp": 2, "schedule": "1f1b", "m": 4, "ac": "full"},
@@ -71,7 +80,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _strategy(spec: dict[str, Any], world: int) -> Any:
+def select(names: list[str], only: Optional[str]) -> list[str]:
+    """``names`` matching any of the comma-separated shell patterns in ``only`` (all when None)."""
+    import fnmatch
+
+    if not only:
+        return list(names)
+    patterns = [p.strip() for p in only.split(",") if p.strip()]
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor") -> Any:
     from lightning_perf.strategies import Parallel3DStrategy
 
     pp, tp = spec.get("pp", 1), spec.get("tp", 1)
@@ -85,6 +104,8 @@ def _strategy(spec: dict[str, Any], world: int) -> Any:
         stages_per_rank=spec.get("spr", 1),
         activation_checkpointing=spec.get("ac", "none"),
         meta_init=True,
+        compile=spec.get("compile"),
+        compile_backend=compile_backend,
     )
 
 
@@ -98,6 +119,7 @@ def _timer(warmup: int, steps: int, trace_dir: str) -> Any:
 
         def __init__(self) -> None:
             self.marks: list[list[Any]] = []
+            self.host: list[list[Any]] = []  # host time to issue each step (~ the step time: host-bound)
             self.prof: Any = None
             self.trace: Optional[list[dict]] = None
 
@@ -121,9 +143,11 @@ def _timer(warmup: int, steps: int, trace_dir: str) -> Any:
                 self.prof = profile(activities=acts)
                 self.prof.__enter__()
             self.marks.append([self._now(), None])
+            self.host.append([time.perf_counter(), None])
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.marks[-1][1] = self._now()
+            self.host[-1][1] = time.perf_counter()
             if self.prof is not None:
                 if cuda:
                     torch.cuda.synchronize()
@@ -142,6 +166,9 @@ def _timer(warmup: int, steps: int, trace_dir: str) -> Any:
             else:
                 out = [b - a for a, b in self.marks if b is not None]
             return out[warmup : warmup + steps]
+
+        def host_times(self) -> list[float]:
+            return [b - a for a, b in self.host if b is not None][warmup : warmup + steps]
 
     return Timer()
 
@@ -187,7 +214,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
     module = GPTLightningModule(config, warmup_steps=0)
     timer = _timer(args["warmup"], args["steps"], trace_dir)
     trainer = L.Trainer(
-        accelerator="cpu" if smoke else "gpu", devices=world, strategy=_strategy(spec, world),
+        accelerator="cpu" if smoke else "gpu", devices=world, strategy=_strategy(spec, world, args["compile_backend"]),
         precision="32-true" if smoke else "bf16-mixed", max_steps=args["warmup"] + args["steps"] + 1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
@@ -201,8 +228,10 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "ok": True, "preset": config.name, "world": world, "dp": dp, "tp": spec.get("tp", 1),
         "pp": spec.get("pp", 1), "schedule": spec.get("schedule"), "microbatches": spec.get("m"),
         "stages_per_rank": spec.get("spr", 1), "activation_checkpointing": spec.get("ac", "none"),
+        "compile": spec.get("compile"),
         "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
-        "step_s_max": max(times), "tokens_per_s": tokens_per_s,
+        "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
+        "tokens_per_s": tokens_per_s,
         "mfu": config.flops_per_token(T) * tokens_per_s / world / PEAK_BF16,
         "mfu_attention_twice": config.flops_per_token_full_attention(T) * tokens_per_s / world / PEAK_BF16,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
@@ -231,6 +260,7 @@ def _worker(rank: int, world: int, port: int, names: list[str], specs: dict, arg
         result["variant"] = name
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        torch._dynamo.reset()  # each variant compiles its own graphs (no cache-limit carry-over)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -275,15 +305,26 @@ def run_group(names: list[str], specs: dict, args: dict, world: int, timeout: fl
 
 
 def add_bubble_figures(results: list[dict]) -> None:
-    """Measured bubble (vs dp2 at the same global batch) and theory for every pipeline variant."""
+    """Throughput vs dp2 and, for pipelines, measured bubble against theory, same global batch.
+
+    The baseline is dp2 in the same mode: ``dp2_compile`` for a compiled variant (when it ran),
+    ``dp2`` otherwise (named in ``baseline``); ``vs_dp2_eager`` always compares with eager dp2.
+    """
     from lightning_perf.parallel.pipeline import bubble_fraction
 
-    base = next((r for r in results if r["variant"] == "dp2" and r.get("ok")), None)
+    ok = {r["variant"]: r for r in results if r.get("ok")}
+    eager = ok.get("dp2")
     for r in results:
-        if not r.get("ok") or base is None:
+        if not r.get("ok"):
             continue
-        r["vs_dp2_tokens_per_s"] = r["tokens_per_s"] / base["tokens_per_s"] if r["preset"] == base["preset"] else None
-        if r.get("pp", 1) > 1 and r["preset"] == base["preset"]:
+        base = ok.get("dp2_compile") if r.get("compile") and "dp2_compile" in ok else eager
+        if base is None or r["preset"] != base["preset"]:
+            continue
+        r["baseline"] = base["variant"]
+        r["vs_dp2_tokens_per_s"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if eager is not None:
+            r["vs_dp2_eager"] = r["tokens_per_s"] / eager["tokens_per_s"]
+        if r.get("pp", 1) > 1:
             theory = bubble_fraction(r["pp"], r["microbatches"], r["stages_per_rank"])
             r["bubble_theory"] = theory
             r["bubble_measured"] = 1.0 - base["step_s_median"] / r["step_s_median"]
@@ -300,19 +341,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--timeout", type=float, default=330.0, help="seconds for the gpt-1.3b group")
-    parser.add_argument("--llama-timeout", type=float, default=170.0, help="seconds for the llama-8b group")
+    parser.add_argument("--timeout", type=float, default=400.0, help="seconds for the gpt-1.3b group")
+    parser.add_argument("--llama-timeout", type=float, default=140.0, help="seconds for the llama-8b group")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated variant patterns, e.g. 'dp2,tp2*,pp2_1f1b_m4*' (default: all)")
+    parser.add_argument("--compile-backend", default=None,
+                        help="torch.compile backend of the _compile variants (default inductor; aot_eager with --smoke)")
     a = parser.parse_args(argv)
     if a.smoke:
         a.seq_len, a.global_batch, a.warmup, a.steps = 32, 8, 1, 2
+    backend = a.compile_backend or ("aot_eager" if a.smoke else "inductor")
     args = {"smoke": a.smoke, "preset": a.preset, "seq_len": a.seq_len, "global_batch": a.global_batch,
-            "warmup": a.warmup, "steps": a.steps}
+            "warmup": a.warmup, "steps": a.steps, "compile_backend": backend}
     llama = {k: dict(v, preset="llama-8b", global_batch=4 if not a.smoke else 8) for k, v in LLAMA_VARIANTS.items()}
     start = time.perf_counter()
-    results = run_group(list(GPT_VARIANTS), GPT_VARIANTS, args, a.gpus, a.timeout)
-    if not a.no_llama:
-        results += run_group(list(llama), llama, args, a.gpus, a.llama_timeout)
+    gpt_names, llama_names = select(list(GPT_VARIANTS), a.only), select(list(llama), a.only)
+    if not gpt_names and not (llama_names and not a.no_llama):
+        parser.error(f"--only {a.only!r} matches no variant of {list(GPT_VARIANTS) + list(llama)}")
+    results = run_group(gpt_names, GPT_VARIANTS, args, a.gpus, a.timeout) if gpt_names else []
+    if llama_names and not a.no_llama:
+        results += run_group(llama_names, llama, args, a.gpus, a.llama_timeout)
     add_bubble_figures(results)
     try:
         import triton
@@ -327,7 +376,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "gpus": a.gpus,
         "torch": torch.__version__,
         "triton": triton_version,
-        "config": {**args, "variants": {**GPT_VARIANTS, **llama}, "peak_flops": PEAK_BF16},
+        "config": {**args, "variants": {**GPT_VARIANTS, **llama}, "peak_flops": PEAK_BF16, "only": a.only,
+                   "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")},
         "wall_s": time.perf_counter() - start,
         "results": results,
     }
@@ -354,6 +404,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         bound = f"{100 * r['share_of_bubble_bound']:.0f}%" if r.get("share_of_bubble_bound") is not None else "-"
         print(f"{r['variant']:28s} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% {mem:>6s} "
               f"{pct('exposed_comm_pct'):>8s} {pct('compute_idle_pct'):>6s} {vs:>7s} {bub:>13s} {bound:>8s}")
+    print("vs dp2 and bubble: against dp2 in the same mode (dp2_compile for *_compile variants)")
     print("bubble = measured (1 - t_dp2 / t_pp) / theory (p-1)/(s*m+p-1)")
     print(f"\nwrote {path}")
     return 0
