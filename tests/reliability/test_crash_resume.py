@@ -6,7 +6,9 @@
    complete checkpoint; a restart with ``ckpt_path="last"`` continues the loss curve of
    an uninterrupted one-process run exactly and sees every remaining sample once (the
    data position is restored mid-epoch).
-2. Hangs: a collective that one rank never joins times out after the process group's
+2. Numerics: a NaN loss on one rank only (ZeRO-3) is seen by both, which roll back to the
+   last sharded checkpoint together and end where one process skipping those batches ends.
+3. Hangs: a collective that one rank never joins times out after the process group's
    ``timeout`` with a ``CollectiveTimeoutError`` listing each rank's step, and a rank that
    leaves the training loop early (a rank-local ``should_stop``) is named within the
    bound instead of hanging for NCCL's default 10 minutes.
@@ -138,8 +140,27 @@ def _hangs(rank: int, world: int, out: Path) -> None:
             time.sleep(0.1)
 
 
+def _rollback(rank: int, world: int, out: Path, root: Path) -> None:
+    """ZeRO-3, NaN loss on rank 1 only at step 3: both ranks agree and roll back to step 2's checkpoint."""
+    import lightning as L
+
+    from lightning_perf.callbacks import NonFiniteGuard
+    from lightning_perf.parallel.checkpoint import full_model_state_dict
+    from lightning_perf.strategies import ZeroStrategy
+
+    L.seed_everything(0, verbose=False)
+    guard = NonFiniteGuard("rollback")
+    module = make_module(nan_at={3} if rank == 1 else set())
+    t = trainer(ZeroStrategy(stage=3, timeout=TIMEOUT), world, steps=-1, max_epochs=1,
+                ckpt_dir=root / "rollback_ckpt", callbacks=[guard, _watchdog()])
+    t.fit(module, data(GB, 2, SAMPLES))
+    final = full_model_state_dict(module)
+    torch.save({"final": final, "bad_steps": guard.bad_steps, "rollbacks": guard.rollbacks}, out / f"rollback{rank}.pt")
+
+
 def _all_phases(rank: int, world: int, out: Path, phase: int, root: Path) -> None:
     if phase == 1:
+        _rollback(rank, world, out, root)
         _killed(rank, world, out, "zero2", root)
     elif phase == 2:
         _resume(rank, world, out, "zero2", root)
@@ -156,6 +177,34 @@ def runs(tmp_path_factory) -> dict:
     res["root"] = root
     res["ref"] = reference(STEPS, GB, SAMPLES)
     return res
+
+
+def test_nan_on_one_rank_rolls_back_every_rank(runs) -> None:
+    """Same final weights as one process that skipped batch 2 (undone by the rollback) and 3 (NaN)."""
+    import lightning as L
+
+    from _harness import make_module as make
+
+    out = runs["root"] / "p1"
+    got = [torch.load(out / f"rollback{r}.pt", weights_only=False) for r in range(2)]
+    for g in got:
+        assert g["bad_steps"] == [3]
+        assert len(g["rollbacks"]) == 1 and g["rollbacks"][0][0] == 3
+    L.seed_everything(0, verbose=False)
+    ref = make(skip_batches={2, 3})
+    trainer("auto", 1, steps=-1, max_epochs=1).fit(ref, data(GB, 1, SAMPLES))
+    expected = ref.state_dict()
+    # Adam moves each weight by ~lr = 3e-3 per step: a step too many or too few is 30x the tolerance,
+    # which only absorbs the 2-rank reduction's rounding, amplified by Adam on near-zero moments
+    for g in got:
+        assert g["final"].keys() == expected.keys()
+        for k in expected:
+            torch.testing.assert_close(g["final"][k], expected[k], rtol=1e-3, atol=1e-4, msg=lambda m: f"{k}: {m}")
+    L.seed_everything(0, verbose=False)
+    no_rollback = make(skip_batches={3})  # had batch 2's update been kept
+    trainer("auto", 1, steps=-1, max_epochs=1).fit(no_rollback, data(GB, 1, SAMPLES))
+    gap = max((got[0]["final"][k] - v).abs().max().item() for k, v in no_rollback.state_dict().items())
+    assert gap > 1e-3, gap
 
 
 def _check_killed(outcome, out: Path, kind: str, resumed: Path) -> None:

@@ -6,7 +6,7 @@
 - ``stop``: ``NonFiniteError`` naming the step, weights still finite;
 - the flag itself: NaN / inf in the loss or any gradient, read from the queue at once on CPU.
 The 2-rank behaviour (flag agreed over the ranks, rollback through sharded checkpoints) is
-in ``test_faults_multiprocess.py``.
+in ``test_crash_resume.py``.
 """
 
 from __future__ import annotations
