@@ -106,6 +106,18 @@ def test_unequal_blocks_and_unusable_first_config(monkeypatch, poison, close, de
     _check(q, k, v, False, close, 2e-5, 2e-5)
 
 
+@pytest.mark.parametrize("dtype,atol,rtol", CPU_DTYPES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 37, 16), (2, 2, 2, 19, 32)], ids=lambda s: "B{}H{}kv{}T{}D{}".format(*s))
+def test_fused_backward_matches_reference(shape, causal, dtype, atol, rtol, monkeypatch, poison, close, device):
+    """The one-pass backward (dQ by atomic adds), which the GPU chooses when it times faster."""
+    from lightning_perf.kernels.ops import flash_attention as fa
+
+    monkeypatch.setattr(fa, "_bwd_impls", lambda cuda: [dict(impl="fused")])
+    q, k, v = _qkv(*shape, dtype, device, layout="projection")
+    _check(q, k, v, causal, close, atol, rtol)
+
+
 def test_bad_inputs_raise(device):
     q = torch.randn(1, 3, 8, 16, device=device)
     k = torch.randn(1, 2, 8, 16, device=device)

@@ -6,9 +6,12 @@ base-2 exponentials with scale * log2(e) folded in) and saves LSE = m + log2(l) 
 backward recomputes P = exp2(S * log2(e) - LSE) block by block:
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta) with delta = rowsum(dO * O),
     dK = scale * dS^T Q,  dQ = scale * dS K,
-in two kernels (dQ per query block, which also writes delta; then dK/dV per key block, looping
-over the query heads of its group), so no atomics are needed. Accumulation is fp32; blocks on the causal diagonal and the
-sequence tail are masked, all others run unmasked.
+in one of two ways, timed against each other on the GPU per shape: "split", two kernels (dQ per
+query block, which also writes delta; then dK/dV per key block, looping over the query heads of its
+group), no atomics but S and dP computed twice (seven matmuls per block pair); or "fused", a small
+delta kernel then one pass per key block that also adds dS K into an fp32 dQ buffer with atomics
+(five matmuls). Accumulation is fp32; blocks on the causal diagonal and the sequence tail are
+masked, all others run unmasked.
 
 Shapes: q (B, H, T, D), k / v (B, Hkv, T, D) with H % Hkv == 0, D a power of two in [16, 256],
 any T. The output is (B, H, T, D) laid out as (B, T, H, D) in memory, so the model's
@@ -253,6 +256,109 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)
 
 
+# ---- backward, one pass: dK / dV per key block, dQ by fp32 atomic adds ---------------------------
+#
+# Five matmuls per (key block, query block) instead of seven: S and dP are computed once, for dK /
+# dV and dQ together; the price is BLOCK_M x D fp32 atomic adds per pair and a zero-filled fp32 dQ
+# buffer. Which of the two backwards is faster depends on the shape (the atomics grow with T / BLOCK_N),
+# so the launcher times both on the GPU and keeps the faster.
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, sob, soh, sot, sdob, sdoh, sdot, H, T,
+                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m[:, None] < T
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sot + offs_d[None, :], mask=row_mask,
+                other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :], mask=row_mask,
+                 other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
+             mask=offs_m < T)
+
+
+@triton.jit
+def _bwd_fused_inner(dk, dv, k, v, Q_base, DO_base, DQ_base, LSE_base, DELTA_base, sqt, sdot, sdqt, offs_n, offs_d,
+                     lo, hi, T, qk_scale, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ptrs = Q_base + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :]
+        do_ptrs = DO_base + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :]
+        dq_ptrs = DQ_base + offs_m[:, None].to(tl.int64) * sdqt + offs_d[None, :]
+        if MASK:
+            q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+            lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
+            do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
+            delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            lse = tl.load(LSE_base + offs_m)
+            do = tl.load(do_ptrs)
+            delta = tl.load(DELTA_base + offs_m)
+        pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        if MASK:
+            valid = offs_m[None, :] < T
+            if CAUSAL:
+                valid = valid & (offs_m[None, :] >= offs_n[:, None])
+            pT = tl.where(valid, pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dsT, q, dk)
+        dq = tl.dot(tl.trans(dsT), k)  # (BLOCK_M, D), unscaled; fp32
+        if MASK:
+            tl.atomic_add(dq_ptrs, dq, mask=offs_m[:, None] < T, sem="relaxed")
+        else:
+            tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_fused_kernel(Q, K, V, DO, DQ, LSE, DELTA, DK, DV,
+                      sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
+                      sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
+                      H, HK, T, GROUP, qk_scale, sm_scale,
+                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    bhk = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    b = (bhk // HK).to(tl.int64)
+    hk = (bhk % HK).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_mask = offs_n[:, None] < T
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :], mask=col_mask,
+                other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :], mask=col_mask,
+                other=0.0)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    full = (T // BLOCK_M) * BLOCK_M
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        Q_base = Q + b * sqb + h * sqh
+        DO_base = DO + b * sdob + h * sdoh
+        DQ_base = DQ + b * sdqb + h * sdqh
+        LSE_base = LSE + (b * H + h) * T
+        DELTA_base = DELTA + (b * H + h) * T
+        lo = 0
+        if CAUSAL:
+            lo = start_n + BLOCK_N
+            dk, dv = _bwd_fused_inner(dk, dv, k, v, Q_base, DO_base, DQ_base, LSE_base, DELTA_base, sqt, sdot, sdqt,
+                                      offs_n, offs_d, start_n, tl.minimum(lo, T), T, qk_scale, True, CAUSAL, BLOCK_M)
+        dk, dv = _bwd_fused_inner(dk, dv, k, v, Q_base, DO_base, DQ_base, LSE_base, DELTA_base, sqt, sdot, sdqt,
+                                  offs_n, offs_d, lo, full, T, qk_scale, False, CAUSAL, BLOCK_M)
+        dk, dv = _bwd_fused_inner(dk, dv, k, v, Q_base, DO_base, DQ_base, LSE_base, DELTA_base, sqt, sdot, sdqt,
+                                  offs_n, offs_d, tl.maximum(lo, full), T, T, qk_scale, True, CAUSAL, BLOCK_M)
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None].to(tl.int64) * sdkt + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=col_mask)
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None].to(tl.int64) * sdvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=col_mask)
+
+
 # ---- launch configurations ---------------------------------------------------------------------
 
 
@@ -308,13 +414,13 @@ def usable_configs(kernel: str, configs, causal: bool) -> list[dict]:
     """
     if not causal:
         return list(configs)
-    if kernel == "dkdv":
+    if kernel in ("dkdv", "fused"):
         return [c for c in configs if c["BLOCK_N"] % c["BLOCK_M"] == 0]
     return [c for c in configs if c["BLOCK_M"] % c["BLOCK_N"] == 0]
 
 
 _CONFIG_LISTS = {"fwd": lambda D, cuda: _fwd_configs(D, cuda), "dq": lambda D, cuda: _dq_configs(D, cuda),
-                 "dkdv": lambda D, cuda: _dkdv_configs(D, cuda)}
+                 "dkdv": lambda D, cuda: _dkdv_configs(D, cuda), "fused": lambda D, cuda: _fused_configs(D, cuda)}
 _config_cache: dict[tuple, list[dict]] = {}
 
 
@@ -324,6 +430,22 @@ def _configs(kernel: str, D: int, cuda: bool, causal: bool) -> list[dict]:
     if key not in _config_cache:
         _config_cache[key] = usable_configs(kernel, _CONFIG_LISTS[kernel](D, cuda), causal)
     return _config_cache[key]
+
+
+def _fused_configs(D: int, cuda: bool) -> list[dict]:
+    if not cuda:  # key blocks twice the query blocks, as on the GPU
+        return [_cfg(16, 32, 4, 1)]
+    if D <= 64:
+        return [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)]
+    if D <= 128:
+        return [_cfg(64, 128, 8, 2), _cfg(32, 128, 8, 2), _cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3),
+                _cfg(32, 64, 4, 3)]
+    return [_cfg(32, 64, 8, 2), _cfg(16, 64, 4, 2), _cfg(16, 32, 4, 2)]
+
+
+def _bwd_impls(cuda: bool) -> list[dict]:
+    """Backward strategies the launcher chooses between: the GPU times both."""
+    return [dict(impl="split"), dict(impl="fused")] if cuda else [dict(impl="split")]
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -387,11 +509,36 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
 
     tuner = default_tuner()
     key = (D, causal, shape_bucket(T), q.dtype, group > 1)
-    run_dq(tuner.pick("flash_attn_bwd_dq", key, _configs("dq", D, q.is_cuda, causal), run_dq,
-                      q.device))
-    run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key, _configs("dkdv", D, q.is_cuda, causal),
-                        run_dkdv, q.device))
-    return dq, dk, dv
+    result = {}
+
+    def split():
+        run_dq(tuner.pick("flash_attn_bwd_dq", key, _configs("dq", D, q.is_cuda, causal), run_dq, q.device))
+        run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key, _configs("dkdv", D, q.is_cuda, causal), run_dkdv,
+                            q.device))
+        result["dq"] = dq
+
+    def fused():
+        block = 64 if q.is_cuda else 16
+        _bwd_delta_kernel[(B * H, cdiv(T, block))](o, do, delta, *_strides(o), *_strides(do), H, T,
+                                                   BLOCK_M=block, HEAD_DIM=D)
+        dq_acc = torch.empty_like(q, dtype=torch.float32)  # q's layout, so the cast below keeps it
+
+        def run_fused(cfg):
+            dq_acc.zero_()  # atomics add into it: every launch (the tuner's too) starts from zero
+            grid = (B * HK, cdiv(T, cfg["BLOCK_N"]))
+            _bwd_fused_kernel[grid](q, k, v, do, dq_acc, lse, delta, dk, dv, *_strides(q), *_strides(k),
+                                    *_strides(v), *_strides(do), *_strides(dq_acc), *_strides(dk), *_strides(dv),
+                                    H, HK, T, group, qk_scale, scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
+
+        run_fused(tuner.pick("flash_attn_bwd_fused", key, _configs("fused", D, q.is_cuda, causal), run_fused,
+                             q.device))
+        result["dq"] = dq_acc.mul_(scale).to(q.dtype)
+
+    impls = {"split": split, "fused": fused}
+    impl = tuner.pick("flash_attn_bwd_impl", key, _bwd_impls(q.is_cuda), lambda cfg: impls[cfg["impl"]](),
+                      q.device)
+    impls[impl["impl"]]()
+    return result["dq"], dk, dv
 
 
 # ---- torch.compile: custom ops -----------------------------------------------------------------
