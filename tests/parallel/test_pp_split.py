@@ -81,3 +81,28 @@ def test_tied_head_is_refused_across_stages() -> None:
     assert model.pipeline_stage(0, 1).head_weight is model.tok_emb.weight
     with pytest.raises(ValueError, match=r"4 blocks do not split evenly into 3"):
         GPT(_cfg()).pipeline_stage(0, 3)
+
+
+def test_stage_split_balances_the_lm_head() -> None:
+    from lightning_perf.models.gpt import GPTConfig
+    from lightning_perf.models.gpt.parallelize import _head_in_blocks, gpt_stage_layers
+
+    cfg = GPTConfig.from_name("gpt-1.3b", tie_embeddings=False)
+    h = _head_in_blocks(cfg)
+    assert 1.5 < h < 2.5  # V*d = 103M against ~54M per block (matmuls + causal scores at T=2048)
+    sizes = gpt_stage_layers(cfg, 2)
+    assert sizes == [13, 11]
+    # the slowest stage is faster than under the even split, which is what 1F1B waits on
+    assert max(sizes[0], sizes[1] + h) < 12 + h
+    for n in (2, 3, 4, 6, 8):
+        split = gpt_stage_layers(cfg, n)
+        assert sum(split) == 24 and min(split) >= 1 and split[-1] == min(split)
+        even = max(24 / n, 24 / n + h)
+        assert max(split[:-1] + [split[-1] + h]) <= even + 1e-9
+    # tiny heads (the CPU test models) keep the even split
+    tiny = GPTConfig.from_name("tiny-llama", tie_embeddings=False)
+    assert gpt_stage_layers(tiny, 2) == [2, 2] and gpt_stage_layers(tiny, 4) == [1, 1, 1, 1]
+    with torch.device("meta"):
+        model = GPT(cfg.replace(n_layer=24))
+    stages = [model.pipeline_stage(i, 2) for i in range(2)]
+    assert [list(s.blocks) for s in stages] == [[str(i) for i in range(13)], [str(i) for i in range(13, 24)]]

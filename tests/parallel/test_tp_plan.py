@@ -84,3 +84,26 @@ def test_protocol_lookup_finds_the_outermost_implementer() -> None:
     w = Wrapper()
     assert find_protocol_module(w, "tensor_parallel_plan") is w.model
     assert find_protocol_module(torch.nn.Linear(2, 2), "pipeline_stage") is None
+
+
+def test_compile_scope_under_tensor_parallelism() -> None:
+    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, _compile_mode, compile_targets
+
+    model = _meta_gpt()
+    block = model.blocks["0"]
+    # TP: the attention and MLP sublayers (inputs arrive as DTensors), never the sequence-parallel norms
+    assert compile_targets(block, tensor_parallel=True) == [block.attn, block.mlp]
+    assert compile_targets(block, tensor_parallel=False) == [block]
+    with pytest.raises(ValueError, match="compile='fast' is not one of"):
+        Parallel3DConfig(compile="fast")
+    # blocks the module compiled itself are re-scoped under TP (compilation is lazy: nothing traced here)
+    for b in model.blocks.values():
+        b.compile()
+    with pytest.warns(UserWarning, match="re-applied to each block's attention and MLP"):
+        mode = _compile_mode(model, {0: model}, Parallel3DConfig(tensor_parallel_size=2))
+    assert mode == "default"
+    assert all(b._compiled_call_impl is None for b in model.blocks.values())
+    # without TP the module's whole-block compile stays as it is
+    model.blocks["1"].compile()
+    assert _compile_mode(model, {0: model}, Parallel3DConfig(pipeline_parallel_size=2)) is None
+    assert model.blocks["1"]._compiled_call_impl is not None
