@@ -232,13 +232,14 @@ class Parallel3DStrategy(ParallelStrategy):
         self._device_mesh = dims.build_mesh(self.root_device.type)
         if (
             self.root_device.type == "cuda"
-            and dims.dp_enabled
+            and (dims.dp_enabled or dims.pp_enabled)
             and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
         ):
-            # Megatron's TP setting serialises every stream: FSDP's all-gather/reduce-scatter stop overlapping
+            # Megatron's TP setting serialises every stream: FSDP's all-gather/reduce-scatter and the
+            # pipeline's send/recv then wait behind compute kernels instead of overlapping them
             rank_zero_warn(
-                "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises CUDA streams, so data-parallel communication cannot "
-                "overlap compute; Parallel3DStrategy does not need it (unset it)"
+                "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises CUDA streams, so data-parallel and pipeline "
+                "communication cannot overlap compute; Parallel3DStrategy does not need it (unset it)"
             )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
