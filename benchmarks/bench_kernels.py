@@ -7,7 +7,11 @@ One GPU, one call, a few minutes:
 Measures the device first (device-to-device copy bandwidth, bf16 8192^3 matmul), checks
 every kernel against its PyTorch reference in bf16 on the GPU (relative error of outputs
 and gradients), then times each kernel and its baselines with CUDA events after warm-up
-(median of many runs, with the 10th-90th percentile spread):
+(median of many runs, with the 10th-90th percentile spread). The timed runs are queued behind
+a spin kernel that holds the GPU, so the window holds device time only: a memory-bound kernel
+of ~0.1 ms is otherwise timed at the speed of its Python launch path. The run-by-run time
+(``ms_unqueued``) and the host launch time (``host_ms``) are recorded beside it. Autotuning
+starts from a fresh cache unless ``--tune-cache`` names one.
 
 - norms, activations, rotary (memory-bound): GB/s and % of the measured copy bandwidth,
   speed-up over torch.compile of the same reference;
@@ -19,7 +23,7 @@ and gradients), then times each kernel and its baselines with CUDA events after 
 Writes ``bench_kernels_<date>.json`` and ``bench_kernels_<date>.png`` under ``--out``
 (default ``$OUT`` or ``benchmarks/results``) and prints a table. A failing variant is
 recorded with its error and the run goes on; ``--budget-s`` stops starting new variants
-after that many seconds. ``--quick`` times the headline shapes only (about 3 minutes);
+after that many seconds. ``--quick`` times the headline shapes only (about 4 minutes);
 ``--smoke`` runs the same code at tiny sizes on the CPU (Triton interpreter).
 """
 
@@ -33,6 +37,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -46,7 +51,7 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not torch.cuda.is_availa
 import torch.nn.functional as F  # noqa: E402
 
 from lightning_perf.kernels import dispatch  # noqa: E402
-from lightning_perf.kernels.autotune import default_tuner, hold_gpu  # noqa: E402
+from lightning_perf.kernels.autotune import configure, default_tuner, hold_gpu  # noqa: E402
 from lightning_perf.kernels.ops.flash_attention import attention_reference, flash_attention  # noqa: E402
 from lightning_perf.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from lightning_perf.kernels.ops.gelu import gelu_tanh  # noqa: E402
@@ -506,15 +511,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU ok (Triton interpreter)")
     p.add_argument("--only", nargs="*", default=None,
                    help="groups to run: attention fused_linear_cross_entropy norm activation rotary")
-    p.add_argument("--quick", action="store_true", help="headline shapes only (about 3 minutes on an H200)")
+    p.add_argument("--quick", action="store_true", help="headline shapes only (about 4 minutes on an H200)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="stop timing new variants after this long (default 400, --quick 200)")
+                   help="stop timing new variants after this long (default 400, --quick 280)")
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--tune-cache", default=None,
+                   help="autotune cache directory to read and extend (default: a fresh one, so every run re-tunes "
+                        "the current kernels instead of reusing choices made for older code or timings)")
     args = p.parse_args(argv)
 
     t_start = time.time()
+    tune_cache = args.tune_cache or tempfile.mkdtemp(prefix="bench_kernels_tune_")
+    configure(cache_dir=tune_cache)
     if args.budget_s is None:
-        args.budget_s = 200.0 if args.quick else 400.0
+        args.budget_s = 280.0 if args.quick else 400.0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
@@ -536,7 +546,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "python": platform.python_version(),
         "smoke": args.smoke,
         "config": {"reps": reps, "warmup": b.warmup, "budget_s": args.budget_s, "only": args.only, "quick": args.quick,
-                   "dtype": "bf16" if device.type == "cuda" else "fp32"},
+                   "dtype": "bf16" if device.type == "cuda" else "fp32", "tune_cache": tune_cache,
+                   "timing": "ms = device time with the launches queued behind a held GPU; ms_unqueued = run by "
+                             "run with the GPU idle in between (includes host launch time when it is longer)"},
         "rows": [],
         "errors": [],
     }
