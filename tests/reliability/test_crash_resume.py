@@ -38,6 +38,8 @@ def _strategy(kind: str):
 
     if kind == "zero2":
         return ZeroStrategy(stage=2, timeout=TIMEOUT), 2  # seconds
+    if kind == "dp2":  # 3D strategy, data parallel over 2 ranks: each loads its dp shard of the data
+        return Parallel3DStrategy(data_parallel_size=2, zero_stage=2, timeout=timedelta(seconds=TIMEOUT)), 2
     return Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="1f1b",
                               timeout=timedelta(seconds=TIMEOUT)), 1
 
@@ -82,6 +84,15 @@ def _killed(rank: int, world: int, out: Path, kind: str, root: Path) -> None:
     t = trainer(strategy, world, steps=STEPS, ckpt_dir=root / f"{kind}_ckpt", callbacks=[_watchdog()])
     t.fit(module, data(GB, dp, SAMPLES))
     raise AssertionError("the run survived the kill")
+
+
+def _stopped(rank: int, world: int, out: Path, kind: str, root: Path) -> None:
+    """A run that ends (cleanly) after step 2's checkpoint, mid-epoch."""
+    import lightning as L
+
+    L.seed_everything(0, verbose=False)
+    strategy, dp = _strategy(kind)
+    trainer(strategy, world, steps=2, ckpt_dir=root / f"{kind}_ckpt").fit(make_module(), data(GB, dp, SAMPLES))
 
 
 def _resume(rank: int, world: int, out: Path, kind: str, root: Path) -> None:
@@ -167,6 +178,8 @@ def _all_phases(rank: int, world: int, out: Path, phase: int, root: Path) -> Non
         _killed(rank, world, out, "pp2", root)
     else:
         _resume(rank, world, out, "pp2", root)
+        _stopped(rank, world, out, "dp2", root)
+        _resume(rank, world, out, "dp2", root)
         _hangs(rank, world, out)
 
 
@@ -225,12 +238,12 @@ def _check_resumed(out: Path, kind: str, ref: dict) -> None:
     steps = list(range(2, STEPS))
     for r in resumed:
         assert sorted(r["losses"]) == steps
-    # ZeRO ranks see half the batch each (the mean is the global batch's loss); pp ranks the whole
+    # data-parallel ranks see half the batch each (the mean is the global batch's loss); pp ranks the whole
     mean = torch.tensor([[r["losses"][s] for s in steps] for r in resumed]).mean(0)
     torch.testing.assert_close(mean, torch.tensor([ref["losses"][s] for s in steps]), rtol=1e-5, atol=1e-6)
     # every sample of steps 2.. exactly once, the same ones as uninterrupted (no repeat, no skip)
     ref_ids = sorted(i for s, ids in ref["samples"] if s >= 2 for i in ids)
-    ranks = resumed if kind == "zero2" else resumed[:1]
+    ranks = resumed if kind in ("zero2", "dp2") else resumed[:1]
     assert sorted(i for r in ranks for _, ids in r["samples"] for i in ids) == ref_ids
 
 
@@ -251,6 +264,13 @@ def test_pp2_rank_killed_at_a_step(runs) -> None:
 
 def test_pp2_resumes_from_last_exactly(runs) -> None:
     _check_resumed(runs["root"] / "p3", "pp2", runs["ref"])
+
+
+def test_3d_data_parallel_resumes_mid_epoch_exactly(runs) -> None:
+    """Parallel3D's dp ranks shard the data through TokenDataModule's resumable loader (a plain
+    DataLoader restarts the epoch on resume: Lightning restores only loaders with a state_dict)."""
+    assert (runs["root"] / "p3" / "dp2_last_step0").read_text() == "2"
+    _check_resumed(runs["root"] / "p3", "dp2", runs["ref"])
 
 
 def test_collective_mismatch_times_out_with_each_ranks_step(runs) -> None:
