@@ -16,12 +16,16 @@ collective :meth:`PeerWatchdog.diagnose` turns the exception into
   rank's step.
 
 The thread adds no work to the training step: :meth:`beat` only stores an integer.
-A store that no longer answers means its host, rank 0, is gone.
+A store that no longer answers means its host, rank 0, is gone. The thread also logs
+(``logging``, error level) the first time a peer goes silent: under NCCL a timed-out
+collective may abort the process from NCCL's own watchdog before any exception reaches
+Python, and the log line is then what names the rank.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ __all__ = [
     "is_timeout_error",
 ]
 
+_log = logging.getLogger(__name__)
 _GENERATION = itertools.count()  # one key namespace per watchdog (same order on every rank)
 _DONE = "done"
 
@@ -118,6 +123,7 @@ class PeerWatchdog:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._started_at = time.monotonic()
+        self._reported: set[int] = set()
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -177,7 +183,24 @@ class PeerWatchdog:
             except Exception as e:  # the store (rank 0's TCPStore) is unreachable
                 with self._lock:
                     self._store_error = e
+                if not self._stop.is_set():
+                    _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s)", self.rank, e)
                 return
+            self._report_new_silence()
+
+    def _report_new_silence(self) -> None:
+        for p in self.peers():
+            if p.rank == self.rank or p.rank in self._reported or not (p.done or p.silent_s >= self.dead_after):
+                continue
+            self._reported.add(p.rank)
+            if p.done:
+                _log.warning("rank %d: rank %d left the training loop at step %s", self.rank, p.rank, p.step)
+            else:
+                _log.error(
+                    "rank %d: rank %d stopped responding at step %s (no heartbeat for %.1f s): collectives with it "
+                    "will fail or time out",
+                    self.rank, p.rank, p.step, p.silent_s,
+                )
 
     # ---- queries ----------------------------------------------------------------------------
 

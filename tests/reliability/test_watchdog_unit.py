@@ -49,13 +49,17 @@ def test_alive_peer_and_a_timeout_give_the_steps() -> None:
     wd.stop()
 
 
-def test_silent_peer_is_named_with_its_last_step() -> None:
+def test_silent_peer_is_named_with_its_last_step(caplog) -> None:
     store, wd, key = _pair()
     _beat_for(store, key, 2 * INTERVAL, step=5)  # then it dies
     error = wd.diagnose(RuntimeError("Connection closed by peer"))  # waits for the silence
     assert isinstance(error, RankFailureError) and error.ranks == [1]
     assert "rank 1 stopped responding at step 5" in str(error) and "this rank was at step 7" in str(error)
+    time.sleep(3 * INTERVAL)
     wd.stop()
+    # logged by the thread too, once (what names the rank when NCCL aborts the process itself)
+    logged = [r.getMessage() for r in caplog.records if "stopped responding" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith("rank 0: rank 1 stopped responding at step 5"), logged
 
 
 def test_peer_that_left_the_loop_and_a_lost_store() -> None:
