@@ -140,3 +140,20 @@ def test_flash_attention_gpu(shape, causal, dtype, atol, rtol, poison, close):
     q, k, v = _qkv(*shape, dtype, "cuda", layout="projection")
     # compare to an fp32 reference; tolerance from the half-precision inputs, scaled for long rows
     _check(q, k, v, causal, close, atol * math.sqrt(shape[3] / 64), rtol)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("impl", ["split", "fused"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_both_backwards_gpu(impl, causal, monkeypatch, poison, close):
+    """Each backward strategy on its own (the tuner runs only the faster one in the other tests)."""
+    from lightning_perf.kernels.ops import flash_attention as fa
+
+    from lightning_perf.kernels import autotune
+
+    monkeypatch.setattr(fa, "_bwd_impls", lambda cuda: [dict(impl=impl)])
+    # a tuner of its own: no choice remembered from another test (or run) can override the forced one
+    monkeypatch.setattr(autotune._Default, "tuner", autotune.KernelTuner(autotune.AutotuneCache(enabled=False)))
+    q, k, v = _qkv(1, 8, 2, 1031, 128, torch.bfloat16, "cuda", layout="projection")
+    _check(q, k, v, causal, close, 2e-2 * math.sqrt(2), 2e-2)
