@@ -296,7 +296,8 @@ def load_checkpoint(
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             raise
-        first = next((line for line in str(e).splitlines() if "Error" in line), str(e).splitlines()[0] if str(e) else "")
+        lines = str(e).splitlines() or [""]
+        first = next((line for line in lines if "Error" in line), lines[0])
         raise RuntimeError(f"reading checkpoint {path} failed ({first.strip()})") from e
     options = StateDictOptions(strict=strict)
     if optims:

@@ -184,7 +184,8 @@ class PeerWatchdog:
                 with self._lock:
                     self._store_error = e
                 if not self._stop.is_set():
-                    _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s)", self.rank, e)
+                    _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s)",
+                               self.rank, e)
                 return
             self._report_new_silence()
 

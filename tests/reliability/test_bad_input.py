@@ -22,7 +22,6 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
-import pytest
 import torch
 from _harness import launch
 from hypothesis import HealthCheck, given, settings

@@ -144,7 +144,8 @@ def _hangs(rank: int, world: int, out: Path) -> None:
             module.trainer.should_stop = True  # rank-local: the other rank goes on to step 3
 
     strategy, dp = _strategy("zero2")
-    trainer(strategy, world, steps=STEPS, callbacks=[_watchdog()]).fit(make_module(on_step=leave), data(GB, dp, SAMPLES))
+    t = trainer(strategy, world, steps=STEPS, callbacks=[_watchdog()])
+    t.fit(make_module(on_step=leave), data(GB, dp, SAMPLES))
     if rank == 1:  # stay alive (sockets open) until rank 0 has given up
         deadline = time.time() + 3 * TIMEOUT
         while not (out / "rank0.err").exists() and time.time() < deadline:
