@@ -518,7 +518,7 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
         result["dq"] = dq
 
     def fused():
-        block = min(128, 8192 // D) if q.is_cuda else 16  # two fp32 (block, D) tiles: 64 values per thread
+        block = min(128, 8192 // D) if q.is_cuda else 16  # 8192-element tiles: 64 values per thread each
         _bwd_delta_kernel[(B * H, cdiv(T, block))](o, do, delta, *_strides(o), *_strides(do), H, T,
                                                    BLOCK_M=block, HEAD_DIM=D)
         dq_acc = torch.empty_like(q, dtype=torch.float32)  # q's layout, so the cast below keeps it
