@@ -327,21 +327,43 @@ def allreduce_gradients(params: list[torch.Tensor], group: Any) -> None:
 def clip_grad_norm_3d(params: list[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
     """Clip by the global 2-norm of every gradient of every rank; returns that norm.
 
-    DTensor gradients (TP and/or FSDP shards) take their norm over their own mesh, so
-    replicated pieces count once; pipeline stages hold disjoint parameters, so their
-    squared norms add up over ``pp_group``.
+    Squared norms are summed locally and reduced once per group of gradients that share
+    a mesh and sharded mesh dimensions (a few collectives per step, not one per
+    parameter): shards add up over the dimensions they are sharded on, replicated
+    pieces count once; pipeline stages hold disjoint parameters, so their squared
+    norms add up over ``pp_group``.
     """
-    squares = []
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple[int, tuple[int, ...]], tuple[Any, list[torch.Tensor]]] = {}
     device = None
     for p in params:
-        if p.grad is None:
+        g = p.grad
+        if g is None:
             continue
-        n = torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32)
-        if hasattr(n, "full_tensor"):
-            n = n.full_tensor()
-        squares.append(n * n)
-        device = n.device
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=device)
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):  # not reduced yet: let DTensor reduce it
+                n = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32).full_tensor()
+                key, mesh, sq = (0, ()), None, n * n
+            else:
+                mesh = g.device_mesh
+                # Shard and _StridedShard (FSDP2 over TP; not a Shard subclass on newer torch)
+                dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+                key = (id(mesh), dims) if dims else (0, ())
+                local = g.to_local()
+                sq = torch.linalg.vector_norm(local, 2.0, dtype=torch.float32).square()
+        else:
+            key, mesh = (0, ()), None
+            sq = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32).square()
+        device = sq.device
+        groups.setdefault(key, (mesh, []))[1].append(sq)
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for (_, dims), (mesh, squares) in groups.items():
+        part = torch.stack(squares).sum()
+        for dim in dims:
+            if mesh.size(dim) > 1:
+                dist.all_reduce(part, group=mesh.get_group(dim))
+        total_sq = total_sq + part
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
