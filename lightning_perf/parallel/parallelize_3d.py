@@ -243,17 +243,29 @@ def parallelize_3d(
 
 
 def _compile_mode(model: nn.Module, stages: dict[int, nn.Module], config: Parallel3DConfig) -> Optional[str]:
-    """The strategy's compile mode; under TP, blocks the module compiled itself move to sublayer scope."""
-    if config.tensor_parallel_size == 1:
-        return config.compile  # blocks compiled by the module stay as they are
-    compiled = [m for s in stages.values() for m in s.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    """The compile mode to apply per block; a compile the module applied itself is re-scoped where needed.
+
+    Under TP every compiled module (whole model or blocks) moves to sublayer scope; under PP a
+    whole-model compile would never run (the schedule calls the stages) and moves to the blocks.
+    """
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if tp == 1 and pp == 1:
+        return config.compile  # blocks or the model compiled by the module stay as they are
+    blocks = {id(b) for b in _blocks(model)} | {id(b) for s in stages.values() for b in _blocks(s)}
+    compiled = [
+        m
+        for m in list(model.modules()) + [m for s in stages.values() for m in s.modules()]
+        if getattr(m, "_compiled_call_impl", None) is not None and (tp > 1 or id(m) not in blocks)
+    ]
+    compiled = list({id(m): m for m in compiled}.values())
     if not compiled:
         return config.compile
-    for module in compiled:  # a whole-model or per-block compile: re-applied per sublayer (module docstring)
+    for module in compiled:
         module._compiled_call_impl = None
+    scope = "each block's attention and MLP sublayers" if tp > 1 else "each pipeline stage's blocks"
     warnings.warn(
-        f"tensor parallelism: the model's torch.compile ({len(compiled)} compiled modules) is re-applied to each "
-        f"block's attention and MLP sublayers (the sequence-parallel norms stay eager)",
+        f"{'tensor' if tp > 1 else 'pipeline'} parallelism: the model's torch.compile ({len(compiled)} compiled "
+        f"modules) is re-applied to {scope}",
         stacklevel=3,
     )
     hparams = getattr(model, "hparams", None)

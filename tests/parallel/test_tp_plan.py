@@ -103,7 +103,12 @@ def test_compile_scope_under_tensor_parallelism() -> None:
         mode = _compile_mode(model, {0: model}, Parallel3DConfig(tensor_parallel_size=2))
     assert mode == "default"
     assert all(b._compiled_call_impl is None for b in model.blocks.values())
-    # without TP the module's whole-block compile stays as it is
+    # without TP the module's whole-block compile stays as it is; a whole-model one moves to the blocks
     model.blocks["1"].compile()
-    assert _compile_mode(model, {0: model}, Parallel3DConfig(pipeline_parallel_size=2)) is None
+    stages = {1: model.pipeline_stage(1, 2)}
+    assert _compile_mode(model, stages, Parallel3DConfig(pipeline_parallel_size=2)) is None
     assert model.blocks["1"]._compiled_call_impl is not None
+    model.compile()
+    with pytest.warns(UserWarning, match="re-applied to each pipeline stage's blocks"):
+        assert _compile_mode(model, stages, Parallel3DConfig(pipeline_parallel_size=2)) == "default"
+    assert model._compiled_call_impl is None and model.blocks["1"]._compiled_call_impl is not None
