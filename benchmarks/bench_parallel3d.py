@@ -341,8 +341,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--timeout", type=float, default=400.0, help="seconds for the gpt-1.3b group")
-    parser.add_argument("--llama-timeout", type=float, default=140.0, help="seconds for the llama-8b group")
+    parser.add_argument("--timeout", type=float, default=450.0, help="seconds for the gpt-1.3b group")
+    parser.add_argument("--llama-timeout", type=float, default=120.0, help="seconds for the llama-8b group")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--only", default=None,
                         help="comma-separated variant patterns, e.g. 'dp2,tp2*,pp2_1f1b_m4*' (default: all)")
