@@ -15,7 +15,8 @@ collective :meth:`PeerWatchdog.diagnose` turns the exception into
   (the ranks issued different collectives: one skipped or added a step), with each
   rank's step.
 
-The thread adds no work to the training step: :meth:`beat` only stores an integer.
+The thread adds no work to the training step: :meth:`beat` only stores an integer (so a
+reported step is the last one published, at most ``interval`` seconds old).
 A store that no longer answers means its host, rank 0, is gone. The thread also logs
 (``logging``, error level) the first time a peer goes silent: under NCCL a timed-out
 collective may abort the process from NCCL's own watchdog before any exception reaches
@@ -225,6 +226,20 @@ class PeerWatchdog:
                 )
         return out
 
+    def _last_published(self, states: dict[int, PeerState]) -> None:
+        """Refresh each peer's step from the store (its last heartbeat may postdate our last poll)."""
+        for peer, state in states.items():
+            if peer == self.rank:
+                continue
+            try:
+                key = self._key(peer)
+                if self._store.check([key]):
+                    head, _, step = self._store.get(key).decode().partition(":")
+                    state.step = int(step) if step else state.step
+                    state.done = state.done or head == _DONE
+            except Exception:  # the store's host is gone: keep what the thread saw
+                return
+
     def silent_ranks(self) -> list[int]:
         """Peers silent for ``dead_after`` seconds or gone (``done``); rank 0 if the store is unreachable."""
         with self._lock:
@@ -248,6 +263,7 @@ class PeerWatchdog:
                 break
             time.sleep(self.interval / 2)
         states = {p.rank: p for p in self.peers()}
+        self._last_published(states)
         cause = f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})" if exc is not None else ""
         if silent:
             with self._lock:
@@ -262,8 +278,9 @@ class PeerWatchdog:
                         "(the ranks disagree on when training ends: a rank-local stop or early return)"
                     )
                 else:
+                    where = "before its first step" if states[r].step is None else f"at step {states[r].step}"
                     parts.append(
-                        f"rank {r} stopped responding at step {states[r].step} "
+                        f"rank {r} stopped responding {where} "
                         f"(no heartbeat for {states[r].silent_s:.1f} s): it died or was killed"
                     )
             return RankFailureError(
