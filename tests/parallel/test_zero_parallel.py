@@ -8,14 +8,11 @@ consolidated file loading into a plain GPT.
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _spawn import spawn as _spawn
 
 from lightning_perf.models.gpt import GPT, GPTConfig
 
@@ -39,46 +36,6 @@ def batches(n_steps: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        result = fn(rank, world, Path(out_dir))
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world: int, out_dir: Path, timeout: float = 120.0) -> list[dict]:
-    """Run ``fn(rank, world, out_dir)`` on ``world`` processes; a hung or failed rank fails the test."""
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir)), nprocs=world, join=False,
-                             start_method="spawn")
-    import time
-
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"distributed test did not finish in {timeout}s")
-    except Exception as e:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        errs = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
-        pytest.fail(f"{e}\n{errs}")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 # ---- the distributed part ------------------------------------------------------------------
@@ -194,7 +151,7 @@ def _close(a: dict, b: dict, rtol=1e-5, atol=1e-6) -> None:
 
 
 def test_zero_parallel_pieces(tmp_path: Path) -> None:
-    results = spawn(_worker, WORLD, tmp_path)
+    results = _spawn(_worker, WORLD, tmp_path, timeout=120.0, init_group=True)
     # loss scaler: both ranks saw the inf, both skipped, scale halved then unchanged (interval 2)
     for r in results:
         found, found2, scale, skipped, grad = r["scaler"]

@@ -17,17 +17,12 @@ so each process group runs several ``Trainer.fit`` calls in turn (reusing the gr
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _spawn import spawn
 
 GLOBAL_B, T, STEPS, PER_EPOCH = 8, 16, 6, 3
 VOCAB = 96
@@ -138,40 +133,6 @@ def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "l
 # ---- process harness --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    try:
-        torch.save(fn(rank, world, Path(out_dir)), Path(out_dir) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-
-
-def spawn(fn, world: int, out_dir: Path, timeout: float = 300.0) -> list[dict]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"distributed test did not finish in {timeout}s")
-    except Exception as e:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        errs = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
-        pytest.fail(f"{e}\n{errs}")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def S(**kwargs: Any):
@@ -276,7 +237,7 @@ def references():
 
 @pytest.mark.slow
 def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None:
-    results = spawn(_worker2, 2, tmp_path)
+    results = spawn(_worker2, 2, tmp_path, timeout=300.0)
     ref = references["llama"]
     _check_run(results, "tp2", ref)
     _check_run(results, "tp2_gpt2", references["gpt2"])
@@ -296,7 +257,7 @@ def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None
 
 @pytest.mark.slow
 def test_four_rank_2d_layouts_and_consolidation(references, tmp_path) -> None:
-    results = spawn(_worker4, 4, tmp_path)
+    results = spawn(_worker4, 4, tmp_path, timeout=300.0)
     ref = references["llama"]
     for key in ("dp2_tp2", "pp2_dp2_zero0", "pp2_dp2_zero2"):
         _check_run(results, key, ref)

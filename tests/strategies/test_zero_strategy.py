@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import time
-import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _spawn import spawn
 
 B, T, STEPS = 2, 16, 10  # per-rank batch, sequence, steps per epoch (of 2 ranks)
 WORLD_REF = 2  # the reference process sees the global batch of 2 ranks
@@ -204,40 +201,6 @@ def loader_ref(epochs_of: int = STEPS):
 # ---- process harness --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    try:
-        result = fn(rank, world, Path(out_dir))
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-
-
-def spawn(fn, world: int, out_dir: Path, timeout: float = 240.0) -> list[dict]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"distributed test did not finish in {timeout}s")
-    except Exception as e:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        errs = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
-        pytest.fail(f"{e}\n{errs}")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 # ---- workers ------------------------------------------------------------------------------------

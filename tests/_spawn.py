@@ -1,0 +1,65 @@
+"""Run a test function on N CPU processes (gloo) and collect each rank's result.
+
+A rank that raises writes its traceback next to the results; a group that does not finish in
+``timeout`` seconds is killed and fails the test, so a hung collective never hangs the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, init_group: bool) -> None:
+    import torch.distributed as dist
+
+    # what a launcher sets; Lightning's strategies create the group themselves unless init_group
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    if init_group:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, Path(out_dir)), Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if init_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, out_dir: Path, timeout: float = 240.0, *, init_group: bool = False) -> list[Any]:
+    """``fn(rank, world, out_dir)`` on ``world`` spawned processes; returns the ranks' results in order."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir), init_group), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed test did not finish in {timeout}s")
+    except Exception as e:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        errs = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
+        pytest.fail(f"{e}\n{errs}")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -1,0 +1,6 @@
+"""Shared test helpers live beside this file (``_spawn.py``); make them importable from every folder."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
