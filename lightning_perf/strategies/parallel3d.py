@@ -453,7 +453,7 @@ class Parallel3DStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass
+        pass  # loaded with the model in load_checkpoint (one DCP read reshards both)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
