@@ -31,14 +31,23 @@ def default_config_path() -> Optional[Path]:
     return candidate if candidate.is_file() else None
 
 
-def _run_lightning_cli(argv: list[str]) -> None:
+_DESCRIPTION = (
+    "lightning_perf: train, validate, test and predict with the GPT (LightningCLI; "
+    "`fit` defaults to configs/gpt-tiny-cpu.yaml). Also: `generate --ckpt_path ... --prompt ...`, "
+    "`prepare --input ... --out_dir ...`, `consolidate --ckpt_dir ... --out ...` (each with --help)."
+)
+
+
+def _run_lightning_cli(argv: Optional[list[str]]) -> None:
     default = default_config_path()
-    parser_kwargs = {"default_config_files": [str(default)]} if default is not None else {}
+    sub_kwargs = {"default_config_files": [str(default)]} if default is not None else {}
+    parser_kwargs: dict = {sub: dict(sub_kwargs) for sub in ("fit", "validate", "test", "predict")}
+    parser_kwargs["description"] = _DESCRIPTION
     LightningCLI(
         GPTLightningModule,
         TokenDataModule,
-        args=argv,
-        parser_kwargs={sub: dict(parser_kwargs) for sub in ("fit", "validate", "test", "predict")},
+        args=argv,  # None: read sys.argv, as a console script should
+        parser_kwargs=parser_kwargs,
         save_config_kwargs={"overwrite": True},
     )
 
@@ -103,17 +112,17 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "generate":
-        return _generate(argv[1:])
-    if argv and argv[0] == "prepare":
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "generate":
+        return _generate(args[1:])
+    if args and args[0] == "prepare":
         from lightning_perf.data.prepare import main as prepare_main
 
-        return prepare_main(argv[1:])
-    if argv and argv[0] == "consolidate":
+        return prepare_main(args[1:])
+    if args and args[0] == "consolidate":
         from lightning_perf.parallel.checkpoint import main as consolidate_main
 
-        return consolidate_main(argv[1:])
+        return consolidate_main(args[1:])
     _run_lightning_cli(argv)
 
 
