@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import launch, read_ranks  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
@@ -58,12 +59,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
     "zero1_powersgd": {"strategy": "zero1_powersgd"},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_strategy(name: str, smoke: bool) -> Any:
@@ -242,27 +237,8 @@ def run_variant(variant: str, spec: dict, args: dict, world: int, timeout: float
     tmp = tempfile.mkdtemp(prefix=f"bench_{variant}_")
     out_file = os.path.join(tmp, "result")
     args = dict(args, profile_dir=tmp)
-    ctx = mp.start_processes(_worker, args=(world, free_port(), variant, spec, args, out_file), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    error = None
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                error = f"timed out after {timeout:.0f}s"
-                break
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"[-2000:]
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-    results = []
-    for r in range(world):
-        try:
-            with open(f"{out_file}.rank{r}") as f:
-                results.append(json.load(f))
-        except OSError:
-            pass
+    error = launch(_worker, (variant, spec, args, out_file), world, timeout)
+    results = read_ranks(lambda r: f"{out_file}.rank{r}", world)
     if not results:
         return {"variant": variant, "ok": False, "error": error or "no result"}
     merged = dict(results[0])

@@ -42,7 +42,6 @@ import datetime
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -52,7 +51,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import launch, read_ranks  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
@@ -72,12 +73,6 @@ LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
     "llama8b_pp2": {"pp": 2, "schedule": "1f1b", "m": 4, "ac": "full"},
     "llama8b_tp2": {"tp": 2, "ac": "full"},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def select(names: list[str], only: Optional[str]) -> list[str]:
@@ -269,29 +264,12 @@ def _worker(rank: int, world: int, port: int, names: list[str], specs: dict, arg
 def run_group(names: list[str], specs: dict, args: dict, world: int, timeout: float) -> list[dict]:
     """One process group runs ``names`` in order; per variant, ranks' results are merged."""
     tmp = tempfile.mkdtemp(prefix="bench3d_")
-    ctx = mp.start_processes(_worker, args=(world, free_port(), names, specs, args, tmp), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    error = None
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                error = f"group timed out after {timeout:.0f}s"
-                break
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"[-2000:]
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
+    error = launch(_worker, (names, specs, args, tmp), world, timeout)
+    if error and error.startswith("timed out"):
+        error = "group " + error
     merged = []
     for name in names:
-        ranks = []
-        for r in range(world):
-            try:
-                with open(os.path.join(tmp, f"{name}.rank{r}.json")) as f:
-                    ranks.append(json.load(f))
-            except OSError:
-                pass
+        ranks = read_ranks(lambda r: os.path.join(tmp, f"{name}.rank{r}.json"), world)
         if not ranks:
             merged.append({"variant": name, "ok": False, "error": error or "no result"})
             continue
