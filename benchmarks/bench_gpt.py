@@ -157,7 +157,10 @@ VARIANTS = {
     "plain-triton-compile": (run_plain, "triton", "default"),
     "plain-compile-model": (run_plain, "torch", "default", "model"),
     "trainer-compile-model": (run_trainer, "torch", "default", "model"),
+    "plain-triton-compile-model": (run_plain, "triton", "default", "model"),
+    "trainer-triton-compile-model": (run_trainer, "triton", "default", "model"),
     "plain-cudagraphs-model": (run_plain, "torch", "reduce-overhead", "model"),
+    "trainer-triton-cudagraphs-model": (run_trainer, "triton", "reduce-overhead", "model"),
     "trainer-cudagraphs-model": (run_trainer, "torch", "reduce-overhead", "model"),
 }
 

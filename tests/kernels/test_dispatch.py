@@ -34,8 +34,15 @@ def test_gpt_with_triton_kernels_matches_torch(preset, close, device):
         close(p_tri.grad, p_ref.grad, 2e-5, 1e-4, f"grad of {name}")
 
 
-def test_compiled_gpt_has_no_graph_break(close, device):
-    """The GPT with every kernel compiles as one graph (``fullgraph=True`` raises on a break) and agrees."""
+@pytest.mark.parametrize("elementwise", ["triton", "inductor"])
+def test_compiled_gpt_has_no_graph_break(elementwise, close, device, monkeypatch):
+    """The GPT with every kernel compiles as one graph (``fullgraph=True`` raises on a break) and agrees.
+
+    With ``elementwise_under_compile="inductor"`` (the default) the traced graph holds our attention
+    and loss ops but leaves norms and activations to Inductor; with "triton" it holds all of them.
+    """
+    monkeypatch.setattr(dispatch._Default, "dispatcher",
+                        dispatch.KernelDispatcher(elementwise_under_compile=elementwise))
     cfg = GPTConfig.from_name("tiny-llama", n_layer=1, kernels="triton", attention="triton")
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -44,12 +51,28 @@ def test_compiled_gpt_has_no_graph_break(close, device):
     targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen).to(device)
     eager = model(idx, targets)
     eager_grads = torch.autograd.grad(eager, list(model.parameters()))
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     loss = compiled(idx, targets)
     close(loss, eager, 1e-5, 1e-5, "compiled loss")
     for (name, _), g, e in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
                                eager_grads):
         close(g, e, 1e-5, 1e-5, f"compiled grad of {name}")
+    ours = {t for t in seen if "lightning_perf" in t}
+    assert any("flash_attn" in t for t in ours) and any("fused_linear_cross_entropy" in t for t in ours), seen
+    elementwise_ops = {t for t in ours if "row_norm" in t or "swiglu" in t}
+    assert bool(elementwise_ops) == (elementwise == "triton"), ours
+
+
+def test_dispatcher_rejects_unknown_compile_policy():
+    with pytest.raises(ValueError, match="elementwise_under_compile"):
+        dispatch.KernelDispatcher(elementwise_under_compile="cuda")
 
 
 def test_dispatch_falls_back_where_no_kernel_applies(device):

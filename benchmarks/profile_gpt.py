@@ -1,0 +1,128 @@
+"""Which of the pack's kernels helps or hurts the whole GPT step: one op at a time, same run.
+
+A plain loop (bf16 autocast, fused AdamW, per-block or whole-model torch.compile) over one preset,
+with ``kernels="triton"`` but every op except the named ones routed to the reference path; then
+one torch.profiler step of the all-Triton model, the top GPU kernels printed and saved.
+
+    python benchmarks/profile_gpt.py --out $OUT --preset gpt2-124m --seq-len 1024 --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import StepTimer  # noqa: E402
+
+OPS = ("attention", "norm", "mlp_activation", "lm_loss")
+
+
+def only(enabled: set[str]):
+    """Patch the default dispatcher so only ``enabled`` ops use Triton (others return None = reference)."""
+    from lightning_perf.kernels import dispatch
+
+    d = dispatch.KernelDispatcher()
+    for op in OPS:
+        if op not in enabled:
+            setattr(d, op, lambda *a, **k: None)
+    dispatch.set_default_dispatcher(d)
+
+
+def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profile_dir=None):
+    from lightning_perf.models import GPT, GPTConfig
+    from lightning_perf.models.gpt.transforms import apply_compile
+
+    only(enabled)
+    torch._dynamo.reset()
+    kernels = "triton" if enabled else "torch"
+    cfg = GPTConfig.from_name(preset, kernels=kernels, attention=attention if "attention" in enabled else "sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT(cfg)
+    apply_compile(list(model.blocks.values()) if scope == "block" else [model], "default")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device="cuda")
+    y = torch.randint(0, cfg.vocab_size, (batch, seq_len), device="cuda")
+    timer = StepTimer(True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(warmup + steps):
+        timer.mark()
+        step()
+    timer.mark()
+    times = timer.step_times(skip=warmup)
+    table = None
+    if profile_dir:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+        prof.export_chrome_trace(str(Path(profile_dir) / f"trace_{'_'.join(sorted(enabled)) or 'torch'}.json"))
+    del model, opt
+    torch.cuda.empty_cache()
+    return statistics.median(times) * 1e3, min(times) * 1e3, max(times) * 1e3, table
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--preset", default="gpt2-124m")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--scope", default="block")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--profile", default="all", help="comma list of op sets to profile: torch, all")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    sets = [set(), set(OPS)] + [{op} for op in OPS]
+    rows = []
+    for enabled in sets:
+        name = "+".join(sorted(enabled)) or "torch"
+        prof = ("all" in args.profile.split(",") and enabled == set(OPS)) or (
+            "torch" in args.profile.split(",") and not enabled)
+        try:
+            med, lo, hi, table = run(args.preset, args.seq_len, args.batch, args.steps, args.warmup, args.scope,
+                                     args.attention, enabled, out if prof else None)
+        except Exception as err:  # keep the other rows
+            print(f"{name}: FAILED {type(err).__name__}: {err}", flush=True)
+            rows.append({"ops": name, "error": repr(err)})
+            continue
+        rows.append({"ops": name, "step_ms_median": med, "step_ms_min": lo, "step_ms_max": hi})
+        print(f"{name:45s} median {med:8.2f} ms  min {lo:8.2f}  max {hi:8.2f}", flush=True)
+        if table:
+            print(table, flush=True)
+            (out / f"profile_gpt_{name}.txt").write_text(table)
+    base = rows[0].get("step_ms_median")
+    for r in rows:
+        if base and "step_ms_median" in r:
+            r["speedup_vs_torch"] = base / r["step_ms_median"]
+    (out / "profile_gpt.json").write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "rows": rows},
+        indent=1))
+
+
+if __name__ == "__main__":
+    main()
