@@ -67,6 +67,7 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     # compiled (first step compiles: covered by the warm-up steps)
     "dp2_compile": {"dp": 2, "compile": "default"},
     "tp2_compile": {"tp": 2, "compile": "default"},
+    "tp2_async_compile": {"tp": 2, "compile": "default", "async_tp": True},
     "pp2_1f1b_m4_compile": {"pp": 2, "schedule": "1f1b", "m": 4, "compile": "default"},
 }
 LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
@@ -101,6 +102,7 @@ def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor
         meta_init=True,
         compile=spec.get("compile"),
         compile_backend=compile_backend,
+        async_tensor_parallel=spec.get("async_tp", False),
     )
 
 
@@ -223,7 +225,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "ok": True, "preset": config.name, "world": world, "dp": dp, "tp": spec.get("tp", 1),
         "pp": spec.get("pp", 1), "schedule": spec.get("schedule"), "microbatches": spec.get("m"),
         "stages_per_rank": spec.get("spr", 1), "activation_checkpointing": spec.get("ac", "none"),
-        "compile": spec.get("compile"),
+        "compile": spec.get("compile"), "async_tp": spec.get("async_tp", False),
         "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
         "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
         "tokens_per_s": tokens_per_s,
