@@ -35,6 +35,15 @@ SDPA_BACKENDS = ("cudnn", "flash", "efficient")
 _CANDIDATES = ("triton",) + SDPA_BACKENDS
 
 
+def _is_dtensor(*tensors) -> bool:
+    """Distributed tensors (tensor parallelism) take the reference path: our kernels see local shards only."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - builds without distributed
+        return False
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
 def _sdpa_backend(name: str):
     from torch.nn.attention import SDPBackend
 
@@ -166,6 +175,8 @@ class KernelDispatcher:
         return self.elementwise_under_compile == "inductor" and torch.compiler.is_compiling()
 
     def attention(self, q, k, v, *, causal: bool = True, impl: str = "triton") -> Optional[torch.Tensor]:
+        if _is_dtensor(q, k, v):
+            return None
         if impl == "triton":
             return _triton_attention(q, k, v, causal)
         if impl == "auto":
@@ -176,7 +187,7 @@ class KernelDispatcher:
         return None
 
     def norm(self, x, weight, bias, *, kind: str, eps: float) -> Optional[torch.Tensor]:
-        if self._leave_to_inductor():
+        if self._leave_to_inductor() or _is_dtensor(x, weight, bias):
             return None
         try:
             from lightning_perf.kernels.ops._row_norm import apply_norm, norm_supported
@@ -188,8 +199,17 @@ class KernelDispatcher:
             return None
         return apply_norm(x, weight, bias, None, float(eps), kind == "rmsnorm")
 
+    def rope(self, x, cos, sin) -> Optional[torch.Tensor]:
+        if self._leave_to_inductor() or _is_dtensor(x, cos, sin):
+            return None
+        try:
+            from lightning_perf.kernels.ops.rotary import rotary_embedding, rotary_supported
+        except ImportError:
+            return None
+        return rotary_embedding(x, cos, sin) if rotary_supported(x, cos, sin) else None
+
     def mlp_activation(self, a, b, *, kind: str) -> Optional[torch.Tensor]:
-        if self._leave_to_inductor():
+        if self._leave_to_inductor() or _is_dtensor(a, b):
             return None
         try:
             from lightning_perf.kernels.ops import gelu, swiglu
@@ -204,6 +224,8 @@ class KernelDispatcher:
         return None
 
     def lm_loss(self, x, head_weight, targets, *, ignore_index: int = -100) -> Optional[torch.Tensor]:
+        if _is_dtensor(x, head_weight, targets):
+            return None
         try:
             from lightning_perf.kernels.ops import fused_linear_cross_entropy as flce
         except ImportError:
@@ -237,6 +259,7 @@ def _forward(method: str) -> Callable:
 
 
 attention = _forward("attention")
+rope = _forward("rope")
 norm = _forward("norm")
 mlp_activation = _forward("mlp_activation")
 lm_loss = _forward("lm_loss")

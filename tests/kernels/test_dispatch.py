@@ -97,6 +97,39 @@ def test_dispatch_uses_kernels(close, device):
     close(dispatch.mlp_activation(a, g, kind="swiglu"), torch.nn.functional.silu(a) * g, 1e-5, 1e-5, "swiglu")
     close(dispatch.mlp_activation(a, None, kind="gelu"), torch.nn.functional.gelu(a, approximate="tanh"), 1e-5, 1e-5,
           "gelu")
+    from lightning_perf.models.gpt import ops
+    from lightning_perf.models.gpt.model import rope_cache
+
+    q = torch.randn(2, 3, 7, 16, device=device)
+    cos, sin = rope_cache(9, 16, 10000.0, torch.device(device))
+    rotated = dispatch.rope(q, cos, sin)
+    assert rotated is not None
+    close(rotated, ops.rope(q, cos, sin, impl="torch"), 1e-5, 1e-5, "rope")
+
+
+def test_dispatch_leaves_dtensors_to_the_reference_path(device):
+    """Tensor-parallel shards (DTensor) never reach a kernel, which would see only the local shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not dist.is_available():
+        pytest.skip("torch built without distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        x = DTensor.from_local(torch.randn(3, 32), mesh, [Replicate()])
+        w = DTensor.from_local(torch.ones(32), mesh, [Replicate()])
+        assert dispatch.norm(x, w, None, kind="rmsnorm", eps=1e-6) is None
+        assert dispatch.mlp_activation(x, x, kind="swiglu") is None
+        q = DTensor.from_local(torch.randn(1, 2, 8, 16), mesh, [Replicate()])
+        assert dispatch.attention(q, q, q, causal=True, impl="triton") is None
+        cos = DTensor.from_local(torch.ones(8, 8), mesh, [Replicate()])
+        assert dispatch.rope(q, cos, cos) is None
+        head = DTensor.from_local(torch.randn(10, 32), mesh, [Replicate()])
+        assert dispatch.lm_loss(x, head, torch.zeros(3, dtype=torch.long)) is None
+    finally:
+        dist.destroy_process_group()
 
 
 def test_attention_selector_validates():

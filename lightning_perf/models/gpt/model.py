@@ -51,10 +51,7 @@ def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device) 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) by the position angle. x: (B, nh, T, hd)."""
-    T = x.shape[-2]
-    cos, sin = cos[:T].to(x.dtype), sin[:T].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return ops.rope(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -70,6 +67,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_head * hd, d, bias=config.bias)
         self.rope = config.positions == "rope"
         self.impl = config.attention
+        self.kernels = config.kernels
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -79,7 +77,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if self.rope:
             assert rope is not None
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = ops.rope(q, *rope, impl=self.kernels), ops.rope(k, *rope, impl=self.kernels)
         y = ops.attention(q, k, v, causal=True, impl=self.impl)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.o_proj(y)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "norm", "mlp_activation", "lm_loss", "lm_logits"]
+__all__ = ["attention", "norm", "rope", "mlp_activation", "lm_loss", "lm_logits"]
 
 
 def attention(
@@ -49,6 +49,21 @@ def norm(
     if kind == "layernorm":
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "torch") -> torch.Tensor:
+    """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) by the position angle. x: (B, nh, T, hd);
+    cos / sin: (>= T, hd / 2)."""
+    if impl == "triton":
+        from lightning_perf.kernels import dispatch
+
+        out = dispatch.rope(x, cos, sin)
+        if out is not None:
+            return out
+    T = x.shape[-2]
+    cos, sin = cos[:T].to(x.dtype), sin[:T].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def mlp_activation(a: torch.Tensor, b: Optional[torch.Tensor], *, kind: str, impl: str = "torch") -> torch.Tensor:
