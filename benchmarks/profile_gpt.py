@@ -77,7 +77,7 @@ def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profil
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
         prof.export_chrome_trace(str(Path(profile_dir) / f"trace_{'_'.join(sorted(enabled)) or 'torch'}.json"))
-    del model, opt
+    step = None  # drop the model and optimizer before the next run
     torch.cuda.empty_cache()
     return statistics.median(times) * 1e3, min(times) * 1e3, max(times) * 1e3, table
 
