@@ -28,6 +28,11 @@ import triton
 import triton.language as tl
 
 from lightning_perf.kernels._utils import can_launch, cdiv
+
+try:  # host-side tensor descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernels only
+    TensorDescriptor = None
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["flash_attention", "attention_reference", "FlashAttentionFunction", "flash_attention_supported"]
@@ -109,6 +114,68 @@ def _fwd_kernel(Q, K, V, O, LSE,
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=offs_m < T)
     tl.store(O + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sot + offs_d[None, :],
              acc.to(O.dtype.element_ty), mask=row_mask)
+
+
+# ---- forward with tensor descriptors (TMA on Hopper) --------------------------------------------
+#
+# The same online softmax, but every Q / K / V / O tile moves through a 4-D tensor descriptor over
+# the (B, H, T, D) view: on sm90+ these are TMA bulk copies (no per-element address arithmetic, rows
+# past T zero-filled on load and dropped on store). Timed against the pointer kernel per shape.
+
+
+@triton.jit
+def _fwd_tma_inner(acc, l_i, m_i, q, k_desc, v_desc, b, hk, offs_m, lo, hi, T, qk_scale,
+                   MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        k = k_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASK:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            valid = offs_n[None, :] < T
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            qk = tl.where(valid, qk, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_tma_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, T, GROUP, qk_scale,
+                    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    bh = tl.program_id(0)
+    block = tl.program_id(1)
+    if CAUSAL:
+        block = tl.num_programs(1) - 1 - block
+    start_m = block * BLOCK_M
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    if CAUSAL:
+        acc, l_i, m_i = _fwd_tma_inner(acc, l_i, m_i, q, k_desc, v_desc, b, hk, offs_m, 0, start_m, T, qk_scale,
+                                       False, CAUSAL, BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _fwd_tma_inner(acc, l_i, m_i, q, k_desc, v_desc, b, hk, offs_m, start_m,
+                                       tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM)
+    else:
+        full = (T // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _fwd_tma_inner(acc, l_i, m_i, q, k_desc, v_desc, b, hk, offs_m, 0, full, T, qk_scale,
+                                       False, CAUSAL, BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _fwd_tma_inner(acc, l_i, m_i, q, k_desc, v_desc, b, hk, offs_m, full, T, T, qk_scale,
+                                       True, CAUSAL, BLOCK_N, HEAD_DIM)
+    acc = acc / l_i[:, None]
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=offs_m < T)
+    o_desc.store([b, h, start_m, 0], acc.to(q.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
 
 
 # ---- backward ----------------------------------------------------------------------------------
@@ -464,8 +531,33 @@ def _new_output(q: torch.Tensor) -> torch.Tensor:
 # ---- launchers ---------------------------------------------------------------------------------
 
 
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """(o, lse): o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in base 2 (log2 of the softmax sums)."""
+def _tma_usable(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need Triton's host descriptor class, sm90+ (or the CPU interpreter), a
+    16-byte aligned base and 16-byte multiples for every stride but the last (which must be 1)."""
+    if TensorDescriptor is None:
+        return False
+    t0 = tensors[0]
+    if t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A (1, 1, rows, D) tile descriptor over the (B, H, T, D) view ``t``."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
+
+
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                   config: Optional[dict] = None):
+    """(o, lse): o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in base 2 (log2 of the softmax sums).
+
+    ``config`` forces one launch configuration (tests); by default the tuner picks per shape among
+    the pointer kernel's and, where usable, the tensor-descriptor kernel's configurations.
+    """
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     B, H, T, D = q.shape
     group = H // k.shape[1]
@@ -473,14 +565,29 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     qk_scale = scale * _LOG2E
 
-    def run(cfg):
-        grid = (B * H, cdiv(T, cfg["BLOCK_M"]))
-        _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                          H, T, group, qk_scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
+    use_tma = _tma_usable(q, k, v, o)
 
-    cfg = default_tuner().pick("flash_attn_fwd", (D, causal, shape_bucket(T), q.dtype),
-                               _configs("fwd", D, q.is_cuda, causal), run, q.device)
-    run(cfg)
+    def run(cfg):
+        cfg = dict(cfg)
+        tma = cfg.pop("TMA", False)
+        grid = (B * H, cdiv(T, cfg["BLOCK_M"]))
+        if tma:
+            bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+            _fwd_tma_kernel[grid](_descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(o, bm), lse,
+                                  H, T, group, qk_scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
+        else:
+            _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                              H, T, group, qk_scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
+
+    if config is None:
+        configs = _configs("fwd", D, q.is_cuda, causal)
+        if use_tma:
+            configs = configs + [dict(c, TMA=True) for c in configs]
+        config = default_tuner().pick("flash_attn_fwd", (D, causal, shape_bucket(T), q.dtype, use_tma), configs,
+                                      run, q.device)
+    elif config.get("TMA") and not use_tma:
+        raise ValueError("this input cannot use tensor descriptors (strides or pointer not 16-byte aligned)")
+    run(config)
     return o, lse
 
 
