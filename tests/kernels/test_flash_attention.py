@@ -88,6 +88,10 @@ def test_gpu_config_lists_fit_the_causal_loops(D):
         for c in causal:
             small, big = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
             assert c[big] % c[small] == 0, (kernel, D, c)
+    for kernel in ("fwd", "dq", "dkdv", "fused"):  # the lists the launchers use, deep-pipeline extras included
+        small, big = ("BLOCK_M", "BLOCK_N") if kernel in ("dkdv", "fused") else ("BLOCK_N", "BLOCK_M")
+        for c in fa._configs(kernel, D, True, True):
+            assert c[big] % c[small] == 0, (kernel, D, c)
 
 
 def test_unequal_blocks_and_unusable_first_config(monkeypatch, poison, close, device):

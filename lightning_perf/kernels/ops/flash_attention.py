@@ -471,6 +471,16 @@ def _dq_configs(D: int, cuda: bool) -> list[dict]:
     return [_cfg(64, 32, 8, 2), _cfg(64, 16, 4, 2), _cfg(32, 32, 4, 2), _cfg(32, 16, 4, 2)]
 
 
+# deeper software pipelines for the head dims of real models (Hopper has the shared memory for them):
+# the tuner times these beside the lists above
+_DEEP_STAGES_D128 = {
+    "fwd": [_cfg(64, 64, 4, 5), _cfg(128, 64, 8, 4), _cfg(64, 64, 8, 4), _cfg(128, 64, 8, 5)],
+    "dq": [_cfg(128, 32, 4, 5), _cfg(64, 32, 4, 5), _cfg(128, 64, 8, 4)],
+    "dkdv": [_cfg(32, 128, 4, 4), _cfg(32, 128, 4, 5), _cfg(32, 64, 4, 5), _cfg(64, 128, 8, 4)],
+    "fused": [_cfg(32, 128, 4, 4), _cfg(32, 128, 4, 5), _cfg(64, 128, 8, 4)],
+}
+
+
 def usable_configs(kernel: str, configs, causal: bool) -> list[dict]:
     """The configs whose block sizes the kernel's loops can walk.
 
@@ -495,7 +505,10 @@ def _configs(kernel: str, D: int, cuda: bool, causal: bool) -> list[dict]:
     """Candidate configs per (kernel, head dim, device kind, causal), built once."""
     key = (kernel, D, cuda, causal)
     if key not in _config_cache:
-        _config_cache[key] = usable_configs(kernel, _CONFIG_LISTS[kernel](D, cuda), causal)
+        configs = list(_CONFIG_LISTS[kernel](D, cuda))
+        if cuda and 64 <= D <= 128:
+            configs += [c for c in _DEEP_STAGES_D128[kernel] if c not in configs]
+        _config_cache[key] = usable_configs(kernel, configs, causal)
     return _config_cache[key]
 
 
