@@ -255,6 +255,65 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
+def _bwd_dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE_base, DELTA_base, b, h, offs_n, lo, hi, T, qk_scale,
+                        MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)  # rows past T arrive as zeros
+        if MASK:
+            lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
+        else:
+            lse = tl.load(LSE_base + offs_m)
+        pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        if MASK:
+            valid = offs_m[None, :] < T
+            if CAUSAL:
+                valid = valid & (offs_m[None, :] >= offs_n[:, None])
+            pT = tl.where(valid, pT, 0.0)
+            delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
+        else:
+            delta = tl.load(DELTA_base + offs_m)
+        do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_tma_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, H, HK, T, GROUP, qk_scale,
+                         sm_scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+    """:func:`_bwd_dkdv_kernel` with every tile through tensor descriptors."""
+    bhk = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    b = bhk // HK
+    hk = bhk % HK
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = k_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = v_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    full = (T // BLOCK_M) * BLOCK_M
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        LSE_base = LSE + (b * H + h).to(tl.int64) * T
+        DELTA_base = DELTA + (b * H + h).to(tl.int64) * T
+        lo = 0
+        if CAUSAL:
+            lo = start_n + BLOCK_N
+            dk, dv = _bwd_dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE_base, DELTA_base, b, h, offs_n, start_n,
+                                         tl.minimum(lo, T), T, qk_scale, True, CAUSAL, BLOCK_M, HEAD_DIM)
+        dk, dv = _bwd_dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE_base, DELTA_base, b, h, offs_n, lo, full, T,
+                                     qk_scale, False, CAUSAL, BLOCK_M, HEAD_DIM)
+        dk, dv = _bwd_dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE_base, DELTA_base, b, h, offs_n,
+                                     tl.maximum(lo, full), T, T, qk_scale, True, CAUSAL, BLOCK_M, HEAD_DIM)
+    dk_desc.store([b, hk, start_n, 0], (dk * sm_scale).to(k.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+    dv_desc.store([b, hk, start_n, 0], dv.to(k.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+
+
+@triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, lo, hi, T, qk_scale,
                   MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
@@ -604,8 +663,11 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return o, lse
 
 
-def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
-    """(dq, dk, dv) for the forward that produced ``o`` and ``lse``."""
+def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float, dkdv_config: Optional[dict] = None):
+    """(dq, dk, dv) for the forward that produced ``o`` and ``lse``.
+
+    ``dkdv_config`` forces the two-kernel backward with that dK/dV launch configuration (tests).
+    """
     q, k, v, do = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v), _last_contiguous(do)
     B, H, T, D = q.shape
     HK = k.shape[1]
@@ -615,8 +677,17 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qk_scale = scale * _LOG2E
 
+    use_tma = _tma_usable(q, k, v, do, dk, dv)
+
     def run_dkdv(cfg):
+        cfg = dict(cfg)
         grid = (B * HK, cdiv(T, cfg["BLOCK_N"]))
+        if cfg.pop("TMA", False):
+            bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+            _bwd_dkdv_tma_kernel[grid](_descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(do, bm),
+                                       _descriptor(dk, bn), _descriptor(dv, bn), lse, delta, H, HK, T, group,
+                                       qk_scale, scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
+            return
         _bwd_dkdv_kernel[grid](q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
                                *_strides(do), *_strides(dk), *_strides(dv), H, HK, T, group, qk_scale, scale,
                                CAUSAL=causal, HEAD_DIM=D, **cfg)
@@ -633,8 +704,13 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
 
     def split():
         run_dq(tuner.pick("flash_attn_bwd_dq", key, _configs("dq", D, q.is_cuda, causal), run_dq, q.device))
-        run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key, _configs("dkdv", D, q.is_cuda, causal), run_dkdv,
-                            q.device))
+        if dkdv_config is not None:
+            run_dkdv(dkdv_config)
+        else:
+            configs = _configs("dkdv", D, q.is_cuda, causal)
+            if use_tma:
+                configs = configs + [dict(c, TMA=True) for c in configs]
+            run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key + (use_tma,), configs, run_dkdv, q.device))
         result["dq"] = dq
 
     def fused():
@@ -655,6 +731,11 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float):
         result["dq"] = dq_acc.mul_(scale).to(q.dtype)
 
     impls = {"split": split, "fused": fused}
+    if dkdv_config is not None:
+        if dkdv_config.get("TMA") and not use_tma:
+            raise ValueError("this input cannot use tensor descriptors (strides or pointer not 16-byte aligned)")
+        split()
+        return result["dq"], dk, dv
     impl = tuner.pick("flash_attn_bwd_impl", key, _bwd_impls(q.is_cuda), lambda cfg: impls[cfg["impl"]](),
                       q.device)
     impls[impl["impl"]]()
