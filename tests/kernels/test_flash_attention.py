@@ -41,6 +41,8 @@ def _qkv(B, H, HK, T, D, dtype, device, layout="contiguous"):
 
 
 def _check(q, k, v, causal, close, atol, rtol, scale=None):
+    if q.is_cuda and q.dtype == torch.float32:  # on a GPU, fp32 tiles multiply in tf32 (10-bit mantissa)
+        atol, rtol = max(atol, 5e-3), max(rtol, 5e-3)
     out = flash_attention(q, k, v, causal=causal, softmax_scale=scale)
     ref = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
     close(out, ref, atol, rtol, "output")
