@@ -23,6 +23,8 @@ module compiled itself (``GPTLightningModule(compile=...)``) are re-scoped the s
 
 from __future__ import annotations
 
+import functools
+
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -281,13 +283,41 @@ def compile_targets(block: nn.Module, *, tensor_parallel: bool) -> list[nn.Modul
     return subs or [block]
 
 
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # traced by Dynamo as one frame: the module's hooks (the TP styles' all-gather / reduce-scatter)
+    # are inlined into the same graph as its matmuls; the module is an input, so every block's
+    # sublayer of one kind shares a single compiled graph
+    return module._call_impl(*args, **kwargs)
+
+
+_HOOKED_COMPILES: dict[tuple[str, str], Any] = {}
+
+
+def _hooked_compile(mode: str, backend: str) -> Any:
+    key = (mode, backend)
+    if key not in _HOOKED_COMPILES:
+        if backend == "inductor":
+            _HOOKED_COMPILES[key] = torch.compile(_call_module, mode=None if mode == "default" else mode)
+        else:
+            _HOOKED_COMPILES[key] = torch.compile(_call_module, backend=backend)
+    return _HOOKED_COMPILES[key]
+
+
 def compile_blocks(blocks: list[nn.Module], mode: str, *, backend: str = "inductor", tensor_parallel: bool) -> None:
-    """``torch.compile`` per block (names and state dict unchanged); after TP, before FSDP."""
+    """``torch.compile`` per block (names and state dict unchanged); after TP, before FSDP.
+
+    Under TP each attention / MLP sublayer is compiled together with its forward hooks, so the
+    sequence-parallel all-gather, the matmuls and the reduce-scatter land in one graph (what
+    Inductor's micro-pipelined async TP rewrites); ``module.compile()`` would trace the hooks and
+    the forward as separate frames.
+    """
     for block in blocks:
         for target in compile_targets(block, tensor_parallel=tensor_parallel):
             if getattr(target, "_compiled_call_impl", None) is not None:
                 continue
-            if backend == "inductor":
+            if tensor_parallel:
+                target._compiled_call_impl = functools.partial(_hooked_compile(mode, backend), target)
+            elif backend == "inductor":
                 target.compile(mode=None if mode == "default" else mode)
             else:  # another backend (e.g. "aot_eager" to isolate inductor): modes are inductor's
                 target.compile(backend=backend)

@@ -112,3 +112,49 @@ def test_compile_scope_under_tensor_parallelism() -> None:
     with pytest.warns(UserWarning, match="re-applied to each pipeline stage's blocks"):
         assert _compile_mode(model, stages, Parallel3DConfig(pipeline_parallel_size=2)) == "default"
     assert model._compiled_call_impl is None and model.blocks["1"]._compiled_call_impl is not None
+
+
+def _tp_graph_worker(rank: int, world: int, out_dir) -> dict:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_perf.models.gpt import GPT, GPTConfig
+    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.tensor_parallel import apply_tp
+
+    graphs: list[set] = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = GPTConfig.from_name("tiny", n_layer=3)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    apply_tp(model, mesh, sequence_parallel=True, local_output=True)
+    compile_blocks(list(model.blocks.values()), "default", backend=backend, tensor_parallel=True)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with loss_parallel():
+        loss = model(idx, idx)
+        loss.backward()
+    return {"graphs": graphs, "loss": float(loss.detach())}
+
+
+def test_tensor_parallel_sublayer_graphs_hold_their_collectives(tmp_path) -> None:
+    """Under sequence-parallel TP each compiled attention / MLP graph holds its all-gather, matmuls
+    and reduce-scatter (forward and backward): the layout Inductor's async TP rewrites. Three blocks
+    share one forward graph per sublayer kind (no recompilation per block)."""
+    from tests._spawn import spawn
+
+    results = spawn(_tp_graph_worker, 2, tmp_path, init_group=True)
+    graphs = results[0]["graphs"]
+    assert len(graphs) == 4, [sorted(g)[:5] for g in graphs]  # attention + MLP, forward + backward each
+    for ops in graphs:
+        text = " ".join(ops)
+        assert "all_gather_into_tensor" in text and "reduce_scatter_tensor" in text, sorted(ops)
+        assert "aten.mm" in text or "aten.addmm" in text, sorted(ops)
+    assert results[0]["loss"] == results[1]["loss"]
