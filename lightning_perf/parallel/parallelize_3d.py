@@ -213,6 +213,11 @@ def parallelize_3d(
         for stage in stages.values():
             # a whole model is called by user code (plain tensors out); a stage feeds the pipeline loss
             apply_tp(stage, mesh["tp"], sequence_parallel=config.sequence_parallel, local_output=pp == 1)
+            if config.async_tensor_parallel:
+                # async TP fuses collectives into bias-free matmuls only
+                from lightning_perf.parallel.tensor_parallel import unfuse_linear_biases
+
+                unfuse_linear_biases(stage, mesh["tp"], sequence_parallel=config.sequence_parallel)
     mode = _compile_mode(model, stages, config)
     if mode is not None:
         for stage in stages.values():

@@ -23,6 +23,7 @@ __all__ = [
     "to_local_output",
     "tp_sequence_check",
     "local_tensor",
+    "unfuse_linear_biases",
 ]
 
 _PROTOCOL_HINT = {
@@ -133,6 +134,53 @@ def apply_tp(
     if local_output:
         model.register_forward_hook(lambda mod, args, out: to_local_output(out))
     return model
+
+
+def _linear_without_bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, module.weight)
+
+
+def _linear_then_bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, module.weight) + module.bias
+
+
+def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True) -> int:
+    """Split each tensor-parallel ``Linear``'s bias from its matmul; returns how many were changed.
+
+    Inductor's async TP fuses an all-gather into the matmul that consumes it and a reduce-scatter
+    into the matmul that produces it, but only a bias-free ``mm``: ``F.linear`` with a bias lowers to
+    ``addmm`` and is left unfused (GPT-2-style models have a bias on every projection). A column-
+    parallel linear becomes ``mm`` then ``+ bias`` (same shard, no communication); a row-parallel one
+    drops the bias from the matmul and adds it after the output's reduce-scatter (or all-reduce),
+    on the sequence shard, as a DTensor so the bias gradient is reduced over the TP group like a
+    sequence-parallel norm's weight. Parameter names do not change. Call after :func:`apply_tp`.
+    """
+    from functools import partial
+
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    out_layout = Shard(1) if sequence_parallel else Replicate()
+
+    def add_bias_after_reduction(mod: nn.Module, args: tuple, out: Any) -> Any:
+        local = isinstance(out, torch.Tensor) and not isinstance(out, DTensor)
+        d = DTensor.from_local(out, tp_mesh, [out_layout], run_check=False) if local else out
+        d = d + mod.bias
+        return d.to_local() if local else d
+
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, nn.Linear) or module.bias is None or not isinstance(module.weight, DTensor):
+            continue
+        placement = module.weight.placements[0]
+        if placement == Shard(0):  # column-parallel: the output features are sharded, the bias with them
+            module.forward = partial(_linear_then_bias, module)  # type: ignore[method-assign]
+        elif placement == Shard(1):  # row-parallel: the matmul output is a partial sum
+            module.forward = partial(_linear_without_bias, module)  # type: ignore[method-assign]
+            module.register_forward_hook(add_bias_after_reduction)
+        else:
+            continue
+        changed += 1
+    return changed
 
 
 def tp_sequence_check(seq_len: int, tp: int, sequence_parallel: bool) -> None:
