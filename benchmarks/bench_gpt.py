@@ -161,6 +161,9 @@ VARIANTS = {
     "trainer-triton-compile-model": (run_trainer, "triton", "default", "model"),
     "plain-cudagraphs-model": (run_plain, "torch", "reduce-overhead", "model"),
     "trainer-triton-cudagraphs-model": (run_trainer, "triton", "reduce-overhead", "model"),
+    # Inductor's matmul autotuning on both sides (the baseline gets the same mode)
+    "plain-max-autotune-model": (run_plain, "torch", "max-autotune-no-cudagraphs", "model"),
+    "trainer-triton-max-autotune-model": (run_trainer, "triton", "max-autotune-no-cudagraphs", "model"),
     "trainer-cudagraphs-model": (run_trainer, "torch", "reduce-overhead", "model"),
 }
 
