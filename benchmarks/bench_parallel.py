@@ -54,6 +54,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zero3": {"strategy": "zero3"},
     "zero3_compile": {"strategy": "zero3", "compile": "default"},
     "zero3_triton_compile": {"strategy": "zero3", "kernels": "triton", "compile": "default"},
+    "zero2_triton_compile": {"strategy": "zero2", "kernels": "triton", "compile": "default"},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
