@@ -102,9 +102,10 @@ def test_dispatch_uses_kernels(close, device):
 
     q = torch.randn(2, 3, 7, 16, device=device)
     cos, sin = rope_cache(9, 16, 10000.0, torch.device(device))
-    rotated = dispatch.rope(q, cos, sin)
-    assert rotated is not None
-    close(rotated, ops.rope(q, cos, sin, impl="torch"), 1e-5, 1e-5, "rope")
+    expected = ops.rope(q, cos, sin, impl="torch")
+    rotated = dispatch.rope(q, cos, sin)  # in place: q is the result
+    assert rotated is not None and rotated.data_ptr() == q.data_ptr()
+    close(rotated, expected, 1e-5, 1e-5, "rope")
 
 
 def test_dispatch_leaves_dtensors_to_the_reference_path(device):

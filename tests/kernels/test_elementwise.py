@@ -112,3 +112,40 @@ def test_rotary_gpu(dtype, atol, rtol, poison, close):
     x = torch.randn(B, T, H, D, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
     _check_fwd_bwd(lambda t: rotary_embedding(t, cos, sin), lambda t: rotary_embedding_reference(t, cos, sin), [x],
                    close, atol, rtol, "rotary")
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", CPU_DTYPES)
+def test_rotary_in_place_on_a_projection_view(dtype, atol, rtol, monkeypatch, close, device):
+    """In place on q straight from its projection: same storage, the reference's values and
+    gradients; a tuner that launches several times (as on the GPU) must not rotate x more than once."""
+    from lightning_perf.kernels.ops import rotary
+
+    B, T, H, D = 2, 13, 3, 16
+    cos, sin = rope_cache(T, D, 10000.0, torch.device(device))
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(B, T, H * D, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    real_pick = rotary.default_tuner().pick
+
+    def pick_after_three_launches(kernel, key, configs, launch, dev):
+        for _ in range(3):
+            launch(configs[0])
+        return real_pick(kernel, key, configs, launch, dev)
+
+    monkeypatch.setattr(rotary.default_tuner(), "pick", pick_after_three_launches)
+
+    def projected():
+        return (base * 1.5).view(B, T, H, D).transpose(1, 2)  # a non-leaf view, as in the attention module
+
+    x = projected()
+    y = rotary_embedding(x, cos, sin, inplace=True)
+    assert y.data_ptr() == x.data_ptr()
+    ref = apply_rope(projected(), cos, sin)
+    close(y, ref, atol, rtol, "in-place output")
+    g = torch.randn(ref.shape, generator=gen).to(device=device, dtype=dtype)
+    got = torch.autograd.grad(y, base, g)[0]
+    want = torch.autograd.grad(ref, base, g)[0]
+    close(got, want, atol, rtol, "gradient through the in-place rotation")
+    leaf = torch.randn(B, H, T, D, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    before = leaf.detach().clone()
+    out = rotary_embedding(leaf, cos, sin, inplace=True)  # a leaf that requires grad: never in place
+    assert out.data_ptr() != leaf.data_ptr() and torch.equal(leaf.detach(), before)

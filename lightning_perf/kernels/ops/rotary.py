@@ -17,7 +17,8 @@ import triton.language as tl
 from lightning_perf.kernels._utils import kernel_dtypes, can_launch, next_power_of_2, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
-__all__ = ["rotary_embedding", "rotary_embedding_reference", "RotaryFunction", "rotary_supported"]
+__all__ = ["rotary_embedding", "rotary_embedding_reference", "RotaryFunction", "RotaryInplaceFunction",
+           "rotary_supported"]
 
 
 @triton.jit
@@ -55,26 +56,40 @@ _CONFIGS_GPU = tuple(dict(BLOCK_H=bh, BLOCK_T=bt, num_warps=w) for bh in (2, 4, 
                      for w in (2, 4, 8))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool, inplace: bool = False) -> torch.Tensor:
+    """x rotated by the angles (inverse: backwards); ``inplace`` writes into x (last dim contiguous)."""
     if x.stride(-1) != 1:
+        if inplace:
+            raise ValueError("an in-place rotation needs x's last dimension contiguous")
         x = x.contiguous()
     B, H, T, D = x.shape
     half = D // 2
-    y = torch.empty_like(x)
-    if y.stride(-1) != 1:
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if inplace:
+        y = x  # each program reads both halves of its rows before writing them: no overlap between programs
+    else:
+        y = torch.empty_like(x)
+        if y.stride(-1) != 1:
+            y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     block_d = next_power_of_2(half)
     # interpreter: two heads per program, so head tails (odd H) are exercised by the tests
     configs = _CONFIGS_GPU if x.is_cuda else (dict(BLOCK_H=2, BLOCK_T=8 if T <= 64 else 64, num_warps=4),)
 
-    def run(cfg):
+    def launch(cfg, out):
         grid = (B * cdiv(H, cfg["BLOCK_H"]), cdiv(T, cfg["BLOCK_T"]))
-        _rotary_kernel[grid](x, y, cos, sin, H, T, half, *x.stride()[:3], *y.stride()[:3], cos.stride(0),
+        _rotary_kernel[grid](x, out, cos, sin, H, T, half, *x.stride()[:3], *out.stride()[:3], cos.stride(0),
                              INVERSE=inverse, BLOCK_D=block_d, **cfg)
 
-    run(default_tuner().pick("rotary", (block_d, shape_bucket(T), shape_bucket(H), shape_bucket(B * H), x.dtype),
-                             configs, run, x.device))
+    scratch: list[torch.Tensor] = []
+
+    def tune(cfg):  # the tuner may launch several times: never into x itself
+        if inplace and not scratch:
+            scratch.append(torch.empty_like(x))
+        launch(cfg, scratch[0] if inplace else y)
+
+    cfg = default_tuner().pick("rotary", (block_d, shape_bucket(T), shape_bucket(H), shape_bucket(B * H), x.dtype),
+                               configs, tune, x.device)
+    launch(cfg, y)
     return y
 
 
@@ -100,6 +115,21 @@ def _backward(ctx, dy):
 
 
 _rotary_op.register_autograd(_backward, setup_context=_setup)
+
+
+class RotaryInplaceFunction(torch.autograd.Function):
+    """Eager in-place rotation: x is overwritten (marked dirty); the backward needs only cos / sin."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.mark_dirty(x)
+        return _rotate(x, cos, sin, False, inplace=True)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(dy, cos, sin, True), None, None
 
 
 class RotaryFunction(torch.autograd.Function):
@@ -130,8 +160,13 @@ def rotary_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> b
     )
 
 
-def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, hd) by the angles whose cos / sin are (>= T, hd / 2); returns a new tensor."""
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Rotate x (B, H, T, hd) by the angles whose cos / sin are (>= T, hd / 2).
+
+    ``inplace=True`` overwrites x and returns it where that is safe: in eager mode, with x's last
+    dimension contiguous and x not a leaf that requires grad (q / k straight from their projections
+    qualify: the projection's backward does not read its output). Elsewhere a new tensor is returned.
+    """
     if x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"rotary_embedding needs x of shape (B, H, T, hd) with even hd, got {tuple(x.shape)}")
     T, half = x.shape[-2], x.shape[-1] // 2
@@ -139,4 +174,11 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
         raise ValueError(f"cos/sin must be (>= {T}, {half}), got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if torch.compiler.is_compiling():
         return _rotary_op(x, cos, sin, False)
+    if inplace and x.stride(-1) == 1 and not (x.is_leaf and x.requires_grad) and not _is_inference_view(x):
+        return RotaryInplaceFunction.apply(x, cos, sin)
     return RotaryFunction.apply(x, cos, sin)
+
+
+def _is_inference_view(x: torch.Tensor) -> bool:
+    # an inference-mode tensor cannot be modified in place outside inference mode
+    return x.is_inference() and not torch.is_inference_mode_enabled()
