@@ -182,6 +182,38 @@ def _idle_share(trace: list[dict], step_s: float) -> Optional[float]:
     return max(0.0, 1.0 - busy / step_s)
 
 
+def _collective_census() -> Any:
+    """An Inductor post-grad pass (it runs after the async-TP pass) counting, per compiled graph,
+    the collectives left plain and those fused into matmuls; caches off so every graph is seen."""
+    from collections import Counter
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    kinds = {"fused_all_gather_matmul": "fused_all_gather", "fused_matmul_reduce_scatter": "fused_reduce_scatter",
+             "all_gather_into_tensor": "plain_all_gather", "reduce_scatter_tensor": "plain_reduce_scatter"}
+
+    class Census(CustomGraphPass):
+        def __init__(self) -> None:
+            self.counts: Counter = Counter()
+
+        def __call__(self, graph: Any) -> None:
+            for node in graph.nodes:
+                target = str(node.target)
+                for needle, kind in kinds.items():
+                    if needle in target:
+                        self.counts[kind] += 1
+                        break
+
+        def uuid(self) -> Any:
+            return None  # never cached
+
+    census = Census()
+    inductor_config.post_grad_custom_post_pass = census
+    inductor_config.fx_graph_cache = False
+    return census
+
+
 def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir: str) -> dict[str, Any]:
     import lightning as L
     from torch.utils.data import DataLoader, Dataset
@@ -208,6 +240,8 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
             return x[:-1], x[1:]
 
     L.seed_everything(0, verbose=False)
+    census = (_collective_census() if spec.get("compile") and spec.get("tp", 1) > 1 and args["compile_backend"] == "inductor"
+              else None)
     module = GPTLightningModule(config, warmup_steps=0)
     timer = _timer(args["warmup"], args["steps"], trace_dir)
     trainer = L.Trainer(
@@ -234,6 +268,11 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
         "fit_s": time.perf_counter() - t0,
     }
+    if census is not None:  # what async TP managed to fuse (per compiled graph, forward and backward)
+        out["collectives_in_compiled_graphs"] = dict(census.counts)
+        from torch._inductor import config as inductor_config
+
+        inductor_config.post_grad_custom_post_pass = None
     if timer.trace:
         from lightning_perf.perf.comm import analyze_comm_trace
 

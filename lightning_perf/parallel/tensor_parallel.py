@@ -136,12 +136,18 @@ def apply_tp(
     return model
 
 
-def _linear_without_bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, module.weight)
+class _ColumnParallelBiasAfterMatmul(nn.Linear):
+    """A column-parallel ``Linear`` computing ``mm`` then ``+ bias`` (not ``addmm``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight) + self.bias
 
 
-def _linear_then_bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, module.weight) + module.bias
+class _RowParallelBiasAfterReduction(nn.Linear):
+    """A row-parallel ``Linear`` whose bias a forward hook adds after the output's reduction."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
 
 
 def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True) -> int:
@@ -153,10 +159,10 @@ def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: b
     parallel linear becomes ``mm`` then ``+ bias`` (same shard, no communication); a row-parallel one
     drops the bias from the matmul and adds it after the output's reduce-scatter (or all-reduce),
     on the sequence shard, as a DTensor so the bias gradient is reduced over the TP group like a
-    sequence-parallel norm's weight. Parameter names do not change. Call after :func:`apply_tp`.
+    sequence-parallel norm's weight. Parameter names do not change, and every block's linears share
+    one class (a compiled sublayer is not recompiled per block). Plain ``nn.Linear`` only (a subclass
+    keeps its own forward). Call after :func:`apply_tp`.
     """
-    from functools import partial
-
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     out_layout = Shard(1) if sequence_parallel else Replicate()
@@ -169,13 +175,13 @@ def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: b
 
     changed = 0
     for module in model.modules():
-        if not isinstance(module, nn.Linear) or module.bias is None or not isinstance(module.weight, DTensor):
+        if type(module) is not nn.Linear or module.bias is None or not isinstance(module.weight, DTensor):
             continue
         placement = module.weight.placements[0]
         if placement == Shard(0):  # column-parallel: the output features are sharded, the bias with them
-            module.forward = partial(_linear_then_bias, module)  # type: ignore[method-assign]
+            module.__class__ = _ColumnParallelBiasAfterMatmul
         elif placement == Shard(1):  # row-parallel: the matmul output is a partial sum
-            module.forward = partial(_linear_without_bias, module)  # type: ignore[method-assign]
+            module.__class__ = _RowParallelBiasAfterReduction
             module.register_forward_hook(add_bias_after_reduction)
         else:
             continue

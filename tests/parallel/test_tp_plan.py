@@ -217,3 +217,4 @@ def test_unfused_biases_keep_gradients_and_leave_bias_free_matmuls(tmp_path) -> 
         assert r["worst_grad_rel"] < 1e-5, r["worst_grad_rel"]
         text = " ".join(" ".join(g) for g in r["graphs"])
         assert "aten.mm" in text and "aten.addmm" not in text
+        assert len(r["graphs"]) == 4  # attention + MLP, forward + backward: both blocks share them
