@@ -24,7 +24,6 @@ module compiled itself (``GPTLightningModule(compile=...)``) are re-scoped the s
 from __future__ import annotations
 
 import functools
-
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
