@@ -206,7 +206,7 @@ class KernelDispatcher:
             from lightning_perf.kernels.ops.rotary import rotary_embedding, rotary_supported
         except ImportError:
             return None
-        return rotary_embedding(x, cos, sin, inplace=True) if rotary_supported(x, cos, sin) else None
+        return rotary_embedding(x, cos, sin) if rotary_supported(x, cos, sin) else None
 
     def mlp_activation(self, a, b, *, kind: str) -> Optional[torch.Tensor]:
         if self._leave_to_inductor() or _is_dtensor(a, b):

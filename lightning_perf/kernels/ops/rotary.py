@@ -166,6 +166,8 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inpl
     ``inplace=True`` overwrites x and returns it where that is safe: in eager mode, with x's last
     dimension contiguous and x not a leaf that requires grad (q / k straight from their projections
     qualify: the projection's backward does not read its output). Elsewhere a new tensor is returned.
+    Not inside selective activation checkpointing that keeps x (it keeps matmul outputs): the kept
+    tensor would be rotated again on recomputation. The GPT therefore rotates out of place.
     """
     if x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"rotary_embedding needs x of shape (B, H, T, hd) with even hd, got {tuple(x.shape)}")

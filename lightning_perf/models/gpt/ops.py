@@ -53,8 +53,7 @@ def norm(
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "torch") -> torch.Tensor:
     """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) by the position angle. x: (B, nh, T, hd);
-    cos / sin: (>= T, hd / 2). With ``impl="triton"`` (eager) x may be rotated in place and returned:
-    callers use the result, never x afterwards."""
+    cos / sin: (>= T, hd / 2). Never in place: selective activation checkpointing may keep x."""
     if impl == "triton":
         from lightning_perf.kernels import dispatch
 
