@@ -170,6 +170,9 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
                              steps=PER_EPOCH, save_to=ckpt)
     res["tp2_to_pp2_compile"] = fit(S(pipeline_parallel_size=2, compile="default", compile_backend="aot_eager"),
                                     world, ckpt_path=ckpt)
+    # compiled sublayers (with their TP hooks) inside checkpointed blocks
+    res["tp2_compile_ac"] = fit(S(tensor_parallel_size=2, compile="default", compile_backend="aot_eager",
+                                  activation_checkpointing="full"), world)
     return res
 
 
@@ -251,6 +254,7 @@ def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None
     tp2_compile = torch.tensor([r["tp2_compile"]["losses"] for r in results]).mean(0)
     torch.testing.assert_close(tp2_compile, torch.tensor(ref["losses"][:PER_EPOCH]), rtol=1e-4, atol=0)
     _check_run(results, "tp2_to_pp2_compile", ref, first=PER_EPOCH)
+    _check_run(results, "tp2_compile_ac", ref)
     _check_run(results, "pp2_accumulate2", references["accumulate2"])
     meta = [r["tp2_meta"]["losses"] for r in results]
     assert meta[0] == meta[1] and all(4.0 < x < 5.5 for x in meta[0]), meta  # ~ln(96) = 4.56 at init
