@@ -49,7 +49,8 @@ class MFUMonitor(Callback):
         dtype: compute dtype for the table lookup (``fp32``/``tf32``/``bf16``/``fp16``/``fp8``);
             default from ``Trainer(precision=...)``.
         flops_per_token: model FLOPs per token (forward + backward), overriding the module.
-        measure_ceiling: time a large matmul at fit start and also report MFU against it.
+        measure_ceiling: time a large matmul at fit start and also report MFU against it; on a device
+            with no known peak (a CPU) and no ``peak_flops=``, MFU is then computed against it.
         count_backward: with the FLOP-counter fallback, also count one backward for HFU.
         window: steps per reported value (logged once per window, which keeps the
             per-step host cost to recording one event).
@@ -158,19 +159,24 @@ class MFUMonitor(Callback):
         self._seen = 0
         self.history = []
         dtype = self.dtype or compute_dtype_name(getattr(trainer, "precision", None), torch.get_float32_matmul_precision())
+        if self.measure_ceiling and dtype in _TORCH_DTYPES:
+            self.ceiling_flops = measure_matmul_ceiling(device, _TORCH_DTYPES[dtype])
         if self.peak_flops_override is not None:
             self.peak_flops, self.peak_name = self.peak_flops_override, f"user peak_flops ({dtype})"
         else:
             peak = device_peak(device)
             self.peak_flops = peak.flops_for(dtype) if peak is not None else None
             self.peak_name = f"{peak.name} {dtype}" if peak is not None else None
-            if self.peak_flops is None:
+            if self.peak_flops is None and self.ceiling_flops:
+                # no datasheet peak (a CPU, an unlisted GPU): the measured matmul ceiling is the honest reference
+                self.peak_flops, self.peak_name = self.ceiling_flops, f"measured matmul ceiling ({dtype})"
+            elif self.peak_flops is None:
                 name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-                rank_zero_warn(f"MFUMonitor: no {dtype} peak known for {name!r}; pass peak_flops= to get MFU")
-        if self.measure_ceiling and dtype in _TORCH_DTYPES:
-            self.ceiling_flops = measure_matmul_ceiling(device, _TORCH_DTYPES[dtype])
+                rank_zero_warn(f"MFUMonitor: no {dtype} peak known for {name!r}; pass peak_flops= or "
+                               "measure_ceiling=True to get MFU")
         if self.peak_flops is not None:
-            ceiling = f", measured matmul ceiling {self.ceiling_flops / 1e12:.4g} TFLOP/s" if self.ceiling_flops else ""
+            ceiling = (f", measured matmul ceiling {self.ceiling_flops / 1e12:.4g} TFLOP/s"
+                       if self.ceiling_flops and self.ceiling_flops != self.peak_flops else "")
             rank_zero_info(f"MFUMonitor: peak {self.peak_flops / 1e12:.4g} TFLOP/s per device "
                            f"({self.peak_name}){ceiling}; layout world={self.layout.world_size} "
                            f"dp={self.layout.data_parallel_size}")

@@ -53,6 +53,23 @@ def test_module_flops_per_token_is_used_and_hfu_counted(tmp_path, fake_clock):
     assert last.hfu == pytest.approx(last.mfu)
 
 
+def test_cpu_without_a_peak_uses_the_measured_ceiling(tmp_path, fake_clock, monkeypatch):
+    """No datasheet peak (a CPU) and no peak_flops=: with measure_ceiling the MFU is against the timed matmul."""
+    import lightning_perf.callbacks.mfu as mfu_module
+
+    B, ceiling = 4, 2e9
+    monkeypatch.setattr(mfu_module, "measure_matmul_ceiling", lambda device, dtype: ceiling)
+    mon = MFUMonitor(measure_ceiling=True, window=1, warmup_steps=0)
+    trainer(tmp_path, [mon], max_steps=3).fit(ToyLM(), loader(batch_size=B))
+    assert mon.peak_name.startswith("measured matmul ceiling") and mon.peak_flops == ceiling
+    fpt = 3 * forward_flops_per_token()
+    assert mon.history[-1].mfu == pytest.approx(fpt * B * T / STEP / ceiling)
+    with pytest.warns(UserWarning, match="measure_ceiling=True"):  # neither: no MFU, and it says how to get one
+        plain = MFUMonitor(window=1, warmup_steps=0)
+        trainer(tmp_path, [plain], max_steps=2).fit(ToyLM(), loader(batch_size=B))
+    assert plain.peak_flops is None
+
+
 def test_full_attention_convention_is_logged_beside(tmp_path, fake_clock):
     class WithBoth(ToyLMWithFlops):
         def flops_per_token_full_attention(self, seq_len=None):
