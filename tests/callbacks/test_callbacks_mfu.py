@@ -6,7 +6,6 @@ import os
 import json
 
 import pytest
-import torch
 
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DDPStrategy
