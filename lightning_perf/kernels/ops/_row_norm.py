@@ -9,6 +9,8 @@ Backward with g = dy * w:
 Backward: one program per SM (times PROGRAMS_PER_SM) walks a contiguous band of rows,
 BLOCK_M rows per step, keeping dw / db as [BLOCK_M, N] fp32 tiles in registers; they are
 reduced over rows once, after the loop, into an fp32 (programs, N) buffer, then summed.
+With PREFETCH the next step's rows are loaded before this step's reductions (the tuner
+times both ways).
 """
 
 from __future__ import annotations
@@ -59,9 +61,35 @@ def _norm_fwd_kernel(X, R, W, B, Y, H, MEAN, RSTD, M, N, eps,
 
 
 @triton.jit
+def _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, dw_acc, db_acc, N,
+                   IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """dx for one [BLOCK_M, BLOCK_N] tile of rows (stored) and the dw / db partial sums (returned)."""
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    if IS_RMS:
+        xhat = h * rstd[:, None]
+    else:
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy * w[None, :]
+    c1 = tl.sum(g * xhat, axis=1) / N
+    if IS_RMS:
+        dx = (g - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        c2 = tl.sum(g, axis=1) / N
+        dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+    if HAS_DRES:
+        dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    dw_acc += dy * xhat
+    if HAS_BIAS:
+        db_acc += dy
+    return dw_acc, db_acc
+
+
+@triton.jit
 def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, rows_per_program,
                      IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -71,32 +99,38 @@ def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, row
     db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    for r0 in range(row_start, row_end, BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < row_end
-        mask = row_mask[:, None] & col_mask[None, :]
+    if PREFETCH:
+        # software pipelining by hand: the next tile's h / dy loads are in flight while this tile's
+        # two row reductions (cross-warp, through shared memory) run
+        rows = row_start + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        if IS_RMS:
-            xhat = h * rstd[:, None]
-        else:
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-            xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
-        g = dy * w[None, :]
-        c1 = tl.sum(g * xhat, axis=1) / N
-        if IS_RMS:
-            dx = (g - xhat * c1[:, None]) * rstd[:, None]
-        else:
-            c2 = tl.sum(g, axis=1) / N
-            dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-        if HAS_DRES:
-            dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += dy * xhat
-        if HAS_BIAS:
-            db_acc += dy
+        h_next = tl.load(H + offs, mask=mask, other=0.0)
+        dy_next = tl.load(DY + offs, mask=mask, other=0.0)
+        for r0 in range(row_start, row_end, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            h = h_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            nxt = rows + BLOCK_M
+            nmask = (nxt < row_end)[:, None] & col_mask[None, :]
+            noffs = nxt.to(tl.int64)[:, None] * N + cols[None, :]
+            h_next = tl.load(H + noffs, mask=nmask, other=0.0)
+            dy_next = tl.load(DY + noffs, mask=nmask, other=0.0)
+            dw_acc, db_acc = _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, dw_acc,
+                                            db_acc, N, IS_RMS, HAS_DRES, HAS_BIAS)
+    else:
+        for r0 in range(row_start, row_end, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            dw_acc, db_acc = _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, dw_acc,
+                                            db_acc, N, IS_RMS, HAS_DRES, HAS_BIAS)
     tl.store(DW_PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_PART + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
@@ -128,7 +162,7 @@ def _fwd_configs(block_n: int, cuda: bool, rows_bucket: int) -> tuple[dict, ...]
 @functools.lru_cache(maxsize=None)
 def _bwd_configs(block_n: int, cuda: bool, rows_bucket: int) -> tuple[dict, ...]:
     if not cuda:
-        return (dict(BLOCK_M=min(32, max(2, rows_bucket // 8)), num_warps=4, PROGRAMS_PER_SM=1),)
+        return (dict(BLOCK_M=min(32, max(2, rows_bucket // 8)), num_warps=4, PROGRAMS_PER_SM=1, PREFETCH=False),)
     out = []
     for bm in (1, 2, 4, 8, 16):
         tile = bm * block_n
@@ -140,8 +174,10 @@ def _bwd_configs(block_n: int, cuda: bool, rows_bucket: int) -> tuple[dict, ...]
                 continue
             for p in (1, 2, 4):
                 if w * p <= 64:  # at most 64 resident warps per SM
-                    out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p))
-    return tuple(out) or (dict(BLOCK_M=1, num_warps=32, PROGRAMS_PER_SM=1),)
+                    out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p, PREFETCH=False))
+                    if per_thread <= _BWD_MAX_PER_THREAD // 2:  # the prefetched tiles double h / dy
+                        out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p, PREFETCH=True))
+    return tuple(out) or (dict(BLOCK_M=1, num_warps=32, PROGRAMS_PER_SM=1, PREFETCH=False),)
 
 
 def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
