@@ -45,6 +45,24 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 @triton.jit
+def _online_softmax_step(acc, l_i, m_i, q, k, offs_m, start_n, T, qk_scale,
+                         MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scores of q against one key tile, folded into the running max / sum; returns the rescaled
+    accumulator, the new sum and max, and the tile's probabilities (for ``acc += p @ v``)."""
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASK:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        valid = offs_n[None, :] < T
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.where(valid, qk, -1.0e30)
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_new, p
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, lo, hi, T, qk_scale,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
@@ -55,17 +73,8 @@ def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, lo, h
             k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
         else:
             k = tl.load(k_ptrs)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        if MASK:
-            valid = offs_n[None, :] < T
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= offs_n[None, :])
-            qk = tl.where(valid, qk, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        acc, l_i, m_new, p = _online_softmax_step(acc, l_i, m_i, q, k, offs_m, start_n, T, qk_scale, MASK, CAUSAL,
+                                                  BLOCK_N)
         if MASK:
             v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
         else:
@@ -128,18 +137,8 @@ def _fwd_tma_inner(acc, l_i, m_i, q, k_desc, v_desc, b, hk, offs_m, lo, hi, T, q
                    MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         k = k_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        if MASK:
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            valid = offs_n[None, :] < T
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= offs_n[None, :])
-            qk = tl.where(valid, qk, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        acc, l_i, m_new, p = _online_softmax_step(acc, l_i, m_i, q, k, offs_m, start_n, T, qk_scale, MASK, CAUSAL,
+                                                  BLOCK_N)
         v = v_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
@@ -182,6 +181,23 @@ def _fwd_tma_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, T, GROUP, qk_scale,
 
 
 @triton.jit
+def _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """One query tile's contribution to a key tile's dK (unscaled) and dV."""
+    pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+    if MASK:
+        valid = offs_m[None, :] < T
+        if CAUSAL:
+            valid = valid & (offs_m[None, :] >= offs_n[:, None])
+        pT = tl.where(valid, pT, 0.0)
+    dv = tl.dot(pT.to(do.dtype), do, dv)
+    dpT = tl.dot(v, tl.trans(do))
+    dsT = pT * (dpT - delta[None, :])
+    dk = tl.dot(dsT.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d, lo, hi, T,
                     qk_scale, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
@@ -191,24 +207,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sd
         if MASK:
             q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
             lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
-        else:
-            q = tl.load(q_ptrs)
-            lse = tl.load(LSE_base + offs_m)
-        pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-        if MASK:
-            valid = offs_m[None, :] < T
-            if CAUSAL:
-                valid = valid & (offs_m[None, :] >= offs_n[:, None])
-            pT = tl.where(valid, pT, 0.0)
             do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
             delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
         else:
+            q = tl.load(q_ptrs)
+            lse = tl.load(LSE_base + offs_m)
             do = tl.load(do_ptrs)
             delta = tl.load(DELTA_base + offs_m)
-        dv = tl.dot(pT.to(do.dtype), do, dv)
-        dpT = tl.dot(v, tl.trans(do))
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk)
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
     return dk, dv
 
 
@@ -260,24 +266,14 @@ def _bwd_dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE_base, DELTA_base, b, 
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)  # rows past T arrive as zeros
+        do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
         if MASK:
             lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
-        else:
-            lse = tl.load(LSE_base + offs_m)
-        pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-        if MASK:
-            valid = offs_m[None, :] < T
-            if CAUSAL:
-                valid = valid & (offs_m[None, :] >= offs_n[:, None])
-            pT = tl.where(valid, pT, 0.0)
             delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
         else:
+            lse = tl.load(LSE_base + offs_m)
             delta = tl.load(DELTA_base + offs_m)
-        do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-        dv = tl.dot(pT.to(do.dtype), do, dv)
-        dpT = tl.dot(v, tl.trans(do))
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk)
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
     return dk, dv
 
 
