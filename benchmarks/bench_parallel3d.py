@@ -278,6 +278,9 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
 
         analysis = analyze_comm_trace(timer.trace, ranks=world)
         out["exposed_comm_pct"] = 100.0 * analysis.overlap.exposed / step
+        # per collective kind in the profiled step: count, bytes, kernel seconds, bus bandwidth
+        out["collectives"] = {k: vars(v) for k, v in analysis.collectives.items()}
+        out["comm_s_per_step"] = analysis.overlap.comm  # the trace holds one step
         idle = _idle_share(timer.trace, step)
         out["compute_idle_pct"] = None if idle is None else 100.0 * idle
     del trainer, module, timer

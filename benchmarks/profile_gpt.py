@@ -37,6 +37,47 @@ def only(enabled: set[str]):
     dispatch.set_default_dispatcher(d)
 
 
+_CATEGORIES = (  # first match wins; names as CUDA reports them on Hopper
+    ("communication", ("nccl",)),
+    ("pack_elementwise", ("_norm_", "_swiglu_", "_gelu_", "_rotary_kernel")),
+    ("pack_loss", ("_ce_rows",)),
+    ("attention", ("flash", "fmha", "cudnn", "attn", "_fwd_kernel", "_fwd_tma", "_bwd_")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("inductor", ("triton_",)),
+    ("copy_cast", ("elementwise", "copy", "memcpy", "memset", "cat", "fill")),
+)
+
+
+def kernel_breakdown(trace_path: Path, steps: int) -> dict:
+    """GPU time per kernel category per step from a Chrome trace, and the share with no kernel running."""
+    from lightning_perf.perf.intervals import total, union
+
+    events = json.loads(trace_path.read_text()).get("traceEvents", [])
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        return {}
+    per: dict[str, float] = {}
+    top: dict[str, float] = {}
+    for e in kernels:
+        name = e["name"]
+        low = name.lower()
+        cat = next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
+        per[cat] = per.get(cat, 0.0) + e["dur"] / 1e3 / steps
+        top[name[:90]] = top.get(name[:90], 0.0) + e["dur"] / 1e3 / steps
+    start = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    window_ms = (end - start) / 1e3 / steps
+    busy_ms = total(union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])) / 1e3 / steps
+    return {
+        "window_ms_per_step": window_ms,
+        "busy_ms_per_step": busy_ms,
+        "idle_ms_per_step": window_ms - busy_ms,
+        "ms_per_step": dict(sorted(per.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms_per_step": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]),
+    }
+
+
 def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profile_dir=None):
     from lightning_perf.models import GPT, GPTConfig
     from lightning_perf.models.gpt.transforms import apply_compile
@@ -67,6 +108,7 @@ def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profil
     timer.mark()
     times = timer.step_times(skip=warmup)
     table = None
+    breakdown = None
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile
 
@@ -76,10 +118,13 @@ def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profil
                 step()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-        prof.export_chrome_trace(str(Path(profile_dir) / f"trace_{'_'.join(sorted(enabled)) or 'torch'}.json"))
+        trace = Path(profile_dir) / f"trace_{'_'.join(sorted(enabled)) or 'torch'}.json"
+        prof.export_chrome_trace(str(trace))
+        breakdown = kernel_breakdown(trace, steps=2)
+        print(json.dumps(breakdown, indent=1), flush=True)
     step = None  # drop the model and optimizer before the next run
     torch.cuda.empty_cache()
-    return statistics.median(times) * 1e3, min(times) * 1e3, max(times) * 1e3, table
+    return statistics.median(times) * 1e3, min(times) * 1e3, max(times) * 1e3, table, breakdown
 
 
 def main():
@@ -93,24 +138,30 @@ def main():
     p.add_argument("--scope", default="block")
     p.add_argument("--attention", default="auto")
     p.add_argument("--profile", default="all", help="comma list of op sets to profile: torch, all")
+    p.add_argument("--sets", default="torch,all,each", help="comma list of op sets to time: torch, all, each")
+    p.add_argument("--tag", default="", help="suffix of the output JSON name")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = True
-    sets = [set(), set(OPS)] + [{op} for op in OPS]
+    chosen = args.sets.split(",")
+    sets = ([set()] if "torch" in chosen else []) + ([set(OPS)] if "all" in chosen else []) + (
+        [{op} for op in OPS] if "each" in chosen else [])
     rows = []
     for enabled in sets:
         name = "+".join(sorted(enabled)) or "torch"
         prof = ("all" in args.profile.split(",") and enabled == set(OPS)) or (
             "torch" in args.profile.split(",") and not enabled)
         try:
-            med, lo, hi, table = run(args.preset, args.seq_len, args.batch, args.steps, args.warmup, args.scope,
+            med, lo, hi, table, breakdown = run(args.preset, args.seq_len, args.batch, args.steps, args.warmup, args.scope,
                                      args.attention, enabled, out if prof else None)
         except Exception as err:  # keep the other rows
             print(f"{name}: FAILED {type(err).__name__}: {err}", flush=True)
             rows.append({"ops": name, "error": repr(err)})
             continue
         rows.append({"ops": name, "step_ms_median": med, "step_ms_min": lo, "step_ms_max": hi})
+        if breakdown:
+            rows[-1]["breakdown"] = breakdown
         print(f"{name:45s} median {med:8.2f} ms  min {lo:8.2f}  max {hi:8.2f}", flush=True)
         if table:
             print(table, flush=True)
@@ -119,7 +170,7 @@ def main():
     for r in rows:
         if base and "step_ms_median" in r:
             r["speedup_vs_torch"] = base / r["step_ms_median"]
-    (out / "profile_gpt.json").write_text(json.dumps({
+    (out / f"profile_gpt{args.tag}.json").write_text(json.dumps({
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "rows": rows},
         indent=1))
 

@@ -218,3 +218,72 @@ def test_unfused_biases_keep_gradients_and_leave_bias_free_matmuls(tmp_path) -> 
         text = " ".join(" ".join(g) for g in r["graphs"])
         assert "aten.mm" in text and "aten.addmm" not in text
         assert len(r["graphs"]) == 4  # attention + MLP, forward + backward: both blocks share them
+
+
+def _cast_worker(rank: int, world: int, out_dir) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_perf.models.gpt import GPT, GPTConfig
+    from lightning_perf.parallel.tensor_parallel import apply_tp, to_local_output
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, str]] = []
+            self.phase = "forward"
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if "all_gather_into_tensor" in name or "reduce_scatter_tensor" in name:
+                kind = "all_gather" if "all_gather" in name else "reduce_scatter"
+                self.seen.append((f"{self.phase} {kind}", str(args[0].dtype)))
+            return func(*args, **(kwargs or {}))
+
+    cfg = GPTConfig.from_name("tiny", n_layer=2)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name in ("plain", "cast"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if name == "cast":
+            apply_tp(model, mesh, sequence_parallel=True, local_output=True)
+        else:  # the plan alone, without the pack's hooks
+            parallelize_module(model, mesh, model.tensor_parallel_plan(mesh))
+            model.register_forward_hook(lambda mod, args, o: to_local_output(o))
+        mode = Collectives()
+        with mode, loss_parallel(), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)
+        mode.phase = "backward"
+        with mode, loss_parallel():
+            loss.backward()
+        grads = [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float() for p in model.parameters()]
+        out[name] = {"loss": float(loss.detach()), "seen": mode.seen, "grads": grads}
+    return out
+
+
+def test_sequence_parallel_gathers_move_the_autocast_dtype(tmp_path) -> None:
+    """bf16 autocast over tp2 + sequence parallel: the norms' fp32 outputs are cast to bf16 before
+    their all-gather (and so their gradients are reduce-scattered in bf16): the forward is the same
+    (the linears behind the gather ran in bf16 anyway), the gradients agree to bf16 rounding, and
+    the block gathers move half the bytes."""
+    from tests._spawn import spawn
+
+    results = spawn(_cast_worker, 2, tmp_path, init_group=True)
+    for r in results:
+        plain, cast = r["plain"], r["cast"]
+        assert cast["loss"] == plain["loss"]
+        gathers = lambda seen: [d for k, d in seen if k == "forward all_gather"]  # noqa: E731
+        # 2 blocks x (attention + MLP), then the final norm (ReplicatedOutputNorm casts in both runs)
+        assert gathers(plain["seen"]) == ["torch.float32"] * 4 + ["torch.bfloat16"], plain["seen"]
+        assert gathers(cast["seen"]) == ["torch.bfloat16"] * 5, cast["seen"]
+        # and their gradients: backward reduce-scatters (the embeddings' fp32 gathers stay)
+        scatters = lambda seen: [d for k, d in seen if k == "backward reduce_scatter"]  # noqa: E731
+        assert scatters(plain["seen"]).count("torch.float32") == 4, plain["seen"]
+        assert scatters(cast["seen"]).count("torch.float32") == 0, cast["seen"]
+        scale = max(float(g.abs().max()) for g in plain["grads"])
+        worst = max(float((a - b).abs().max()) for a, b in zip(cast["grads"], plain["grads"]))
+        assert 0 < worst < 2e-2 * scale, worst / scale
