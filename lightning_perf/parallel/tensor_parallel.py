@@ -9,6 +9,7 @@ that ``loss_parallel`` turns into a loss without gathering the vocabulary.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Optional
 
@@ -134,9 +135,8 @@ def apply_tp(
     require_protocol(model, "tensor_parallel_plan", f"tensor parallelism (tp={tp_mesh.size()})")
     if not callable(getattr(model, "tensor_parallel_plan", None)):
         raise ValueError(f"apply_tp needs the module that defines tensor_parallel_plan, got {type(model).__name__}")
-    plan = _call_plan(model, tp_mesh, sequence_parallel)
+    plan = cast_before_gather(_call_plan(model, tp_mesh, sequence_parallel))
     parallelize_module(model, tp_mesh, plan)
-    cast_before_gather(model, plan)
     if local_output:
         model.register_forward_hook(lambda mod, args, out: to_local_output(out))
     return model
@@ -150,7 +150,7 @@ def _autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
     if not torch.is_autocast_enabled(device):
         return None
     dtype = torch.get_autocast_dtype(device)
-    return dtype if t.element_size() > torch.empty((), dtype=dtype).element_size() else None
+    return dtype if t.element_size() > dtype.itemsize else None
 
 
 def _cast_args(args: tuple, indices: tuple[int, ...]) -> tuple:
@@ -163,40 +163,52 @@ def _cast_args(args: tuple, indices: tuple[int, ...]) -> tuple:
     return tuple(out)
 
 
-def cast_before_gather(model: nn.Module, plan: dict[str, Any]) -> int:
-    """Under autocast, cast sequence-sharded module inputs to the autocast dtype before their all-gather.
+def _gathered_indices(style: Any) -> tuple[int, ...]:
+    """Positions a ``PrepareModuleInput`` turns from a shard into a replicated (gathered) tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    pairs = zip(style.input_layouts or (), style.desired_input_layouts or ())
+    return tuple(i for i, (src, dst) in enumerate(pairs) if isinstance(src, Shard) and isinstance(dst, Replicate))
+
+
+@functools.lru_cache(maxsize=None)
+def _casting_prepare_module_input() -> type:
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    class CastThenGather(PrepareModuleInput):
+        """``PrepareModuleInput`` that casts the inputs it gathers to the autocast dtype first."""
+
+        def _prepare_input_fn(self, inputs: Any, device_mesh: Any) -> Any:
+            if isinstance(inputs, tuple):
+                inputs = _cast_args(inputs, self._gathered)
+            return super()._prepare_input_fn(inputs, device_mesh)
+
+    return CastThenGather
+
+
+def cast_before_gather(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan with each sequence-gathering ``PrepareModuleInput`` casting to the autocast dtype first.
 
     With ``bf16-mixed`` by autocast (no FSDP casting the parameters), the residual stream and the
     norms' outputs are fp32; a ``PrepareModuleInput`` that all-gathers a sequence shard would move
     fp32 over the link, and the column-parallel linears behind it would each cast the gathered
     copy to bf16 again. Every consumer of the gathered input is a linear that autocast runs in
     bf16, so casting the shard first computes the same forward with half the all-gather bytes (and
-    half the reduce-scatter bytes of its gradient in backward). The hook runs first (``prepend``)
-    and is a no-op outside autocast or for tensors already at or below the autocast width.
-    Returns how many modules got the hook.
+    half the reduce-scatter bytes of its gradient in backward). Outside autocast, or for tensors
+    already at or below the autocast width, nothing changes. Other styles are returned as they are.
     """
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    count = 0
+    cls = _casting_prepare_module_input()
+    out: dict[str, Any] = {}
     for path, style in plan.items():
-        if not isinstance(style, PrepareModuleInput) or not style.input_layouts:
-            continue
-        pairs = zip(style.input_layouts, style.desired_input_layouts or ())
-        indices = tuple(
-            i for i, (src, dst) in enumerate(pairs) if isinstance(src, Shard) and isinstance(dst, Replicate)
-        )
-        if not indices:
-            continue
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            continue  # a wildcard or a path of another stage: parallelize_module resolved it itself
-        module.register_forward_pre_hook(
-            lambda mod, args, _idx=indices: _cast_args(args, _idx), prepend=True
-        )
-        count += 1
-    return count
+        if type(style) is PrepareModuleInput and _gathered_indices(style):
+            casting = cls.__new__(cls)
+            casting.__dict__.update(style.__dict__)
+            casting._gathered = _gathered_indices(style)
+            style = casting
+        out[path] = style
+    return out
 
 
 class _ColumnParallelBiasAfterMatmul(nn.Linear):

@@ -138,8 +138,10 @@ def _tp_graph_worker(rank: int, world: int, out_dir) -> dict:
     apply_tp(model, mesh, sequence_parallel=True, local_output=True)
     compile_blocks(list(model.blocks.values()), "default", backend=backend, tensor_parallel=True)
     idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    with loss_parallel():
+    # under autocast, as bf16-mixed runs it: the cast-then-gather input hook is traced into the graphs
+    with loss_parallel(), torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(idx, idx)
+    with loss_parallel():
         loss.backward()
     return {"graphs": graphs, "loss": float(loss.detach())}
 
