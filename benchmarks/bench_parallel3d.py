@@ -281,6 +281,9 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         # per collective kind in the profiled step: count, bytes, kernel seconds, bus bandwidth
         out["collectives"] = {k: vars(v) for k, v in analysis.collectives.items()}
         out["comm_s_per_step"] = analysis.overlap.comm  # the trace holds one step
+        from lightning_perf.perf.gpu_time import gpu_time_breakdown
+
+        out["gpu_time"] = gpu_time_breakdown(timer.trace, steps=1, top=15)
         idle = _idle_share(timer.trace, step)
         out["compute_idle_pct"] = None if idle is None else 100.0 * idle
     del trainer, module, timer

@@ -37,45 +37,10 @@ def only(enabled: set[str]):
     dispatch.set_default_dispatcher(d)
 
 
-_CATEGORIES = (  # first match wins; names as CUDA reports them on Hopper
-    ("communication", ("nccl",)),
-    ("pack_elementwise", ("_norm_", "_swiglu_", "_gelu_", "_rotary_kernel")),
-    ("pack_loss", ("_ce_rows",)),
-    ("attention", ("flash", "fmha", "cudnn", "attn", "_fwd_kernel", "_fwd_tma", "_bwd_")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
-    ("optimizer", ("multi_tensor", "adam", "foreach")),
-    ("inductor", ("triton_",)),
-    ("copy_cast", ("elementwise", "copy", "memcpy", "memset", "cat", "fill")),
-)
-
-
 def kernel_breakdown(trace_path: Path, steps: int) -> dict:
-    """GPU time per kernel category per step from a Chrome trace, and the share with no kernel running."""
-    from lightning_perf.perf.intervals import total, union
+    from lightning_perf.perf.gpu_time import gpu_time_breakdown
 
-    events = json.loads(trace_path.read_text()).get("traceEvents", [])
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not kernels:
-        return {}
-    per: dict[str, float] = {}
-    top: dict[str, float] = {}
-    for e in kernels:
-        name = e["name"]
-        low = name.lower()
-        cat = next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
-        per[cat] = per.get(cat, 0.0) + e["dur"] / 1e3 / steps
-        top[name[:90]] = top.get(name[:90], 0.0) + e["dur"] / 1e3 / steps
-    start = min(e["ts"] for e in kernels)
-    end = max(e["ts"] + e["dur"] for e in kernels)
-    window_ms = (end - start) / 1e3 / steps
-    busy_ms = total(union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])) / 1e3 / steps
-    return {
-        "window_ms_per_step": window_ms,
-        "busy_ms_per_step": busy_ms,
-        "idle_ms_per_step": window_ms - busy_ms,
-        "ms_per_step": dict(sorted(per.items(), key=lambda kv: -kv[1])),
-        "top_kernels_ms_per_step": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]),
-    }
+    return gpu_time_breakdown(json.loads(trace_path.read_text()).get("traceEvents", []), steps=steps)
 
 
 def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profile_dir=None):

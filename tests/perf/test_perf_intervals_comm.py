@@ -105,3 +105,44 @@ def test_gpu_trace_analysis():
     assert ar.count == 2 and ar.bytes == 2 * 100e6
     assert ar.algbw == pytest.approx(200e6 / 1e-3)
     assert ar.busbw == pytest.approx(ar.algbw * 2 * 3 / 4)
+
+
+def test_gpu_time_breakdown_by_kernel_name() -> None:
+    """Hopper kernel names as a profiled gpt-1.3b step reports them, two steps of a known timeline."""
+    from lightning_perf.perf.gpu_time import gpu_time_breakdown, gpu_time_category
+
+    names = {
+        "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128": "attention",
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*)": "attention",
+        "_bwd_dkdv_tma_kernel": "attention",
+        "triton_per_fused__to_copy_add_native_layer_norm_backward_view_11": "inductor",
+        "triton_tem_fused_mm_3": "matmul",
+        "_norm_bwd_kernel": "pack_elementwise",
+        "_gelu_fwd_kernel": "pack_elementwise",
+        "_ce_rows_kernel": "pack_loss",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "communication",
+        "Memset (Device)": "copy_cast",
+        "some_custom_kernel": "other",
+    }
+    for name, category in names.items():
+        assert gpu_time_category(name) == category, name
+    # per step: 0-100 us matmul, 100-120 us inductor, a 30 us gap, 150-200 us attention, with NCCL
+    # 170-230 us overlapping the attention and running 30 us alone; the second step 1000 us later
+    events = []
+    for step in range(2):
+        t0 = 1000.0 * step
+        for name, ts, dur in (("nvjet_sm90_tst_x", 0, 100), ("triton_poi_fused_gelu_1", 100, 20),
+                              ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 150, 50),
+                              ("ncclDevKernel_AllGather_RING_LL", 170, 60)):
+            events.append({"ph": "X", "cat": "kernel", "name": name, "ts": t0 + ts, "dur": dur})
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000})  # not GPU time
+    out = gpu_time_breakdown(events, steps=2)
+    assert out["ms_per_step"] == pytest.approx(
+        {"matmul": 0.1, "communication": 0.06, "attention": 0.05, "inductor": 0.02})
+    assert out["window_ms_per_step"] == pytest.approx(1.23 / 2)  # first start to last end, over 2 steps
+    assert out["busy_ms_per_step"] == pytest.approx(0.2)
+    assert out["idle_ms_per_step"] == pytest.approx(1.23 / 2 - 0.2)
+    assert list(out["top_kernels_ms_per_step"])[0] == "nvjet_sm90_tst_x"
+    assert gpu_time_breakdown([], steps=1) == {}
