@@ -61,6 +61,11 @@ def _norm_fwd_kernel(X, R, W, B, Y, H, MEAN, RSTD, M, N, eps,
 
 
 @triton.jit
+def _add_pair(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, dw_acc, db_acc, N,
                    IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr):
     """dx for one [BLOCK_M, BLOCK_N] tile of rows (stored) and the dw / db partial sums (returned)."""
@@ -71,11 +76,14 @@ def _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, d
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
     g = dy * w[None, :]
-    c1 = tl.sum(g * xhat, axis=1) / N
     if IS_RMS:
+        c1 = tl.sum(g * xhat, axis=1) / N
         dx = (g - xhat * c1[:, None]) * rstd[:, None]
     else:
-        c2 = tl.sum(g, axis=1) / N
+        # both row sums in one two-operand reduction: one cross-warp exchange instead of two
+        s1, s2 = tl.reduce((g * xhat, g), 1, _add_pair)
+        c1 = s1 / N
+        c2 = s2 / N
         dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
     if HAS_DRES:
         dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
