@@ -8,7 +8,8 @@ Backward with g = dy * w:
     dw = sum_rows(dy * xhat), db = sum_rows(dy)
 Backward: one program per SM (times PROGRAMS_PER_SM) walks a contiguous band of rows,
 BLOCK_M rows per step, keeping dw / db as [BLOCK_M, N] fp32 tiles in registers; they are
-reduced over rows once, after the loop, into an fp32 (programs, N) buffer, then summed.
+reduced over rows once, after the loop, into an fp32 (programs, N) buffer, then summed over
+programs (dw and db in one launch, stored at the weight's dtype).
 With PREFETCH the next step's rows are loaded before this step's reductions (the tuner
 times both ways).
 """
@@ -144,6 +145,26 @@ def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, row
         tl.store(DB_PART + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
+@triton.jit
+def _part_sum_kernel(DW_PART, DB_PART, DW, DB, P, N, HAS_BIAS: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dw (and db) = the (P, N) fp32 partial sums summed over P, stored at the weight's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc_w = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        mask = (rows < P)[:, None] & col_mask[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        acc_w += tl.sum(tl.load(DW_PART + offs, mask=mask, other=0.0), axis=0)
+        if HAS_BIAS:
+            acc_b += tl.sum(tl.load(DB_PART + offs, mask=mask, other=0.0), axis=0)
+    tl.store(DW + cols, acc_w.to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, acc_b.to(DB.dtype.element_ty), mask=col_mask)
+
+
 # Elements of one [BLOCK_M, BLOCK_N] tile per thread. The backward keeps about eight fp32 tiles
 # live (h, dy, xhat, g, dx and the dw / db accumulators): above 16 per thread that passes the
 # 255-register limit and spills to local memory, which costs more traffic than the rows themselves.
@@ -246,8 +267,13 @@ def norm_bwd(h, weight, bias, mean, rstd, dy, dres, is_rms: bool):
                                _bwd_configs(block_n, h.is_cuda, rows_bucket), run, h.device)
     run(cfg)
     dw_part, db_part = parts[0]
-    dw = dw_part.sum(0).to(weight.dtype)
-    db = db_part.sum(0).to(bias.dtype) if has_bias else dw.new_empty(0)
+    # one launch sums both partial buffers and casts (instead of a sum and a cast per gradient)
+    dw = torch.empty(N, dtype=weight.dtype, device=h.device)
+    db = torch.empty(N, dtype=bias.dtype, device=h.device) if has_bias else dw.new_empty(0)
+    P = dw_part.shape[0]
+    # narrow column blocks: N / 64 programs (64 for N = 4096) share the (P, N) read
+    _part_sum_kernel[(cdiv(N, 64),)](dw_part, db_part, dw, db if has_bias else dw, P, N, HAS_BIAS=has_bias,
+                                     BLOCK_P=64 if h.is_cuda else 32, BLOCK_N=64, num_warps=4)
     return dx.view(h.shape), dw, db
 
 
