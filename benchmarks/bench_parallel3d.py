@@ -68,6 +68,9 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "dp2_compile": {"dp": 2, "compile": "default"},
     "tp2_compile": {"tp": 2, "compile": "default"},
     "tp2_async_compile": {"tp": 2, "compile": "default", "async_tp": True},
+    # ablation: the whole block compiled with every TP hook inside (norms and residual adds too)
+    "tp2_compile_block": {"tp": 2, "compile": "default", "tp_compile_scope": "block"},
+    "tp2_async_compile_block": {"tp": 2, "compile": "default", "async_tp": True, "tp_compile_scope": "block"},
     "pp2_1f1b_m4_compile": {"pp": 2, "schedule": "1f1b", "m": 4, "compile": "default"},
 }
 LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
@@ -240,6 +243,10 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
             return x[:-1], x[1:]
 
     L.seed_everything(0, verbose=False)
+    if spec.get("tp_compile_scope") == "block":
+        import lightning_perf.parallel.parallelize_3d as p3d
+
+        p3d.compile_targets = lambda block, tensor_parallel: [block]
     census = (_collective_census() if spec.get("compile") and spec.get("tp", 1) > 1 and args["compile_backend"] == "inductor"
               else None)
     module = GPTLightningModule(config, warmup_steps=0)
