@@ -52,6 +52,7 @@ from typing import Any, Optional
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import launch, read_ranks  # noqa: E402
 
@@ -68,9 +69,9 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "dp2_compile": {"dp": 2, "compile": "default"},
     "tp2_compile": {"tp": 2, "compile": "default"},
     "tp2_async_compile": {"tp": 2, "compile": "default", "async_tp": True},
-    # ablation: the whole block compiled with every TP hook inside (norms and residual adds too)
-    "tp2_compile_block": {"tp": 2, "compile": "default", "tp_compile_scope": "block"},
-    "tp2_async_compile_block": {"tp": 2, "compile": "default", "async_tp": True, "tp_compile_scope": "block"},
+    # ablation: only the attention / MLP sublayers compiled (norms and residual adds eager)
+    "tp2_compile_sublayer": {"tp": 2, "compile": "default", "tp_compile_scope": "sublayer"},
+    "tp2_async_compile_sublayer": {"tp": 2, "compile": "default", "async_tp": True, "tp_compile_scope": "sublayer"},
     "pp2_1f1b_m4_compile": {"pp": 2, "schedule": "1f1b", "m": 4, "compile": "default"},
 }
 LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
@@ -217,6 +218,9 @@ def _collective_census() -> Any:
     return census
 
 
+from lightning_perf.parallel.parallelize_3d import compile_targets as _COMPILE_TARGETS  # noqa: E402
+
+
 def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir: str) -> dict[str, Any]:
     import lightning as L
     from torch.utils.data import DataLoader, Dataset
@@ -243,10 +247,16 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
             return x[:-1], x[1:]
 
     L.seed_everything(0, verbose=False)
-    if spec.get("tp_compile_scope") == "block":
-        import lightning_perf.parallel.parallelize_3d as p3d
+    import lightning_perf.parallel.parallelize_3d as p3d
 
-        p3d.compile_targets = lambda block, tensor_parallel: [block]
+    p3d.compile_targets = _COMPILE_TARGETS  # variants run one after another in this process
+    if spec.get("tp_compile_scope") == "sublayer":
+        p3d.compile_targets = lambda block, tensor_parallel: (
+            p3d.tp_sublayers(block) if tensor_parallel else [block])
+    if torch.cuda.is_available():  # async TP switches an Inductor flag for the process: reset it
+        from torch._inductor import config as inductor_config
+
+        inductor_config._micro_pipeline_tp = False
     census = (_collective_census() if spec.get("compile") and spec.get("tp", 1) > 1 and args["compile_backend"] == "inductor"
               else None)
     module = GPTLightningModule(config, warmup_steps=0)

@@ -87,19 +87,20 @@ def test_protocol_lookup_finds_the_outermost_implementer() -> None:
 
 
 def test_compile_scope_under_tensor_parallelism() -> None:
-    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, _compile_mode, compile_targets
+    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, _compile_mode, compile_targets, tp_sublayers
 
     model = _meta_gpt()
     block = model.blocks["0"]
-    # TP: the attention and MLP sublayers (inputs arrive as DTensors), never the sequence-parallel norms
-    assert compile_targets(block, tensor_parallel=True) == [block.attn, block.mlp]
+    # the whole block, with or without TP (under TP with its hooks: norms and residual adds inside)
+    assert compile_targets(block, tensor_parallel=True) == [block]
     assert compile_targets(block, tensor_parallel=False) == [block]
+    assert tp_sublayers(block) == [block.attn, block.mlp]
     with pytest.raises(ValueError, match="compile='fast' is not one of"):
         Parallel3DConfig(compile="fast")
     # blocks the module compiled itself are re-scoped under TP (compilation is lazy: nothing traced here)
     for b in model.blocks.values():
         b.compile()
-    with pytest.warns(UserWarning, match="re-applied to each block's attention and MLP"):
+    with pytest.warns(UserWarning, match="re-applied to each block, with its tensor-parallel hooks"):
         mode = _compile_mode(model, {0: model}, Parallel3DConfig(tensor_parallel_size=2))
     assert mode == "default"
     assert all(b._compiled_call_impl is None for b in model.blocks.values())
@@ -146,19 +147,21 @@ def _tp_graph_worker(rank: int, world: int, out_dir) -> dict:
     return {"graphs": graphs, "loss": float(loss.detach())}
 
 
-def test_tensor_parallel_sublayer_graphs_hold_their_collectives(tmp_path) -> None:
-    """Under sequence-parallel TP each compiled attention / MLP graph holds its all-gather, matmuls
-    and reduce-scatter (forward and backward): the layout Inductor's async TP rewrites. Three blocks
-    share one forward graph per sublayer kind (no recompilation per block)."""
+def test_tensor_parallel_block_graphs_hold_their_collectives(tmp_path) -> None:
+    """Under sequence-parallel TP each compiled block graph holds its all-gathers, matmuls,
+    reduce-scatters and the sequence-parallel norms (forward and backward): the layout Inductor's
+    async TP rewrites. Three blocks share one forward and one backward graph (no recompilation
+    per block)."""
     from tests._spawn import spawn
 
     results = spawn(_tp_graph_worker, 2, tmp_path, init_group=True)
     graphs = results[0]["graphs"]
-    assert len(graphs) == 4, [sorted(g)[:5] for g in graphs]  # attention + MLP, forward + backward each
+    assert len(graphs) == 2, [sorted(g)[:5] for g in graphs]  # one block: forward + backward
     for ops in graphs:
         text = " ".join(ops)
         assert "all_gather_into_tensor" in text and "reduce_scatter_tensor" in text, sorted(ops)
         assert "aten.mm" in text or "aten.addmm" in text, sorted(ops)
+        assert "layer_norm" in text, sorted(ops)  # the sequence-parallel norms are inside too
     assert results[0]["loss"] == results[1]["loss"]
 
 
@@ -219,7 +222,7 @@ def test_unfused_biases_keep_gradients_and_leave_bias_free_matmuls(tmp_path) -> 
         assert r["worst_grad_rel"] < 1e-5, r["worst_grad_rel"]
         text = " ".join(" ".join(g) for g in r["graphs"])
         assert "aten.mm" in text and "aten.addmm" not in text
-        assert len(r["graphs"]) == 4  # attention + MLP, forward + backward: both blocks share them
+        assert len(r["graphs"]) == 2  # forward + backward: both blocks share them
 
 
 def _cast_worker(rank: int, world: int, out_dir) -> dict:
