@@ -281,12 +281,17 @@ def _compile_mode(model: nn.Module, stages: dict[int, nn.Module], config: Parall
 
 
 def compile_targets(block: nn.Module, *, tensor_parallel: bool) -> list[nn.Module]:
-    """What to compile in ``block``: the whole block, with or without TP.
+    """What to compile in ``block``: the whole block, or under TP with activation checkpointing its sublayers.
 
     Under TP the block is compiled with every submodule's hooks inside (see :func:`compile_blocks`):
     measured on 2x H200 (gpt-1.3b tp2), compiling only the attention / MLP sublayers left the
-    sequence-parallel norms and the residual adds to eager DTensor / ATen kernels, 7% slower.
+    sequence-parallel norms and the residual adds to eager DTensor / ATen kernels, 4-7% slower.
+    A checkpointed block under TP keeps the sublayer scope: Dynamo tracing the checkpoint together
+    with the DTensor redistributions inside it fails (AOTAutograd finds DTensors among the tensors
+    it saves for the recomputation), while compiled sublayers inside an eager checkpoint are exact.
     """
+    if tensor_parallel and getattr(block, "_lp_checkpointing", None) is not None:
+        return tp_sublayers(block)
     return [block]
 
 
@@ -301,6 +306,15 @@ def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # all-gather / reduce-scatter, sequence-parallel norms) are inlined into the same graph as the
     # matmuls; the module is an input, so every block shares a single compiled graph
     return module._call_impl(*args, **kwargs)
+
+
+def _run_hooked(compiled: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # A graph input that is a view, e.g. the output of DTensor.to_local() (the vocab-parallel embedding
+    # feeding the first block directly), gets a wrong gradient or a plain tensor where DTensor's
+    # backward expects a DTensor (torch 2.11-2.13, aot_eager and inductor alike); a copy, made only
+    # for such inputs (one (B, T/tp, d) tensor per step), gives the graph an input of its own
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) and a._is_view() else a for a in args)
+    return compiled(module, *args, **kwargs)
 
 
 _HOOKED_COMPILES: dict[tuple[str, str], Any] = {}
@@ -329,7 +343,7 @@ def compile_blocks(blocks: list[nn.Module], mode: str, *, backend: str = "induct
             if getattr(target, "_compiled_call_impl", None) is not None:
                 continue
             if tensor_parallel:
-                target._compiled_call_impl = functools.partial(_hooked_compile(mode, backend), target)
+                target._compiled_call_impl = functools.partial(_run_hooked, _hooked_compile(mode, backend), target)
             elif backend == "inductor":
                 target.compile(mode=None if mode == "default" else mode)
             else:  # another backend (e.g. "aot_eager" to isolate inductor): modes are inductor's

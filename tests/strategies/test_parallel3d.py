@@ -8,7 +8,7 @@ so each process group runs several ``Trainer.fit`` calls in turn (reusing the gr
 
 - 2 ranks: tp2, pp2 with every schedule, dp2 of a model without the protocol,
   forward-only validation, gradient accumulation, meta-device init, tp2 -> pp2 resume
-  (both compiled: per attention/MLP sublayer under TP, per block under PP);
+  (both compiled per block, under TP with its hooks; with activation checkpointing per sublayer);
 - 4 ranks: dp2 x tp2, pp2 x dp2 (ZeRO 0 and 2; bf16 against the fp32 losses at rtol
   2e-2), pp2 x tp2 -> dp4 resume + consolidation, fp16 skip-step agreement over pp and
   tp ranks;
@@ -164,7 +164,7 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     # built on meta, each stage initialised where it lives (values differ from one process by design)
     res["tp2_meta"] = fit(S(tensor_parallel_size=2, meta_init=True), world)
     # resharding: save under tp2 after one epoch, resume under pp2; both compiled (aot_eager: the
-    # DTensor/AOTAutograd path without inductor's C++ build), per sublayer under TP, per block under PP
+    # DTensor/AOTAutograd path without inductor's C++ build), per block with its TP hooks, per block under PP
     ckpt = out / "tp2.ckpt"
     res["tp2_compile"] = fit(S(tensor_parallel_size=2, compile="default", compile_backend="aot_eager"), world,
                              steps=PER_EPOCH, save_to=ckpt)
