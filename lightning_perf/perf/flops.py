@@ -121,25 +121,44 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def _cpu_sdpa_flops(name: str, args: tuple) -> int:
-    if name.endswith("_backward"):
-        grad_out, q, k, v = args[:4]
-        return _fc.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
-    q, k, v = args[:3]
-    return _fc.sdpa_flop_count(q.shape, k.shape, v.shape)
+_SDPA_OPS = (  # the (B, H, T, D) entry points: q, k, v first; backward: grad_out, q, k, v
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def _sdpa_flops(name: str, args: tuple) -> int:
+    """SDPA FLOPs with grouped-query attention counted as the query-head count of attention.
+
+    k / v with fewer heads are broadcast by the kernel, so the work is that of k / v expanded to
+    the query's heads. Torch's own formula accepts fewer k / v heads only from 2.13 (2.11 raises),
+    so the shapes are expanded here and the count is the same on every supported torch.
+    """
+    backward = name.endswith("_backward")
+    grad_out, q, k, v = args[:4] if backward else (None, *args[:3])
+    hq = q.shape[1]
+
+    def expand(shape: torch.Size) -> tuple[int, ...]:
+        return (shape[0], hq, *shape[2:])
+
+    if backward:
+        return int(_fc.sdpa_backward_flop_count(grad_out.shape, q.shape, expand(k.shape), expand(v.shape)))
+    return int(_fc.sdpa_flop_count(q.shape, expand(k.shape), expand(v.shape)))
 
 
 def _flops(func: Any, category: str, args: tuple, kwargs: dict, out: Any) -> int:
     packet = getattr(func, "overloadpacket", None)
     formula = _fc.flop_registry.get(packet)
     name = packet.__name__ if packet is not None else ""
+    if name in _SDPA_OPS or (name.endswith("_backward") and name[: -len("_backward")] in _SDPA_OPS):
+        return _sdpa_flops(name, args)
     if formula is not None:
         try:
             return int(formula(*args, **kwargs, out_val=out))
         except Exception:  # a formula that does not accept this overload's arguments
             pass
-    if name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
-        return int(_cpu_sdpa_flops(name, args))
     outs = [t for t in _tensors(out) if t.is_floating_point()]
     if category == "elementwise":
         ins = [t for t in _tensors(args) if t.is_floating_point()]

@@ -38,6 +38,31 @@ if not torch.cuda.is_available():
             importlib.reload(_module)
 
 
+def _index_of_one_element_blocks() -> None:
+    """Triton 3.6's interpreter converts a scalar to a Python int with ``int(array)``; NumPy 2.4 refuses
+    that for the one-element 1-D arrays the interpreter holds scalars in (``range(lo, hi)`` with a
+    runtime bound raises). Triton 3.9 squeezes first; do the same on older interpreters. Kernels
+    compiled for a GPU are unaffected."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_lp_squeezes", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._lp_squeezes = True
+    interpreter._patch_lang_tensor = patched
+
+
+if not torch.cuda.is_available():
+    _index_of_one_element_blocks()
+
+
 @pytest.fixture
 def poison(monkeypatch):
     """Make ``torch.empty`` / ``torch.empty_like`` return NaN-filled tensors (int: -7777) while a test runs.

@@ -163,3 +163,24 @@ def test_optimizer_step_counters_are_not_sync_sites():
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
     assert rec.sites == {}
+
+
+def test_grouped_query_attention_counts_as_its_query_heads():
+    """SDPA with fewer k/v heads (enable_gqa) costs what it costs with k/v expanded to the query's
+    heads, forward and backward; torch 2.11's own formula rejects the shapes, 2.13's accepts them."""
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k = torch.randn(2, 2, 16, 8, requires_grad=True)
+    v = torch.randn(2, 2, 16, 8, requires_grad=True)
+
+    def grouped():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum()
+
+    def expanded():
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                              is_causal=True).sum()
+
+    a = count_flops(grouped, lambda out: out.backward())
+    b = count_flops(expanded, lambda out: out.backward())
+    assert a.causal_attention_forward > 0
+    assert a.causal_attention_forward == b.causal_attention_forward
+    assert a.model == b.model and a.hardware == b.hardware
