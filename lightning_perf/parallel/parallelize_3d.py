@@ -312,8 +312,10 @@ def _run_hooked(compiled: Any, module: nn.Module, *args: Any, **kwargs: Any) -> 
     # A graph input that is a view, e.g. the output of DTensor.to_local() (the vocab-parallel embedding
     # feeding the first block directly), gets a wrong gradient or a plain tensor where DTensor's
     # backward expects a DTensor (torch 2.11-2.13, aot_eager and inductor alike); a copy, made only
-    # for such inputs (one (B, T/tp, d) tensor per step), gives the graph an input of its own
-    args = tuple(a.clone() if isinstance(a, torch.Tensor) and a._is_view() else a for a in args)
+    # for such inputs that need a gradient (one (B, T/tp, d) tensor per step; sliced RoPE tables
+    # pass as they are), gives the graph an input of its own
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.requires_grad and a._is_view() else a
+                 for a in args)
     return compiled(module, *args, **kwargs)
 
 
