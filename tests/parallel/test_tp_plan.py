@@ -170,13 +170,38 @@ def test_tensor_parallel_block_graphs_hold_their_collectives(tmp_path) -> None:
     assert results[0]["loss"] == results[1]["loss"]
 
 
+def _reference_and_copy(preset: str):
+    """(tokens, one-process GPT after forward + backward, its loss, a fresh GPT of the same seed)."""
+    from lightning_perf.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig.from_name(preset, n_layer=2)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    ref_loss = ref(idx, idx)
+    ref_loss.backward()
+    torch.manual_seed(0)
+    return idx, ref, float(ref_loss.detach()), GPT(cfg)
+
+
+def _grad_errors(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, float]:
+    """Per parameter, max |grad - reference grad| over the largest reference gradient (some are ~0
+    exactly: a key bias shifts every score of a query equally); DTensor gradients are gathered."""
+    from torch.distributed.tensor import DTensor
+
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+    out = {}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # Partial / Shard -> full
+        out[name] = float((g - q.grad).abs().max()) / scale
+    return out
+
+
 def _unfused_bias_worker(rank: int, world: int, out_dir) -> dict:
     from torch._dynamo.backends.common import aot_autograd
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.models.gpt import GPT, GPTConfig
     from lightning_perf.parallel.parallelize_3d import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp, unfuse_linear_biases
 
@@ -186,15 +211,7 @@ def _unfused_bias_worker(rank: int, world: int, out_dir) -> dict:
         graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
         return gm.forward
 
-    cfg = GPTConfig.from_name("tiny", n_layer=2)
-    gen = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
-    torch.manual_seed(0)
-    ref = GPT(cfg)
-    ref_loss = ref(idx, idx)
-    ref_loss.backward()
-    torch.manual_seed(0)
-    model = GPT(cfg)
+    idx, ref, ref_loss, model = _reference_and_copy("tiny")
     mesh = init_device_mesh("cpu", (world,))
     apply_tp(model, mesh, sequence_parallel=True, local_output=True)
     changed = unfuse_linear_biases(model, mesh, sequence_parallel=True)
@@ -204,14 +221,8 @@ def _unfused_bias_worker(rank: int, world: int, out_dir) -> dict:
     with loss_parallel():
         loss = model(idx, idx)
         loss.backward()
-    # against the largest gradient: some are ~0 exactly (a key bias shifts every score of a query equally)
-    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
-    worst = 0.0
-    for p, q in zip(model.parameters(), ref.parameters()):
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # Partial / Shard -> full
-        worst = max(worst, float((g - q.grad).abs().max()) / scale)
-    return {"changed": changed, "loss": float(loss.detach()), "ref_loss": float(ref_loss.detach()),
-            "worst_grad_rel": worst, "graphs": graphs}
+    return {"changed": changed, "loss": float(loss.detach()), "ref_loss": ref_loss,
+            "worst_grad_rel": max(_grad_errors(model, ref).values()), "graphs": graphs}
 
 
 def test_unfused_biases_keep_gradients_and_leave_bias_free_matmuls(tmp_path) -> None:
@@ -301,33 +312,20 @@ def test_sequence_parallel_gathers_move_the_autocast_dtype(tmp_path) -> None:
 
 def _llama_compiled_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.models.gpt import GPT, GPTConfig
     from lightning_perf.parallel.parallelize_3d import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp
 
-    cfg = GPTConfig.from_name("tiny-llama", n_layer=2)  # no position table: the embedding feeds block 0
-    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(0)
-    ref = GPT(cfg)
-    ref_loss = ref(idx, idx)
-    ref_loss.backward()
-    torch.manual_seed(0)
-    model = GPT(cfg)
+    # no position table: the vocab-parallel embedding feeds block 0 directly
+    idx, ref, ref_loss, model = _reference_and_copy("tiny-llama")
     apply_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel=True, local_output=True)
     torch._dynamo.reset()
     compile_blocks(list(model.blocks.values()), "default", backend="aot_eager", tensor_parallel=True)
     with loss_parallel():
         loss = model(idx, idx)
         loss.backward()
-    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
-    worst = {}
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        worst[name] = float((g - q.grad).abs().max()) / scale
-    return {"loss": float(loss.detach()), "ref_loss": float(ref_loss.detach()), "worst": worst}
+    return {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref)}
 
 
 def test_compiled_tp_blocks_fed_by_the_embedding_match_one_process(tmp_path) -> None:
