@@ -192,20 +192,23 @@ def cast_before_gather(plan: dict[str, Any]) -> dict[str, Any]:
     With ``bf16-mixed`` by autocast (no FSDP casting the parameters), the residual stream and the
     norms' outputs are fp32; a ``PrepareModuleInput`` that all-gathers a sequence shard would move
     fp32 over the link, and the column-parallel linears behind it would each cast the gathered
-    copy to bf16 again. Every consumer of the gathered input is a linear that autocast runs in
-    bf16, so casting the shard first computes the same forward with half the all-gather bytes (and
-    half the reduce-scatter bytes of its gradient in backward). Outside autocast, or for tensors
-    already at or below the autocast width, nothing changes. Other styles are returned as they are.
+    copy to bf16 again. In the GPT's plans every consumer of a gathered input is such a linear,
+    so casting the shard first computes the same forward with half the all-gather bytes (and half
+    the reduce-scatter bytes of its gradient in backward). A user's plan gets the same cast: its
+    module then sees a bf16 input under bf16 autocast, as it would under FSDP2's mixed precision.
+    Outside autocast, or for tensors already at or below the autocast width, nothing changes.
+    Other styles are returned as they are.
     """
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
     cls = _casting_prepare_module_input()
     out: dict[str, Any] = {}
     for path, style in plan.items():
-        if type(style) is PrepareModuleInput and _gathered_indices(style):
+        gathered = _gathered_indices(style) if type(style) is PrepareModuleInput else ()
+        if gathered:
             casting = cls.__new__(cls)
             casting.__dict__.update(style.__dict__)
-            casting._gathered = _gathered_indices(style)
+            casting._gathered = gathered
             style = casting
         out[path] = style
     return out
