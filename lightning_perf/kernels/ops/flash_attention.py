@@ -183,7 +183,8 @@ def _fwd_tma_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, T, GROUP, qk_scale,
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale,
                MASK: tl.constexpr, CAUSAL: tl.constexpr):
-    """One query tile's contribution to a key tile's dK (unscaled) and dV."""
+    """One query tile's contribution to a key tile's dK (unscaled) and dV; also dS^T (input dtype),
+    from which the one-pass backward takes dQ (the two-kernel callers ignore it)."""
     pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
     if MASK:
         valid = offs_m[None, :] < T
@@ -192,9 +193,9 @@ def _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale,
         pT = tl.where(valid, pT, 0.0)
     dv = tl.dot(pT.to(do.dtype), do, dv)
     dpT = tl.dot(v, tl.trans(do))
-    dsT = pT * (dpT - delta[None, :])
-    dk = tl.dot(dsT.to(q.dtype), q, dk)
-    return dk, dv
+    dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+    dk = tl.dot(dsT, q, dk)
+    return dk, dv, dsT
 
 
 @triton.jit
@@ -214,7 +215,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sd
             lse = tl.load(LSE_base + offs_m)
             do = tl.load(do_ptrs)
             delta = tl.load(DELTA_base + offs_m)
-        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
+        dk, dv, _ = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
     return dk, dv
 
 
@@ -273,7 +274,7 @@ def _bwd_dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE_base, DELTA_base, b, 
         else:
             lse = tl.load(LSE_base + offs_m)
             delta = tl.load(DELTA_base + offs_m)
-        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
+        dk, dv, _ = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
     return dk, dv
 
 
@@ -421,16 +422,7 @@ def _bwd_fused_inner(dk, dv, k, v, Q_base, DO_base, DQ_base, LSE_base, DELTA_bas
             lse = tl.load(LSE_base + offs_m)
             do = tl.load(do_ptrs)
             delta = tl.load(DELTA_base + offs_m)
-        pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-        if MASK:
-            valid = offs_m[None, :] < T
-            if CAUSAL:
-                valid = valid & (offs_m[None, :] >= offs_n[:, None])
-            pT = tl.where(valid, pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv)
-        dpT = tl.dot(v, tl.trans(do))
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
-        dk = tl.dot(dsT, q, dk)
+        dk, dv, dsT = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
         dq = tl.dot(tl.trans(dsT), k)  # (BLOCK_M, D), unscaled; fp32
         if MASK:
             tl.atomic_add(dq_ptrs, dq, mask=offs_m[:, None] < T, sem="relaxed")
