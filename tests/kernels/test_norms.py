@@ -93,17 +93,19 @@ def test_norms_gpu(N, dtype, atol, rtol, poison, close):
     _compare(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), [x, w], close, atol, rtol, "rms_norm")
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain-loop", "prefetch"])
+@pytest.mark.parametrize("prefetch,stages", [(False, 0), (True, 0), (False, 3)],
+                         ids=["plain-loop", "prefetch", "pipelined"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("bias", [True, False], ids=["layernorm", "rmsnorm"])
-def test_norm_backward_loops_match_reference(prefetch, residual, bias, monkeypatch, poison, close, device):
-    """Both backward loops (rows loaded in step, or the next rows prefetched during this step's
-    reductions), with bands whose row count is not a multiple of BLOCK_M, give the reference."""
+def test_norm_backward_loops_match_reference(prefetch, stages, residual, bias, monkeypatch, poison, close, device):
+    """Every backward loop (rows loaded in step, the next rows prefetched into registers during
+    this step's reductions, or loads pipelined by the compiler through shared memory), with bands
+    whose row count is not a multiple of BLOCK_M, gives the reference."""
     from lightning_perf.kernels.ops import _row_norm
 
     monkeypatch.setattr(_row_norm, "_bwd_configs",
                         lambda block_n, cuda, rows_bucket: (dict(BLOCK_M=2, num_warps=4, PROGRAMS_PER_SM=1,
-                                                                 PREFETCH=prefetch),))
+                                                                 PREFETCH=prefetch, STAGES=stages),))
     monkeypatch.setattr(_row_norm, "num_sms", lambda dev: 3)  # 3 programs: bands of 13, 13, 11 rows
     dtype, atol, rtol = (torch.bfloat16, 2e-2, 2e-2) if device == "cuda" else (torch.float32, 1e-5, 1e-5)
     x, w, b, r = _make((37, 40), dtype, device, bias, residual)
@@ -112,4 +114,4 @@ def test_norm_backward_loops_match_reference(prefetch, residual, bias, monkeypat
         out, ref = layer_norm(x, w, b, 1e-5, r), layer_norm_reference(x, w, b, 1e-5, r)
     else:
         out, ref = rms_norm(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
-    _compare(out, ref, inputs, close, atol, rtol, f"prefetch={prefetch}")
+    _compare(out, ref, inputs, close, atol, rtol, f"prefetch={prefetch} stages={stages}")

@@ -10,8 +10,9 @@ Backward: one program per SM (times PROGRAMS_PER_SM) walks a contiguous band of 
 BLOCK_M rows per step, keeping dw / db as [BLOCK_M, N] fp32 tiles in registers; they are
 reduced over rows once, after the loop, into an fp32 (programs, N) buffer, then summed over
 programs (dw and db in one launch, stored at the weight's dtype).
-With PREFETCH the next step's rows are loaded before this step's reductions (the tuner
-times both ways).
+With PREFETCH the next step's rows are loaded into registers before this step's reductions;
+with STAGES > 0 the compiler pipelines the loads through shared memory instead (the tuner
+times all three ways).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, d
 @triton.jit
 def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, rows_per_program,
                      IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+                     STAGES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -128,6 +130,19 @@ def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, row
             noffs = nxt.to(tl.int64)[:, None] * N + cols[None, :]
             h_next = tl.load(H + noffs, mask=nmask, other=0.0)
             dy_next = tl.load(DY + noffs, mask=nmask, other=0.0)
+            dw_acc, db_acc = _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, dw_acc,
+                                            db_acc, N, IS_RMS, HAS_DRES, HAS_BIAS)
+    elif STAGES > 0:
+        # the compiler's software pipeline: with num_stages on the loop, Triton pipelines loads that
+        # feed no dot too, copying the next STAGES - 1 tiles of h / dy asynchronously into shared
+        # memory (no registers held for them) while this tile computes
+        for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
             dw_acc, db_acc = _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, dw_acc,
                                             db_acc, N, IS_RMS, HAS_DRES, HAS_BIAS)
     else:
@@ -170,6 +185,8 @@ def _part_sum_kernel(DW_PART, DB_PART, DW, DB, P, N, HAS_BIAS: tl.constexpr,
 # 255-register limit and spills to local memory, which costs more traffic than the rows themselves.
 _FWD_MAX_PER_THREAD = 32
 _BWD_MAX_PER_THREAD = 16
+# shared memory the pipelined backward may plan on per SM (Hopper has 228 KB; leave the compiler room)
+_SMEM_PER_SM = 160 * 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,7 +208,8 @@ def _fwd_configs(block_n: int, cuda: bool, rows_bucket: int) -> tuple[dict, ...]
 @functools.lru_cache(maxsize=None)
 def _bwd_configs(block_n: int, cuda: bool, rows_bucket: int) -> tuple[dict, ...]:
     if not cuda:
-        return (dict(BLOCK_M=min(32, max(2, rows_bucket // 8)), num_warps=4, PROGRAMS_PER_SM=1, PREFETCH=False),)
+        return (dict(BLOCK_M=min(32, max(2, rows_bucket // 8)), num_warps=4, PROGRAMS_PER_SM=1, PREFETCH=False,
+                     STAGES=0),)
     out = []
     for bm in (1, 2, 4, 8, 16):
         tile = bm * block_n
@@ -203,10 +221,14 @@ def _bwd_configs(block_n: int, cuda: bool, rows_bucket: int) -> tuple[dict, ...]
                 continue
             for p in (1, 2, 4):
                 if w * p <= 64:  # at most 64 resident warps per SM
-                    out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p, PREFETCH=False))
+                    out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p, PREFETCH=False, STAGES=0))
                     if per_thread <= _BWD_MAX_PER_THREAD // 2:  # the prefetched tiles double h / dy
-                        out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p, PREFETCH=True))
-    return tuple(out) or (dict(BLOCK_M=1, num_warps=32, PROGRAMS_PER_SM=1, PREFETCH=False),)
+                        out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p, PREFETCH=True, STAGES=0))
+                    for stages in (2, 3):  # h and dy tiles (2 bytes each at bf16) in shared memory per stage
+                        if p * stages * tile * 4 <= _SMEM_PER_SM:
+                            out.append(dict(BLOCK_M=bm, num_warps=w, PROGRAMS_PER_SM=p, PREFETCH=False,
+                                            STAGES=stages))
+    return tuple(out) or (dict(BLOCK_M=1, num_warps=32, PROGRAMS_PER_SM=1, PREFETCH=False, STAGES=0),)
 
 
 def norm_fwd(x, weight, bias, residual, eps: float, is_rms: bool):
