@@ -14,8 +14,10 @@ same global batch of 16 x 2048 tokens per step in every layout:
 - ``pp2_<schedule>_m<m>``: 16 sequences in ``m`` microbatches through 2 stages, for
   1F1B (m = 4 and 8), GPipe and interleaved 1F1B (2 stages per GPU) at m = 4;
 - ``*_compile``: dp2, tp2 and pp2 1F1B m=4 again with the strategy's ``compile="default"``
-  (inductor per block; under TP per attention/MLP sublayer, after TP and before FSDP2),
-  against their eager runs in the same group (eager DTensor dispatch starves tp2's GPU).
+  (inductor per block, under TP with the TP hooks inside the graph; after TP and before
+  FSDP2), against their eager runs in the same group (eager DTensor dispatch starves tp2's
+  GPU); tp2 ablations: async TP, the collectives left where issued (``_no_reorder``) or
+  placed by Inductor's runtime-estimated scheduler (``_schedule``), sublayer compile scope.
 
 Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 and tp2
 with full activation checkpointing, 4 x 2048 tokens per step.
@@ -69,6 +71,10 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "dp2_compile": {"dp": 2, "compile": "default"},
     "tp2_compile": {"tp": 2, "compile": "default"},
     "tp2_async_compile": {"tp": 2, "compile": "default", "async_tp": True},
+    # how Inductor orders the collectives in a compiled TP block (the default, "reorder", above)
+    "tp2_compile_no_reorder": {"tp": 2, "compile": "default", "tp_overlap": "none"},
+    "tp2_compile_schedule": {"tp": 2, "compile": "default", "tp_overlap": "schedule"},
+    "tp2_async_compile_no_reorder": {"tp": 2, "compile": "default", "async_tp": True, "tp_overlap": "none"},
     # ablation: only the attention / MLP sublayers compiled (norms and residual adds eager)
     "tp2_compile_sublayer": {"tp": 2, "compile": "default", "tp_compile_scope": "sublayer"},
     "tp2_async_compile_sublayer": {"tp": 2, "compile": "default", "async_tp": True, "tp_compile_scope": "sublayer"},
@@ -107,6 +113,7 @@ def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor
         compile=spec.get("compile"),
         compile_backend=compile_backend,
         async_tensor_parallel=spec.get("async_tp", False),
+        tp_overlap=spec.get("tp_overlap", "reorder"),
     )
 
 
@@ -277,6 +284,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "pp": spec.get("pp", 1), "schedule": spec.get("schedule"), "microbatches": spec.get("m"),
         "stages_per_rank": spec.get("spr", 1), "activation_checkpointing": spec.get("ac", "none"),
         "compile": spec.get("compile"), "async_tp": spec.get("async_tp", False),
+        "tp_overlap": spec.get("tp_overlap", "reorder") if spec.get("tp", 1) > 1 else None,
         "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
         "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
         "tokens_per_s": tokens_per_s,
@@ -300,7 +308,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         out["comm_s_per_step"] = analysis.overlap.comm  # the trace holds one step
         from lightning_perf.perf.gpu_time import gpu_time_breakdown
 
-        out["gpu_time"] = gpu_time_breakdown(timer.trace, steps=1, top=15)
+        out["gpu_time"] = gpu_time_breakdown(timer.trace, steps=1, top=40)
         idle = _idle_share(timer.trace, step)
         out["compute_idle_pct"] = None if idle is None else 100.0 * idle
     del trainer, module, timer

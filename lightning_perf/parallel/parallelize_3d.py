@@ -72,6 +72,7 @@ class Parallel3DConfig:
     stages_per_rank: int = 1
     sequence_parallel: bool = True
     async_tensor_parallel: bool = False
+    tp_overlap: str = "reorder"
     activation_checkpointing: str = "none"
     fsdp_prefetch: int = 1
     compile: Optional[str] = None
@@ -96,6 +97,8 @@ class Parallel3DConfig:
             raise ValueError(f"compile={self.compile!r} is not one of {COMPILE_MODES}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"compile_backend must be a torch.compile backend name, got {self.compile_backend!r}")
+        if self.tp_overlap not in TP_OVERLAP_MODES:
+            raise ValueError(f"tp_overlap={self.tp_overlap!r} is not one of {TP_OVERLAP_MODES}")
         if self.fsdp_prefetch < 0:
             raise ValueError(f"fsdp_prefetch must be >= 0, got {self.fsdp_prefetch}")
         # the schedule is checked even without pipeline parallelism, so a typo never waits for a pp run
@@ -221,7 +224,8 @@ def parallelize_3d(
     mode = _compile_mode(model, stages, config)
     if mode is not None:
         for stage in stages.values():
-            compile_blocks(_blocks(stage), mode, backend=config.compile_backend, tensor_parallel=tp > 1)
+            compile_blocks(_blocks(stage), mode, backend=config.compile_backend, tensor_parallel=tp > 1,
+                           tp_overlap=config.tp_overlap, device_type=device.type)
     use_fsdp = dp > 1 and config.zero_stage > 0
     if use_fsdp:
         from lightning_perf.parallel.fsdp import apply_fsdp
@@ -319,20 +323,54 @@ def _run_hooked(compiled: Any, module: nn.Module, *args: Any, **kwargs: Any) -> 
     return compiled(module, *args, **kwargs)
 
 
-_HOOKED_COMPILES: dict[tuple[str, str], Any] = {}
+_HOOKED_COMPILES: dict[tuple[str, str, str], Any] = {}
+
+TP_OVERLAP_MODES = ("none", "reorder", "schedule")
+
+# Inductor's scheduler passes, in order: move each collective as early as its inputs allow and
+# its wait as late as its first user allows, without raising the peak memory of the graph
+_REORDER_PASSES = [
+    "reorder_communication_preserving_peak_memory",
+    "sink_waits_iterative",
+    "reorder_communication_preserving_peak_memory",
+]
 
 
-def _hooked_compile(mode: str, backend: str) -> Any:
-    key = (mode, backend)
+def inductor_overlap_options(tp_overlap: str, device_type: str) -> dict[str, Any]:
+    """``torch.compile(options=...)`` that let Inductor overlap a TP block's collectives with its compute.
+
+    Within a compiled block the backward's weight-gradient matmuls depend on no collective, so
+    the reduce-scatter of the input gradient and the next sublayer's all-gather can run under
+    them; by default Inductor waits on each collective right where it is issued. ``"reorder"``:
+    the scheduler passes above (any device); ``"schedule"``: the runtime-estimated overlap
+    scheduler on the ATen graph (CUDA only: it times ops on the GPU; ``"reorder"`` elsewhere).
+    """
+    if tp_overlap == "none":
+        return {}
+    if tp_overlap == "schedule" and device_type == "cuda":
+        return {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    return {"reorder_for_compute_comm_overlap": True,
+            "reorder_for_compute_comm_overlap_passes": list(_REORDER_PASSES)}
+
+
+def _hooked_compile(mode: str, backend: str, tp_overlap: str = "none", device_type: str = "cpu") -> Any:
+    options = inductor_overlap_options(tp_overlap, device_type) if backend == "inductor" else {}
+    key = (mode, backend, repr(sorted(options.items())))
     if key not in _HOOKED_COMPILES:
         if backend == "inductor":
-            _HOOKED_COMPILES[key] = torch.compile(_call_module, mode=None if mode == "default" else mode)
+            # mode and options are exclusive in torch.compile: a mode's own options join ours
+            if mode != "default":
+                from torch._inductor import list_mode_options
+
+                options = {**list_mode_options(mode), **options}
+            _HOOKED_COMPILES[key] = torch.compile(_call_module, options=options or None)
         else:
             _HOOKED_COMPILES[key] = torch.compile(_call_module, backend=backend)
     return _HOOKED_COMPILES[key]
 
 
-def compile_blocks(blocks: list[nn.Module], mode: str, *, backend: str = "inductor", tensor_parallel: bool) -> None:
+def compile_blocks(blocks: list[nn.Module], mode: str, *, backend: str = "inductor", tensor_parallel: bool,
+                   tp_overlap: str = "none", device_type: str = "cpu") -> None:
     """``torch.compile`` per block (names and state dict unchanged); after TP, before FSDP.
 
     Under TP each block is compiled together with its submodules' forward hooks, so the
@@ -345,7 +383,8 @@ def compile_blocks(blocks: list[nn.Module], mode: str, *, backend: str = "induct
             if getattr(target, "_compiled_call_impl", None) is not None:
                 continue
             if tensor_parallel:
-                target._compiled_call_impl = functools.partial(_run_hooked, _hooked_compile(mode, backend), target)
+                compiled = _hooked_compile(mode, backend, tp_overlap, device_type)
+                target._compiled_call_impl = functools.partial(_run_hooked, compiled, target)
             elif backend == "inductor":
                 target.compile(mode=None if mode == "default" else mode)
             else:  # another backend (e.g. "aot_eager" to isolate inductor): modes are inductor's

@@ -92,6 +92,11 @@ class Parallel3DStrategy(ParallelStrategy):
         stages_per_rank: model stages per pipeline rank (interleaved schedules).
         sequence_parallel: shard norms and the residual stream along the sequence under TP.
         async_tensor_parallel: micro-pipelined TP (CUDA and torch.compile only).
+        tp_overlap: with ``compile`` under TP, how Inductor orders each block's collectives:
+            ``"reorder"`` (default) issues them early and waits late, so the backward's
+            reduce-scatters and all-gathers run under the weight-gradient matmuls; ``"schedule"``
+            uses Inductor's runtime-estimated overlap scheduler (CUDA; ``"reorder"`` elsewhere);
+            ``"none"`` waits on each collective where it is issued.
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per block.
         meta_init: build the model on the meta device in ``configure_model`` and
             initialise only the local shards after sharding (for models larger than a device).
@@ -118,6 +123,7 @@ class Parallel3DStrategy(ParallelStrategy):
         stages_per_rank: int = 1,
         sequence_parallel: bool = True,
         async_tensor_parallel: bool = False,
+        tp_overlap: str = "reorder",
         activation_checkpointing: str = "none",
         meta_init: bool = False,
         fsdp_prefetch: int = 1,
@@ -138,6 +144,7 @@ class Parallel3DStrategy(ParallelStrategy):
             stages_per_rank=stages_per_rank,
             sequence_parallel=sequence_parallel,
             async_tensor_parallel=async_tensor_parallel,
+            tp_overlap=tp_overlap,
             activation_checkpointing=activation_checkpointing,
             fsdp_prefetch=fsdp_prefetch,
             compile=compile,
