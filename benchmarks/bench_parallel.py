@@ -55,6 +55,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zero3_compile": {"strategy": "zero3", "compile": "default"},
     "zero3_triton_compile": {"strategy": "zero3", "kernels": "triton", "compile": "default"},
     "zero2_triton_compile": {"strategy": "zero2", "kernels": "triton", "compile": "default"},
+    # gradients reduce-scattered in bf16, as Lightning's FSDPStrategy does under bf16-mixed (ours: fp32 by default)
+    "zero3_triton_compile_bf16_reduce": {"strategy": "zero3", "kernels": "triton", "compile": "default",
+                                         "reduce_dtype": "bf16"},
+    "zero2_triton_compile_bf16_reduce": {"strategy": "zero2", "kernels": "triton", "compile": "default",
+                                         "reduce_dtype": "bf16"},
     # once compute is compiled, one block of prefetch left 6-8% of the step in exposed communication
     "zero3_triton_compile_prefetch2": {"strategy": "zero3_prefetch2", "kernels": "triton", "compile": "default"},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
@@ -196,9 +201,16 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
                                     activation_checkpointing=spec.get("ac", "none"))
         timer = _Timer(args["warmup"], args["steps"], args["profile_dir"])
         accelerator = "cpu" if smoke else "gpu"
+        precision: dict[str, Any] = {"precision": "bf16-mixed" if not smoke else "32-true"}
+        if spec.get("reduce_dtype"):  # our precision plugin with a gradient-reduction dtype of its own
+            from lightning_perf.plugins import PerfPrecision
+
+            precision = {"plugins": [PerfPrecision(precision["precision"],
+                                                   reduce_dtype=getattr(torch, spec["reduce_dtype"].replace(
+                                                       "bf16", "bfloat16")))]}
         trainer = L.Trainer(
             accelerator=accelerator, devices=world, strategy=build_strategy(spec["strategy"], smoke),
-            precision="bf16-mixed" if not smoke else "32-true", max_steps=args["warmup"] + args["steps"] + 1,
+            max_steps=args["warmup"] + args["steps"] + 1, **precision,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
         )
@@ -232,6 +244,9 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             analysis = analyze_comm_trace(timer.profile_events, ranks=world)
             result["exposed_comm_pct"] = 100.0 * analysis.overlap.exposed / step
             result["comm_overlap_pct"] = 100.0 * analysis.overlap.overlap_fraction
+            from lightning_perf.perf.gpu_time import gpu_time_breakdown
+
+            result["gpu_time"] = gpu_time_breakdown(timer.profile_events, steps=1, top=25)
     except BaseException as e:  # recorded, never fatal for the whole run
         result.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
     with open(f"{out_file}.rank{rank}", "w") as f:
