@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_perf.perf.intervals import total, union
 
-__all__ = ["GPU_TIME_RULES", "gpu_time_category", "gpu_time_breakdown"]
+__all__ = ["GPU_TIME_RULES", "gpu_time_category", "gpu_time_breakdown", "kernel_label"]
 
 GPU_TIME_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl", "symm_mem", "multimem", "cross_device")),
@@ -38,8 +38,30 @@ def gpu_time_category(name: str) -> str:
     return "other"
 
 
+_NOISE = ("void ", "at::native::", "(anonymous namespace)::", "detail::", "c10::", "std::")
+
+
+def kernel_label(name: str, width: int = 120) -> str:
+    """A kernel's name shortened for a table: C++ namespaces and the argument list dropped, so the
+    part that tells kernels apart (e.g. ``FusedAdamMathFunctor`` inside ``multi_tensor_apply_kernel<...>``)
+    survives the cut to ``width`` characters."""
+    for noise in _NOISE:
+        name = name.replace(noise, "")
+    depth, cut = 0, len(name)
+    for i, ch in enumerate(name):  # the argument list: the first "(" outside template brackets
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0 and i > 0:
+            cut = i
+            break
+    return name[:cut].strip()[:width]
+
+
 def gpu_time_breakdown(events: Iterable[dict[str, Any]], *, steps: int = 1, top: int = 25) -> dict[str, Any]:
-    """Milliseconds per step by category, the busy and idle time of the window, and the top kernels.
+    """Milliseconds per step by category, the busy and idle time of the window, and the top kernels
+    (by :func:`kernel_label`, with their milliseconds and launches per step).
 
     ``events`` are Chrome-trace events (``ts``/``dur`` in microseconds) of ``steps`` whole steps;
     only GPU events count (``cat`` kernel, gpu_memcpy, gpu_memset). Communication kernels count as
@@ -51,12 +73,14 @@ def gpu_time_breakdown(events: Iterable[dict[str, Any]], *, steps: int = 1, top:
         return {}
     per: dict[str, float] = {}
     names: dict[str, float] = {}
+    launches: dict[str, float] = {}
     for e in kernels:
         ms = e["dur"] / 1e3 / steps
         cat = gpu_time_category(e["name"])
         per[cat] = per.get(cat, 0.0) + ms
-        key = e["name"][:100]
+        key = kernel_label(e["name"])
         names[key] = names.get(key, 0.0) + ms
+        launches[key] = launches.get(key, 0) + 1 / steps
     start = min(e["ts"] for e in kernels)
     end = max(e["ts"] + e["dur"] for e in kernels)
     window = (end - start) / 1e3 / steps
@@ -67,4 +91,5 @@ def gpu_time_breakdown(events: Iterable[dict[str, Any]], *, steps: int = 1, top:
         "idle_ms_per_step": window - busy,
         "ms_per_step": dict(sorted(per.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms_per_step": dict(sorted(names.items(), key=lambda kv: -kv[1])[:top]),
+        "top_kernels_launches_per_step": {k: launches[k] for k, _ in sorted(names.items(), key=lambda kv: -kv[1])[:top]},
     }

@@ -145,4 +145,15 @@ def test_gpu_time_breakdown_by_kernel_name() -> None:
     assert out["busy_ms_per_step"] == pytest.approx(0.2)
     assert out["idle_ms_per_step"] == pytest.approx(1.23 / 2 - 0.2)
     assert list(out["top_kernels_ms_per_step"])[0] == "nvjet_sm90_tst_x"
+    assert out["top_kernels_launches_per_step"]["nvjet_sm90_tst_x"] == 1
+    from lightning_perf.perf.gpu_time import kernel_label
+
+    adam = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+            "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+            "(at::native::ADAM_MODE)1, false>, float*, double>(at::native::(anonymous namespace)::"
+            "TensorListMetadata<4>, float*, double)")
+    assert kernel_label(adam) == ("multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor<float, 4, "
+                                  "(ADAM_MODE)1, false>, float*, double>")
+    assert kernel_label("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == \
+        "ncclDevKernel_AllGather_RING_LL"
     assert gpu_time_breakdown([], steps=1) == {}
