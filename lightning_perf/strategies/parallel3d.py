@@ -53,6 +53,7 @@ from lightning_perf.parallel.parallelize_3d import (
     clip_grad_norm_3d,
     parallelize_3d,
 )
+from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.tensor_parallel import tp_sequence_check
 from lightning_perf.parallel.validate import check_data_layout, data_shape
 from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
@@ -307,6 +308,8 @@ class Parallel3DStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            # Adam steps DTensor parameters through their local shards (same math, no dispatch cost)
+            localize_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)

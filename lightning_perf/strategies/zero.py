@@ -47,6 +47,7 @@ from lightning_perf.parallel.init import has_meta_tensors, materialize_from_rank
 from lightning_perf.parallel.zero import ZeroConfig, deepspeed_config, find_model
 from lightning_perf.parallel.validate import check_data_layout, data_shape
 from lightning_perf.parallel.zero1 import apply_ddp, shard_optimizer
+from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.plugins.precision import PerfPrecision
 
 __all__ = ["ZeroStrategy"]
@@ -258,6 +259,8 @@ class ZeroStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.config.uses_fsdp:  # Adam steps the DTensor shards locally (same math, no dispatch cost)
+                localize_optimizers(self.optimizers)
             if self.config.uses_ddp:
                 self._shard_optimizers()
             elif self.config.backend == "deepspeed":
