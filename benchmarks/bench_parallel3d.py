@@ -73,6 +73,7 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "tp2_async_compile": {"tp": 2, "compile": "default", "async_tp": True},
     # how Inductor orders the collectives in a compiled TP block (the default, "reorder", above)
     "tp2_compile_no_reorder": {"tp": 2, "compile": "default", "tp_overlap": "none"},
+    "tp2_compile_reorder_peak_memory": {"tp": 2, "compile": "default", "tp_overlap": "reorder_peak_memory"},
     "tp2_compile_schedule": {"tp": 2, "compile": "default", "tp_overlap": "schedule"},
     "tp2_async_compile_no_reorder": {"tp": 2, "compile": "default", "async_tp": True, "tp_overlap": "none"},
     # ablation: only the attention / MLP sublayers compiled (norms and residual adds eager)

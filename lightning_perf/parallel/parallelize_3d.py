@@ -325,15 +325,20 @@ def _run_hooked(compiled: Any, module: nn.Module, *args: Any, **kwargs: Any) -> 
 
 _HOOKED_COMPILES: dict[tuple[str, str, str], Any] = {}
 
-TP_OVERLAP_MODES = ("none", "reorder", "schedule")
+TP_OVERLAP_MODES = ("none", "reorder", "reorder_peak_memory", "schedule")
 
-# Inductor's scheduler passes, in order: move each collective as early as its inputs allow and
-# its wait as late as its first user allows, without raising the peak memory of the graph
-_REORDER_PASSES = [
-    "reorder_communication_preserving_peak_memory",
-    "sink_waits_iterative",
-    "reorder_communication_preserving_peak_memory",
-]
+# Inductor scheduler passes, in order, per tp_overlap mode
+_REORDER_PASSES = {
+    # waits as late as their first user, collectives as early as their inputs, then independent
+    # compute (the weight-gradient matmuls) moved between a collective and its wait
+    "reorder": ["sink_waits", "raise_comms", "reorder_compute_for_overlap"],
+    # torch's recommended list: collectives moved early only where the graph's peak memory allows
+    "reorder_peak_memory": [
+        "reorder_communication_preserving_peak_memory",
+        "sink_waits_iterative",
+        "reorder_communication_preserving_peak_memory",
+    ],
+}
 
 
 def inductor_overlap_options(tp_overlap: str, device_type: str) -> dict[str, Any]:
@@ -341,16 +346,19 @@ def inductor_overlap_options(tp_overlap: str, device_type: str) -> dict[str, Any
 
     Within a compiled block the backward's weight-gradient matmuls depend on no collective, so
     the reduce-scatter of the input gradient and the next sublayer's all-gather can run under
-    them; by default Inductor waits on each collective right where it is issued. ``"reorder"``:
-    the scheduler passes above (any device); ``"schedule"``: the runtime-estimated overlap
-    scheduler on the ATen graph (CUDA only: it times ops on the GPU; ``"reorder"`` elsewhere).
+    them; by default Inductor waits on each collective right where it is issued. ``"reorder"`` and
+    ``"reorder_peak_memory"``: the scheduler passes above (any device); ``"schedule"``: the
+    runtime-estimated overlap scheduler on the ATen graph (CUDA only: it times ops on the GPU;
+    ``"reorder"`` elsewhere).
     """
     if tp_overlap == "none":
         return {}
-    if tp_overlap == "schedule" and device_type == "cuda":
-        return {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    if tp_overlap == "schedule":
+        if device_type == "cuda":
+            return {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+        tp_overlap = "reorder"
     return {"reorder_for_compute_comm_overlap": True,
-            "reorder_for_compute_comm_overlap_passes": list(_REORDER_PASSES)}
+            "reorder_for_compute_comm_overlap_passes": list(_REORDER_PASSES[tp_overlap])}
 
 
 def _hooked_compile(mode: str, backend: str, tp_overlap: str = "none", device_type: str = "cpu") -> Any:

@@ -93,11 +93,12 @@ class Parallel3DStrategy(ParallelStrategy):
         stages_per_rank: model stages per pipeline rank (interleaved schedules).
         sequence_parallel: shard norms and the residual stream along the sequence under TP.
         async_tensor_parallel: micro-pipelined TP (CUDA and torch.compile only).
-        tp_overlap: with ``compile`` under TP, how Inductor orders each block's collectives:
-            ``"reorder"`` (default) issues them early and waits late, so the backward's
-            reduce-scatters and all-gathers run under the weight-gradient matmuls; ``"schedule"``
-            uses Inductor's runtime-estimated overlap scheduler (CUDA; ``"reorder"`` elsewhere);
-            ``"none"`` waits on each collective where it is issued.
+        tp_overlap: with ``compile`` under TP, how Inductor orders each block's collectives so the
+            backward's reduce-scatters and all-gathers run under the weight-gradient matmuls:
+            ``"reorder"`` (default: collectives early, waits late, independent compute moved
+            between them), ``"reorder_peak_memory"`` (collectives moved only where the graph's
+            peak memory allows), ``"schedule"`` (Inductor's runtime-estimated overlap scheduler;
+            CUDA, ``"reorder"`` elsewhere) or ``"none"`` (each collective waited where issued).
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per block.
         meta_init: build the model on the meta device in ``configure_model`` and
             initialise only the local shards after sharding (for models larger than a device).

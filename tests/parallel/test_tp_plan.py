@@ -351,7 +351,7 @@ def _overlap_worker(rank: int, world: int, out_dir) -> dict:
     from lightning_perf.parallel.tensor_parallel import apply_tp
 
     out = {}
-    for mode in ("none", "reorder"):
+    for mode in ("none", "reorder", "reorder_peak_memory"):
         idx, ref, ref_loss, model = _reference_and_copy("tiny")
         apply_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel=True, local_output=True)
         torch._dynamo.reset()
@@ -379,18 +379,19 @@ def _overlap_worker(rank: int, world: int, out_dir) -> dict:
 
 def test_inductor_overlaps_tp_collectives_with_weight_gradient_matmuls(tmp_path) -> None:
     """Blocks compiled by Inductor under tp2 + sequence parallel: left as issued, every collective is
-    waited on before any other matmul runs; with ``tp_overlap="reorder"`` some of the backward's
+    waited on before any other matmul runs; with either reordering mode some of the backward's
     collectives run while weight-gradient matmuls compute, and loss and every gradient still equal
     one process's."""
     from tests._spawn import spawn
 
     for r in spawn(_overlap_worker, 2, tmp_path, init_group=True, timeout=600):
-        none, reorder = r["none"], r["reorder"]
-        assert none["graphs"] == reorder["graphs"] == 2  # one forward, one backward: shared by the blocks
-        assert len(none["hidden"]) == len(reorder["hidden"]) == 8  # 2 gathers + 2 scatters, each way
+        none = r["none"]
         assert sum(none["hidden"]) == 0, none["hidden"]
-        assert sum(1 for h in reorder["hidden"] if h) >= 2, reorder["hidden"]
-        for res in (none, reorder):
+        for mode in ("reorder", "reorder_peak_memory"):
+            assert sum(1 for h in r[mode]["hidden"] if h) >= 1, (mode, r[mode]["hidden"])
+        for res in r.values():
+            assert res["graphs"] == 2  # one forward, one backward: shared by the blocks
+            assert len(res["hidden"]) == 8  # 2 gathers + 2 scatters, each way
             assert abs(res["loss"] - res["ref_loss"]) < 1e-5 * abs(res["ref_loss"])
             bad = {k: v for k, v in res["worst"].items() if v > 1e-5}
             assert not bad, bad
