@@ -17,7 +17,8 @@ same global batch of 16 x 2048 tokens per step in every layout:
   (inductor per block, under TP with the TP hooks inside the graph; after TP and before
   FSDP2), against their eager runs in the same group (eager DTensor dispatch starves tp2's
   GPU); tp2 ablations: async TP, the collectives left where issued (``_no_reorder``) or
-  placed by Inductor's runtime-estimated scheduler (``_schedule``), sublayer compile scope.
+  placed by Inductor's runtime-estimated scheduler (``_schedule``), sublayer compile scope,
+  the residual stream sharded along the batch instead of the sequence (``_batch``).
 
 Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 and tp2
 with full activation checkpointing, 4 x 2048 tokens per step.
@@ -76,6 +77,9 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "tp2_compile_reorder_peak_memory": {"tp": 2, "compile": "default", "tp_overlap": "reorder_peak_memory"},
     "tp2_compile_schedule": {"tp": 2, "compile": "default", "tp_overlap": "schedule"},
     "tp2_async_compile_no_reorder": {"tp": 2, "compile": "default", "async_tp": True, "tp_overlap": "none"},
+    # the residual stream sharded along the batch: collectives on the leading dim, no re-layout copies
+    "tp2_compile_batch": {"tp": 2, "compile": "default", "sp": "batch"},
+    "tp2_async_compile_batch": {"tp": 2, "compile": "default", "async_tp": True, "sp": "batch"},
     # ablation: only the attention / MLP sublayers compiled (norms and residual adds eager)
     "tp2_compile_sublayer": {"tp": 2, "compile": "default", "tp_compile_scope": "sublayer"},
     "tp2_async_compile_sublayer": {"tp": 2, "compile": "default", "async_tp": True, "tp_compile_scope": "sublayer"},
@@ -115,6 +119,7 @@ def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor
         compile_backend=compile_backend,
         async_tensor_parallel=spec.get("async_tp", False),
         tp_overlap=spec.get("tp_overlap", "reorder"),
+        sequence_parallel=spec.get("sp", True),
     )
 
 
@@ -286,6 +291,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "stages_per_rank": spec.get("spr", 1), "activation_checkpointing": spec.get("ac", "none"),
         "compile": spec.get("compile"), "async_tp": spec.get("async_tp", False),
         "tp_overlap": spec.get("tp_overlap", "reorder") if spec.get("tp", 1) > 1 else None,
+        "sequence_parallel": spec.get("sp", True) if spec.get("tp", 1) > 1 else None,
         "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
         "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
         "tokens_per_s": tokens_per_s,

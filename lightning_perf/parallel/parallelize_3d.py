@@ -70,7 +70,7 @@ class Parallel3DConfig:
     pipeline_schedule: str = "1f1b"
     num_microbatches: Optional[int] = None
     stages_per_rank: int = 1
-    sequence_parallel: bool = True
+    sequence_parallel: Union[bool, str] = True
     async_tensor_parallel: bool = False
     tp_overlap: str = "reorder"
     activation_checkpointing: str = "none"
@@ -97,6 +97,9 @@ class Parallel3DConfig:
             raise ValueError(f"compile={self.compile!r} is not one of {COMPILE_MODES}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"compile_backend must be a torch.compile backend name, got {self.compile_backend!r}")
+        from lightning_perf.parallel.tensor_parallel import check_sequence_parallel
+
+        check_sequence_parallel(self.sequence_parallel)
         if self.tp_overlap not in TP_OVERLAP_MODES:
             raise ValueError(f"tp_overlap={self.tp_overlap!r} is not one of {TP_OVERLAP_MODES}")
         if self.fsdp_prefetch < 0:
@@ -216,6 +219,10 @@ def parallelize_3d(
         for stage in stages.values():
             # a whole model is called by user code (plain tensors out); a stage feeds the pipeline loss
             apply_tp(stage, mesh["tp"], sequence_parallel=config.sequence_parallel, local_output=pp == 1)
+            if config.sequence_parallel == "batch" and pp == 1:
+                # an uneven batch would give the ranks shards of different sizes: refuse it before
+                # the first collective (under pp the pipeline's forward checks each microbatch)
+                stage.register_forward_pre_hook(functools.partial(_check_batch_shardable, tp))
             if config.async_tensor_parallel:
                 # async TP fuses collectives into bias-free matmuls only
                 from lightning_perf.parallel.tensor_parallel import unfuse_linear_biases
@@ -303,6 +310,14 @@ def tp_sublayers(block: nn.Module) -> list[nn.Module]:
     """The attention / MLP sublayers of ``block`` (children owning matrices): the narrower TP compile scope."""
     subs = [c for c in block.children() if any(p.dim() >= 2 for p in c.parameters())]
     return subs or [block]
+
+
+def _check_batch_shardable(tp: int, module: nn.Module, args: tuple) -> None:
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.dim() >= 2:
+        from lightning_perf.parallel.tensor_parallel import tp_sequence_check
+
+        tp_sequence_check(x.shape[1], tp, "batch", batch=x.shape[0])
 
 
 def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

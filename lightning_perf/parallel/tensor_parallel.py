@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 __all__ = [
+    "ReplicatedModule",
     "ReplicatedOutputNorm",
     "apply_tp",
     "find_protocol_module",
@@ -26,7 +27,40 @@ __all__ = [
     "local_tensor",
     "unfuse_linear_biases",
     "cast_before_gather",
+    "SEQUENCE_PARALLEL_MODES",
+    "check_sequence_parallel",
+    "residual_layout",
 ]
+
+#: ``sequence_parallel`` values: False (replicated residual stream), True (the stream and norms
+#: sharded along the sequence, dim 1 of (B, T, d)) or "batch" (sharded along the batch, dim 0)
+SEQUENCE_PARALLEL_MODES = (False, True, "batch")
+
+
+def check_sequence_parallel(value: Any) -> Any:
+    """``value`` if it is one of :data:`SEQUENCE_PARALLEL_MODES`, else a ``ValueError``."""
+    if not any(value is m or (isinstance(m, str) and value == m) for m in SEQUENCE_PARALLEL_MODES):
+        raise ValueError(f"sequence_parallel={value!r} is not one of {SEQUENCE_PARALLEL_MODES} (True shards the "
+                         "sequence, 'batch' shards whole sequences of the batch)")
+    return value
+
+
+def residual_layout(sequence_parallel: Any) -> Any:
+    """The placement of the residual stream between TP regions: ``Shard(1)``, ``Shard(0)`` or ``Replicate()``.
+
+    Sharding the batch dimension (``"batch"``) gives each rank whole sequences between the TP
+    regions: the norms and residual adds are per token either way, but the all-gathers and
+    reduce-scatters then run along the leading dimension of a contiguous (B, T, d) tensor, where
+    sharding the sequence (dim 1) makes each collective's output or input a strided re-layout
+    that costs a full extra copy of the gathered tensor (every gather and scatter of every block).
+    It needs the (micro)batch divisible by the tensor-parallel size.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    check_sequence_parallel(sequence_parallel)
+    if sequence_parallel == "batch":
+        return Shard(0)
+    return Shard(1) if sequence_parallel else Replicate()
 
 _PROTOCOL_HINT = {
     "tensor_parallel_plan": "tensor_parallel_plan(self, tp_mesh) -> dict (a parallelize_module plan)",
@@ -49,9 +83,9 @@ class ReplicatedOutputNorm(_style_base()):  # type: ignore[misc]
     (backward: the partial gradient from the vocab-parallel head is reduce-scattered).
     """
 
-    def __init__(self, *, sequence_parallel: bool = True) -> None:
+    def __init__(self, *, sequence_parallel: Any = True) -> None:
         super().__init__()
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = check_sequence_parallel(sequence_parallel)
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -60,7 +94,7 @@ class ReplicatedOutputNorm(_style_base()):  # type: ignore[misc]
             if not isinstance(param, DTensor):
                 dparam = nn.Parameter(distribute_tensor(param.data, device_mesh, [Replicate()]), param.requires_grad)
                 module.register_parameter(name, dparam)
-        layout = Shard(1) if self.sequence_parallel else Replicate()
+        layout = residual_layout(self.sequence_parallel)
 
         def to_dtensor(mod: nn.Module, args: tuple) -> tuple:
             x = args[0]
@@ -78,6 +112,25 @@ class ReplicatedOutputNorm(_style_base()):  # type: ignore[misc]
         module.register_forward_pre_hook(to_dtensor)
         module.register_forward_hook(gather)
         return module
+
+
+class ReplicatedModule(_style_base()):  # type: ignore[misc]
+    """A module computed in full on every TP rank with replicated DTensor parameters and output.
+
+    Inputs become replicated DTensors, so the output is one too and can meet sharded DTensors in
+    the caller's arithmetic (e.g. a (T, d) position table added to batch-sharded (B, T, d) token
+    rows); the gradient of the parameters then sums over every rank's shard of that arithmetic
+    (a partial sum, reduced like a sequence-parallel norm's weight gradient).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+        def to_dtensor(mod: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor)
 
 
 def find_protocol_module(root: nn.Module, method: str) -> Optional[nn.Module]:
@@ -100,7 +153,7 @@ def require_protocol(root: nn.Module, method: str, why: str) -> nn.Module:
     return found
 
 
-def _call_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> dict[str, Any]:
+def _call_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: Any) -> dict[str, Any]:
     method = model.tensor_parallel_plan  # type: ignore[attr-defined]
     params = inspect.signature(method).parameters
     if "sequence_parallel" in params:
@@ -122,7 +175,7 @@ def to_local_output(output: Any) -> Any:
 
 
 def apply_tp(
-    model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True, local_output: bool = False
+    model: nn.Module, tp_mesh: Any, *, sequence_parallel: Any = True, local_output: bool = False
 ) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` with its own plan; returns the same module.
 
@@ -228,7 +281,7 @@ class _RowParallelBiasAfterReduction(nn.Linear):
         return torch.nn.functional.linear(x, self.weight)
 
 
-def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = True) -> int:
+def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: Any = True) -> int:
     """Split each tensor-parallel ``Linear``'s bias from its matmul; returns how many were changed.
 
     Inductor's async TP fuses an all-gather into the matmul that consumes it and a reduce-scatter
@@ -241,9 +294,9 @@ def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: b
     one class (a compiled sublayer is not recompiled per block). Plain ``nn.Linear`` only (a subclass
     keeps its own forward). Call after :func:`apply_tp`.
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
 
-    out_layout = Shard(1) if sequence_parallel else Replicate()
+    out_layout = residual_layout(sequence_parallel)
 
     def add_bias_after_reduction(mod: nn.Module, args: tuple, out: Any) -> Any:
         local = isinstance(out, torch.Tensor) and not isinstance(out, DTensor)
@@ -267,8 +320,20 @@ def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: b
     return changed
 
 
-def tp_sequence_check(seq_len: int, tp: int, sequence_parallel: bool) -> None:
-    """Sequence parallelism splits the sequence evenly over the tensor-parallel ranks."""
+def tp_sequence_check(seq_len: int, tp: int, sequence_parallel: Any, batch: Optional[int] = None,
+                      microbatches: int = 1) -> None:
+    """Sequence parallelism splits the sequence (or with ``"batch"`` each microbatch) evenly over the TP ranks."""
+    if sequence_parallel == "batch":
+        if batch is not None and tp > 1:
+            per = batch // max(1, microbatches)
+            if per % tp:
+                raise ValueError(
+                    f"sequence_parallel='batch' shards each (micro)batch over tensor_parallel_size {tp}, but a "
+                    f"batch of {batch} in {microbatches} microbatch(es) gives {per} sequences ({per} / {tp} = "
+                    f"{per / tp:.3g}); use a batch size whose microbatches are multiples of {tp} or "
+                    "sequence_parallel=True"
+                )
+        return
     if sequence_parallel and tp > 1 and seq_len % tp:
         raise ValueError(
             f"sequence length {seq_len} is not divisible by tensor_parallel_size {tp} "

@@ -34,7 +34,7 @@ def check_data_layout(
     seq_len: Optional[int] = None,
     model_config: Any = None,
     tp: int = 1,
-    sequence_parallel: bool = False,
+    sequence_parallel: Any = False,
     pipeline: Any = None,
 ) -> None:
     """Raise ``ValueError`` (with the numbers) if batches of this shape cannot train.
@@ -43,7 +43,8 @@ def check_data_layout(
         batch_size: samples per batch on one data-parallel rank.
         seq_len: tokens per sample.
         model_config: anything with ``block_size`` (a ``GPTConfig``).
-        tp, sequence_parallel: tensor parallelism and whether it shards the sequence.
+        tp, sequence_parallel: tensor parallelism and whether it shards the sequence (True) or
+            the batch (``"batch"``).
         pipeline: a ``PipelineConfig`` (its microbatches must divide the batch) or ``None``.
     """
     block_size = getattr(model_config, "block_size", None)
@@ -52,7 +53,13 @@ def check_data_layout(
             f"seq_len={seq_len} is longer than the model's block_size={block_size}: lower the data "
             f"module's seq_len or build the model with block_size >= {seq_len}"
         )
-    if seq_len is not None and sequence_parallel and tp > 1 and seq_len % tp:
+    if sequence_parallel == "batch":
+        if batch_size is not None and tp > 1:
+            from lightning_perf.parallel.tensor_parallel import tp_sequence_check
+
+            m = getattr(pipeline, "num_microbatches", None) if getattr(pipeline, "pp", 1) > 1 else 1
+            tp_sequence_check(seq_len or 0, tp, "batch", batch=batch_size, microbatches=m or 1)
+    elif seq_len is not None and sequence_parallel and tp > 1 and seq_len % tp:
         raise ValueError(
             f"sequence parallelism splits seq_len={seq_len} over tp={tp} ranks: {seq_len} / {tp} = "
             f"{seq_len / tp:.3g}; use a seq_len divisible by {tp} or sequence_parallel=False"

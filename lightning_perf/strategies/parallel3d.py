@@ -91,7 +91,10 @@ class Parallel3DStrategy(ParallelStrategy):
             ``"zero_bubble"`` (interleaved zero bubble) or ``"zbv_zero_bubble"`` (V placement).
         num_microbatches: per step; ``None`` = the number of stages (at least pp).
         stages_per_rank: model stages per pipeline rank (interleaved schedules).
-        sequence_parallel: shard norms and the residual stream along the sequence under TP.
+        sequence_parallel: under TP, shard the norms and the residual stream along the sequence
+            (True), along the batch (``"batch"``: whole sequences per rank, so the all-gathers and
+            reduce-scatters need no re-layout copies; each (micro)batch must divide by the TP
+            size), or not at all (False).
         async_tensor_parallel: micro-pipelined TP (CUDA and torch.compile only).
         tp_overlap: with ``compile`` under TP, how Inductor orders each block's collectives so the
             backward's reduce-scatters and all-gathers run under the weight-gradient matmuls:
@@ -123,7 +126,7 @@ class Parallel3DStrategy(ParallelStrategy):
         pipeline_schedule: str = "1f1b",
         num_microbatches: Optional[int] = None,
         stages_per_rank: int = 1,
-        sequence_parallel: bool = True,
+        sequence_parallel: Union[bool, str] = True,
         async_tensor_parallel: bool = False,
         tp_overlap: str = "reorder",
         activation_checkpointing: str = "none",
@@ -328,7 +331,8 @@ class Parallel3DStrategy(ParallelStrategy):
                     "loss; logits of the last stage never reach the other ranks"
                 )
             tp = strategy.config.tensor_parallel_size
-            tp_sequence_check(inputs.shape[-1], tp, strategy.config.sequence_parallel)
+            tp_sequence_check(inputs.shape[-1], tp, strategy.config.sequence_parallel, batch=inputs.shape[0],
+                              microbatches=strategy.config.pipeline.num_microbatches or 1)
             with strategy._tp_loss_context():
                 if torch.is_grad_enabled():
                     precision = strategy.precision_plugin

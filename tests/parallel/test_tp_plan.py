@@ -395,3 +395,86 @@ def test_inductor_overlaps_tp_collectives_with_weight_gradient_matmuls(tmp_path)
             assert abs(res["loss"] - res["ref_loss"]) < 1e-5 * abs(res["ref_loss"])
             bad = {k: v for k, v in res["worst"].items() if v > 1e-5}
             assert not bad, bad
+
+
+def _batch_shard_worker(rank: int, world: int, out_dir) -> dict:
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.tensor_parallel import apply_tp
+
+    out = {}
+    for preset in ("tiny", "tiny-llama"):  # learned position table / RoPE
+        for sp in (True, "batch"):
+            idx, ref, ref_loss, model = _reference_and_copy(preset)
+            apply_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel=sp, local_output=True)
+            torch._dynamo.reset()
+            compile_blocks(list(model.blocks.values()), "default", tensor_parallel=True, tp_overlap="none")
+
+            def step():
+                with loss_parallel():
+                    loss = model(idx, idx)
+                    loss.backward()
+                return loss
+
+            loss, codes = run_and_get_code(step)
+            kernels = {k for code in codes for k in re.findall(r"\b(cpp_fused_\w+) = ", code)}
+            out[(preset, sp)] = {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref),
+                                 "relayout": sorted(k for k in kernels if re.search(r"_cat(_|$)", k))}
+    # a batch the TP ranks cannot share evenly fails before any collective, with the numbers
+    _, _, _, model = _reference_and_copy("tiny")
+    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, parallelize_3d
+
+    mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("pp", "dp", "tp"))
+    parallelize_3d(model, Parallel3DConfig(tensor_parallel_size=world, sequence_parallel="batch"), mesh,
+                   device=torch.device("cpu"))
+    try:
+        model(torch.zeros(3, 16, dtype=torch.long))
+        out["odd_batch"] = None
+    except ValueError as e:
+        out["odd_batch"] = str(e)
+    return out
+
+
+def test_batch_sharded_residual_stream_matches_one_process_without_relayout_copies(tmp_path) -> None:
+    """tp2 with the residual stream sharded along the batch (``sequence_parallel="batch"``), blocks
+    compiled by Inductor with their hooks: loss and every gradient equal one process's, for learned
+    positions (a replicated table added to batch-sharded token rows) and RoPE; the compiled graphs
+    hold no cat/split re-layout kernels, which sharding the sequence needs around every collective;
+    an odd batch is refused before the first collective."""
+    from tests._spawn import spawn
+
+    for r in spawn(_batch_shard_worker, 2, tmp_path, init_group=True, timeout=600):
+        for key, res in r.items():
+            if key == "odd_batch":
+                continue
+            assert abs(res["loss"] - res["ref_loss"]) < 1e-5 * abs(res["ref_loss"]), key
+            bad = {k: v for k, v in res["worst"].items() if v > 1e-5}
+            assert not bad, (key, bad)
+        for preset in ("tiny", "tiny-llama"):
+            assert r[(preset, True)]["relayout"], preset  # sequence sharding: re-layout copies
+            assert r[(preset, "batch")]["relayout"] == [], r[(preset, "batch")]["relayout"]
+        assert r["odd_batch"] is not None and "3" in r["odd_batch"] and "tensor_parallel_size 2" in r["odd_batch"]
+
+
+def test_sequence_parallel_values_are_checked() -> None:
+    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig
+    from lightning_perf.parallel.validate import check_data_layout
+    from lightning_perf.strategies import Parallel3DStrategy
+
+    with pytest.raises(ValueError, match="sequence_parallel='tokens' is not one of"):
+        Parallel3DStrategy(tensor_parallel_size=2, sequence_parallel="tokens")
+    Parallel3DConfig(tensor_parallel_size=2, sequence_parallel="batch")
+    # per data-parallel rank: 6 sequences in 2 microbatches of 3 cannot split over tp=2
+    from lightning_perf.parallel.pipeline import PipelineConfig
+
+    with pytest.raises(ValueError, match=r"batch of 6 in 2 microbatch\(es\) gives 3 sequences"):
+        check_data_layout(batch_size=6, seq_len=16, tp=2, sequence_parallel="batch",
+                          pipeline=PipelineConfig(pp=2, schedule="1f1b", num_microbatches=2))
+    check_data_layout(batch_size=8, seq_len=15, tp=2, sequence_parallel="batch")  # the sequence is not split
+    with pytest.raises(ValueError, match="splits seq_len=15 over tp=2"):
+        check_data_layout(batch_size=8, seq_len=15, tp=2, sequence_parallel=True)

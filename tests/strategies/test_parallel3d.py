@@ -6,10 +6,11 @@ batch 8 / dp), 6 steps over 2 epochs of 3 batches, and must reproduce the
 single-process losses (rtol 1e-4) and final parameters. Spawning is the expensive part,
 so each process group runs several ``Trainer.fit`` calls in turn (reusing the group):
 
-- 2 ranks: tp2, pp2 with every schedule, dp2 of a model without the protocol,
+- 2 ranks: tp2 (sequence- and batch-sharded residual stream), pp2 with every schedule, dp2 of
+  a model without the protocol,
   forward-only validation, gradient accumulation, meta-device init, tp2 -> pp2 resume
   (both compiled per block, under TP with its hooks; with activation checkpointing per sublayer);
-- 4 ranks: dp2 x tp2, pp2 x dp2 (ZeRO 0 and 2; bf16 against the fp32 losses at rtol
+- 4 ranks: dp2 x tp2, pp2 x tp2 batch-sharded, pp2 x dp2 (ZeRO 0 and 2; bf16 against the fp32 losses at rtol
   2e-2), pp2 x tp2 -> dp4 resume + consolidation, fp16 skip-step agreement over pp and
   tp ranks;
 - 8 ranks: pp2 x tp2 x dp2 with gradient-norm clipping, mesh coordinates, sampler ranks.
@@ -157,6 +158,11 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     # from their matmuls as async TP needs; the losses and parameters must not change
     res["tp2_gpt2_async"] = fit(S(tensor_parallel_size=2, async_tensor_parallel=True), world, kind="gpt2")
     res["dp2_plain"] = fit(S(zero_stage=3), world, dp=2, kind="plain")  # no protocol: FSDP2 only
+    # the residual stream sharded along the batch: with learned positions (a replicated table added
+    # to batch-sharded token rows), and compiled with the blocks' hooks
+    res["tp2_gpt2_batch"] = fit(S(tensor_parallel_size=2, sequence_parallel="batch"), world, kind="gpt2")
+    res["tp2_batch_compile"] = fit(S(tensor_parallel_size=2, sequence_parallel="batch", compile="default",
+                                     compile_backend="aot_eager"), world)
     for name, spr, m in SCHEDULES_2:
         res[f"pp2_{name}"] = fit(S(pipeline_parallel_size=2, pipeline_schedule=name, stages_per_rank=spr,
                                    num_microbatches=m), world, val=name == "1f1b")
@@ -188,6 +194,8 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
     res["pp2_dp2_bf16"] = fit(S(pipeline_parallel_size=2, zero_stage=2), world, dp=2,
                               plugins=[PerfPrecision("bf16-mixed")])
     res["pp2_dp2_zero0"] = fit(S(pipeline_parallel_size=2, zero_stage=0), world, dp=2)
+    # each microbatch (8 / 2 = 4 sequences) sharded by sequences over tp
+    res["pp2_tp2_batch"] = fit(S(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel="batch"), world)
     res["pp2_dp2_zero2"] = fit(S(pipeline_parallel_size=2, zero_stage=2), world, dp=2)
     ckpt = out / "pp2tp2.ckpt"
     res["pp2_tp2"] = fit(S(pipeline_parallel_size=2, tensor_parallel_size=2), world, save_to=ckpt, steps=PER_EPOCH)
@@ -249,6 +257,8 @@ def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None
     _check_run(results, "tp2_gpt2", references["gpt2"])
     _check_run(results, "tp2_gpt2_async", references["gpt2"])
     _check_run(results, "dp2_plain", references["plain"])
+    _check_run(results, "tp2_gpt2_batch", references["gpt2"])
+    _check_run(results, "tp2_batch_compile", ref)
     for name, _, _ in SCHEDULES_2:
         _check_run(results, f"pp2_{name}", ref)
     tp2_compile = torch.tensor([r["tp2_compile"]["losses"] for r in results]).mean(0)
@@ -267,7 +277,7 @@ def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None
 def test_four_rank_2d_layouts_and_consolidation(references, tmp_path) -> None:
     results = spawn(_worker4, 4, tmp_path, timeout=300.0)
     ref = references["llama"]
-    for key in ("dp2_tp2", "pp2_dp2_zero0", "pp2_dp2_zero2"):
+    for key in ("dp2_tp2", "pp2_dp2_zero0", "pp2_dp2_zero2", "pp2_tp2_batch"):
         _check_run(results, key, ref)
     bf16 = torch.tensor([r["pp2_dp2_bf16"]["losses"] for r in results]).mean(0)
     torch.testing.assert_close(bf16, torch.tensor(ref["losses"]), rtol=2e-2, atol=0)

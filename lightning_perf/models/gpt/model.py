@@ -10,7 +10,7 @@ can keep a contiguous range of them under their original names.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -227,7 +227,7 @@ class GPT(nn.Module):
 
     # ---- 3D parallelism protocol (see parallelize.py) -----------------------------------
 
-    def tensor_parallel_plan(self, tp_mesh, *, sequence_parallel: bool = True) -> dict:
+    def tensor_parallel_plan(self, tp_mesh, *, sequence_parallel: Any = True) -> dict:
         """The ``parallelize_module`` plan for tensor (and sequence) parallelism over ``tp_mesh``."""
         from lightning_perf.models.gpt.parallelize import gpt_tensor_parallel_plan
 

@@ -72,8 +72,13 @@ def check_gpt_layout(config: "GPTConfig", *, tp: int = 1, pp: int = 1, stages_pe
         )
 
 
-def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: bool = True) -> dict[str, Any]:
-    """The ``parallelize_module`` plan for ``model`` (a whole GPT or one pipeline stage of it)."""
+def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: Any = True) -> dict[str, Any]:
+    """The ``parallelize_module`` plan for ``model`` (a whole GPT or one pipeline stage of it).
+
+    ``sequence_parallel``: True shards the residual stream (and the norms) along the sequence,
+    ``"batch"`` along the batch (whole sequences per rank; collectives on the leading dimension,
+    see :func:`lightning_perf.parallel.tensor_parallel.residual_layout`), False replicates it.
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -82,17 +87,31 @@ def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: b
         SequenceParallel,
     )
 
-    from lightning_perf.parallel.tensor_parallel import ReplicatedOutputNorm
+    from lightning_perf.parallel.tensor_parallel import ReplicatedModule, ReplicatedOutputNorm, residual_layout
 
     check_gpt_layout(model.config, tp=tp_mesh.size())
-    # the residual stream between modules: sequence-sharded local tensors, or replicated ones
-    resid = Shard(1) if sequence_parallel else Replicate()
+    # the residual stream between modules: sharded local tensors, or replicated ones
+    resid = residual_layout(sequence_parallel)
+    sharded = sequence_parallel is not False
+    by_batch = sequence_parallel == "batch"
     plan: dict[str, Any] = {}
     if model.tok_emb is not None:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=resid)
-        if model.pos_emb is not None and sequence_parallel:
+        with_positions = model.pos_emb is not None and sharded
+        # with a position table under batch sharding, the token rows stay a DTensor until the
+        # positions are added (below): the table's gradient then sums over every rank's sequences
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=resid,
+                                          use_local_output=not (with_positions and by_batch))
+        if with_positions and not by_batch:
             # (T, d) position rows: sharded like the sequence so they add to (B, T/tp, d)
             plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+        elif with_positions:
+            # every rank holds whole sequences: the whole (T, d) table, replicated (a DTensor, added
+            # to the batch-sharded token rows), then plain local tensors from the first block on
+            plan["pos_emb"] = ReplicatedModule()
+            first = next(iter(model.blocks))
+            plan[f"blocks.{first}"] = PrepareModuleInput(input_layouts=(resid, None),
+                                                         desired_input_layouts=(resid, None), use_local_output=True)
+    seq_dim = resid.dim if sharded else 1
     for key, block in model.blocks.items():
         p = f"blocks.{key}"
         plan[f"{p}.attn.q_proj"] = ColwiseParallel()
@@ -103,14 +122,14 @@ def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: b
         if block.mlp.gate_proj is not None:
             plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
         plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=resid)
-        if sequence_parallel:
-            plan[f"{p}.attn_norm"] = SequenceParallel()
-            plan[f"{p}.mlp_norm"] = SequenceParallel()
+        if sharded:
+            plan[f"{p}.attn_norm"] = SequenceParallel(sequence_dim=seq_dim)
+            plan[f"{p}.mlp_norm"] = SequenceParallel(sequence_dim=seq_dim)
             # the rope tables (second input) stay plain tensors
             plan[f"{p}.attn"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                input_layouts=(resid, None), desired_input_layouts=(Replicate(), None)
             )
-            plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),))
     if model.norm is not None:
         plan["norm"] = ReplicatedOutputNorm(sequence_parallel=sequence_parallel)
         if model.lm_head is not None:
