@@ -53,6 +53,7 @@ __all__ = [
     "clip_grad_norm_3d",
     "compile_blocks",
     "compile_targets",
+    "compile_head_loss",
     "tp_sublayers",
 ]
 
@@ -233,6 +234,7 @@ def parallelize_3d(
         for stage in stages.values():
             compile_blocks(_blocks(stage), mode, backend=config.compile_backend, tensor_parallel=tp > 1,
                            tp_overlap=config.tp_overlap, device_type=device.type)
+            compile_head_loss(stage, mode, backend=config.compile_backend)
     use_fsdp = dp > 1 and config.zero_stage > 0
     if use_fsdp:
         from lightning_perf.parallel.fsdp import apply_fsdp
@@ -412,6 +414,26 @@ def compile_blocks(blocks: list[nn.Module], mode: str, *, backend: str = "induct
                 target.compile(mode=None if mode == "default" else mode)
             else:  # another backend (e.g. "aot_eager" to isolate inductor): modes are inductor's
                 target.compile(backend=backend)
+
+
+def compile_head_loss(stage: nn.Module, mode: str, *, backend: str = "inductor") -> bool:
+    """Compile the stage's ``lm_head_loss(x, targets)`` (the GPT's head matmul + cross-entropy), if it has one.
+
+    Under TP the head is vocab-parallel and ``loss_parallel`` computes the cross-entropy from
+    DTensor ops: eagerly a dozen full passes over the fp32 (tokens x vocab/tp) logits; compiled,
+    Inductor fuses them around the two small all-reduces (row max and sum). Without TP it
+    fuses the logits' cast into the loss. True if compiled (a stage without the head: False).
+    """
+    fn = getattr(stage, "lm_head_loss", None)
+    if not callable(fn) or getattr(stage, "norm", None) is None or getattr(fn, "_lp_compiled", False):
+        return False
+    if backend == "inductor":
+        compiled = torch.compile(fn, mode=None if mode == "default" else mode)
+    else:
+        compiled = torch.compile(fn, backend=backend)
+    compiled._lp_compiled = True
+    stage.lm_head_loss = compiled
+    return True
 
 
 def _enable_async_tp(tp_mesh: Any, device: torch.device) -> None:

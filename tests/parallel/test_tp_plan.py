@@ -478,3 +478,23 @@ def test_sequence_parallel_values_are_checked() -> None:
     check_data_layout(batch_size=8, seq_len=15, tp=2, sequence_parallel="batch")  # the sequence is not split
     with pytest.raises(ValueError, match="splits seq_len=15 over tp=2"):
         check_data_layout(batch_size=8, seq_len=15, tp=2, sequence_parallel=True)
+
+
+def test_compile_head_loss_only_where_the_head_lives() -> None:
+    """The strategy compiles the last stage's head + loss once; a stage without the head is left alone,
+    and the compiled loss equals the eager one."""
+    from lightning_perf.models.gpt import GPT, GPTConfig
+    from lightning_perf.parallel.parallelize_3d import compile_head_loss
+
+    cfg = GPTConfig.from_name("tiny", n_layer=2, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager = float(model(idx, idx))
+    first, last = model.pipeline_stage(0, 2), model.pipeline_stage(1, 2)
+    assert not compile_head_loss(first, "default", backend="aot_eager")  # no norm / head on stage 0
+    assert compile_head_loss(model, "default", backend="aot_eager")
+    assert not compile_head_loss(model, "default", backend="aot_eager")  # already compiled
+    assert compile_head_loss(last, "default", backend="aot_eager")
+    torch._dynamo.reset()
+    assert float(model(idx, idx)) == pytest.approx(eager, rel=1e-6)

@@ -223,6 +223,10 @@ class GPT(nn.Module):
         x = self.norm(x)
         if targets is None:
             return ops.lm_logits(x, self.head_weight)  # (B, T, V_padded)
+        return self.lm_head_loss(x, targets)
+
+    def lm_head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the LM head on the final norm's output ``x`` (a strategy may compile it)."""
         return ops.lm_loss(x, self.head_weight, targets, impl=self.config.kernels)
 
     # ---- 3D parallelism protocol (see parallelize.py) -----------------------------------
