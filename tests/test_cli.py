@@ -59,3 +59,22 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert main_cmd.endswith("lightning-perf fit") and "torch==2.13.0" in main_cmd
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
     assert ci == [test_cmd]
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_recipe_parses_and_builds_its_strategy(recipe, tmp_path):
+    """Each recipe in configs/ passes the CLI's type checks (``--print_config``), and its strategy,
+    when one of ours, constructs from the recipe's arguments (layout and option checks included)."""
+    import importlib
+
+    import yaml
+
+    path = ROOT / "configs" / recipe
+    proc = _run(["fit", "--config", str(path), "--print_config"], tmp_path, timeout=300)
+    assert "model:" in proc.stdout
+    strategy = yaml.safe_load(path.read_text()).get("trainer", {}).get("strategy")
+    if isinstance(strategy, dict) and strategy.get("class_path", "").startswith("lightning_perf."):
+        module, _, name = strategy["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        built = cls(**strategy.get("init_args", {}))
+        assert type(built).__name__ == name
