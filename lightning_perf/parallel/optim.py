@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["localize_optimizer", "is_localized"]
+__all__ = ["localize_optimizer", "localize_optimizers", "is_localized"]
 
 _LOCALIZED: dict[type, type] = {}
 

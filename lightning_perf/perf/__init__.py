@@ -5,7 +5,7 @@ host-device sync detection, dataloader stalls, and the end-of-run summary."""
 from lightning_perf.perf.comm import BUS_FACTORS, LINKS, CommAnalysis, analyze_comm_trace, bus_bandwidth, expected_link
 from lightning_perf.perf.dataloader import StallWindow, dataloader_advice, exposed_wait
 from lightning_perf.perf.flops import CATEGORIES, FlopCount, OpCounter, OpRecord, count_flops, op_category
-from lightning_perf.perf.gpu_time import GPU_TIME_RULES, gpu_time_breakdown, gpu_time_category
+from lightning_perf.perf.gpu_time import GPU_TIME_RULES, gpu_time_breakdown, gpu_time_category, kernel_label
 from lightning_perf.perf.intervals import OverlapStats, intersect, overlap_stats, total, union
 from lightning_perf.perf.peaks import DTYPES, PEAKS, DevicePeak, compute_dtype_name, device_peak, lookup_peak
 from lightning_perf.perf.report import PerfSummary, breakdown, recommendations, render_markdown
@@ -24,7 +24,7 @@ __all__ = [
     "BUS_FACTORS", "LINKS", "CommAnalysis", "analyze_comm_trace", "bus_bandwidth", "expected_link",
     "StallWindow", "dataloader_advice", "exposed_wait",
     "CATEGORIES", "FlopCount", "OpCounter", "OpRecord", "count_flops", "op_category",
-    "GPU_TIME_RULES", "gpu_time_breakdown", "gpu_time_category",
+    "GPU_TIME_RULES", "gpu_time_breakdown", "gpu_time_category", "kernel_label",
     "OverlapStats", "intersect", "overlap_stats", "total", "union",
     "DTYPES", "PEAKS", "DevicePeak", "compute_dtype_name", "device_peak", "lookup_peak",
     "PerfSummary", "breakdown", "recommendations", "render_markdown",
