@@ -18,7 +18,8 @@ same global batch of 16 x 2048 tokens per step in every layout:
   FSDP2), against their eager runs in the same group (eager DTensor dispatch starves tp2's
   GPU); tp2 ablations: async TP, the collectives left where issued (``_no_reorder``) or
   placed by Inductor's runtime-estimated scheduler (``_schedule``), sublayer compile scope,
-  the residual stream sharded along the batch instead of the sequence (``_batch``).
+  the residual stream sharded along the batch instead of the sequence (``_batch``), q/k/v from one
+  matmul (``_fused_qkv``, dp2 too).
 
 Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 and tp2
 with full activation checkpointing, 4 x 2048 tokens per step.
@@ -80,6 +81,11 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     # the residual stream sharded along the batch: collectives on the leading dim, no re-layout copies
     "tp2_compile_batch": {"tp": 2, "compile": "default", "sp": "batch"},
     "tp2_async_compile_batch": {"tp": 2, "compile": "default", "async_tp": True, "sp": "batch"},
+    # q, k and v from one matmul (GPTConfig(fused_qkv=True)): dp2 and tp2 both
+    "dp2_compile_fused_qkv": {"dp": 2, "compile": "default", "fused_qkv": True},
+    "tp2_compile_batch_fused_qkv": {"tp": 2, "compile": "default", "sp": "batch", "fused_qkv": True},
+    "tp2_async_compile_batch_fused_qkv": {"tp": 2, "compile": "default", "async_tp": True, "sp": "batch",
+                                          "fused_qkv": True},
     # ablation: only the attention / MLP sublayers compiled (norms and residual adds eager)
     "tp2_compile_sublayer": {"tp": 2, "compile": "default", "tp_compile_scope": "sublayer"},
     "tp2_async_compile_sublayer": {"tp": 2, "compile": "default", "async_tp": True, "tp_compile_scope": "sublayer"},
@@ -248,7 +254,8 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
     dp = world // (spec.get("pp", 1) * spec.get("tp", 1))
     B = global_batch // dp
     small = "tiny-llama" if "llama" in preset else "tiny"
-    config = GPTConfig.from_name(small if smoke else preset, block_size=max(T, 16), tie_embeddings=False)
+    config = GPTConfig.from_name(small if smoke else preset, block_size=max(T, 16), tie_embeddings=False,
+                                 fused_qkv=spec.get("fused_qkv", False))
     pool = torch.randint(0, config.vocab_size, (64, T + 1), generator=torch.Generator().manual_seed(rank))
 
     class Tokens(Dataset):  # random tokens from a small pool: no data cost inside the step
@@ -292,6 +299,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "compile": spec.get("compile"), "async_tp": spec.get("async_tp", False),
         "tp_overlap": spec.get("tp_overlap", "reorder") if spec.get("tp", 1) > 1 else None,
         "sequence_parallel": spec.get("sp", True) if spec.get("tp", 1) > 1 else None,
+        "fused_qkv": spec.get("fused_qkv", False),
         "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
         "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
         "tokens_per_s": tokens_per_s,

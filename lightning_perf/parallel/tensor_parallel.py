@@ -270,6 +270,8 @@ def cast_before_gather(plan: dict[str, Any]) -> dict[str, Any]:
 class _ColumnParallelBiasAfterMatmul(nn.Linear):
     """A column-parallel ``Linear`` computing ``mm`` then ``+ bias`` (not ``addmm``)."""
 
+    _lp_bias_after_matmul = True  # read by code that computes with the weights directly (fused q/k/v)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight) + self.bias
 

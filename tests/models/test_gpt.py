@@ -249,3 +249,25 @@ def test_bad_input():
         GPTLightningModule("tiny", compile="fast")
     with pytest.raises(ValueError, match="compile_scope='layer'"):
         GPTLightningModule("tiny", compile="default", compile_scope="layer")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_fused_qkv_same_loss_and_gradients(name):
+    """One matmul over the concatenated q/k/v weights: same parameters and state dict, same loss and
+    gradients as three projections."""
+    from lightning_perf.models.gpt import GPT, GPTConfig
+
+    idx = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.from_name(name, n_layer=2, fused_qkv=fused))
+        loss = model(idx, idx)
+        loss.backward()
+        out[fused] = (loss.detach(), {k: p.grad for k, p in model.named_parameters()}, model.state_dict().keys())
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=0)
+    assert list(out[True][2]) == list(out[False][2])
+    for k, g in out[False][1].items():
+        torch.testing.assert_close(out[True][1][k], g, rtol=1e-5, atol=1e-7, msg=k)
+    with pytest.raises(ValueError, match="fused_qkv must be True or False"):
+        GPTConfig.from_name(name, fused_qkv="yes")

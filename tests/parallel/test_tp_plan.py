@@ -170,8 +170,9 @@ def test_tensor_parallel_block_graphs_hold_their_collectives(tmp_path) -> None:
     assert results[0]["loss"] == results[1]["loss"]
 
 
-def _reference_and_copy(preset: str):
-    """(tokens, one-process GPT after forward + backward, its loss, a fresh GPT of the same seed)."""
+def _reference_and_copy(preset: str, **overrides):
+    """(tokens, one-process GPT after forward + backward, its loss, a fresh GPT of the same seed, built
+    with ``overrides``)."""
     from lightning_perf.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig.from_name(preset, n_layer=2)
@@ -181,7 +182,7 @@ def _reference_and_copy(preset: str):
     ref_loss = ref(idx, idx)
     ref_loss.backward()
     torch.manual_seed(0)
-    return idx, ref, float(ref_loss.detach()), GPT(cfg)
+    return idx, ref, float(ref_loss.detach()), GPT(GPTConfig.from_name(preset, n_layer=2, **overrides))
 
 
 def _grad_errors(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, float]:
@@ -498,3 +499,59 @@ def test_compile_head_loss_only_where_the_head_lives() -> None:
     assert compile_head_loss(last, "default", backend="aot_eager")
     torch._dynamo.reset()
     assert float(model(idx, idx)) == pytest.approx(eager, rel=1e-6)
+
+
+def _fused_qkv_worker(rank: int, world: int, out_dir) -> dict:
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.tensor_parallel import apply_tp, unfuse_linear_biases
+
+    out = {}
+    # (preset, sequence_parallel, compiled, biases split from their matmuls as for async TP)
+    for preset, sp, compiled, unfuse in (("tiny", False, False, False), ("tiny", "batch", True, True),
+                                         ("tiny-llama", True, True, False)):
+        idx, ref, ref_loss, model = _reference_and_copy(preset, fused_qkv=True)
+        mesh = init_device_mesh("cpu", (world,))
+        apply_tp(model, mesh, sequence_parallel=sp, local_output=True)
+        if unfuse:
+            unfuse_linear_biases(model, mesh, sequence_parallel=sp)
+        torch._dynamo.reset()
+        if compiled:
+            compile_blocks(list(model.blocks.values()), "default", tensor_parallel=True, tp_overlap="none")
+
+        def step():
+            with loss_parallel():
+                loss = model(idx, idx)
+                loss.backward()
+            return loss
+
+        if compiled:
+            loss, codes = run_and_get_code(step)
+            forward = codes[0][codes[0].index("def call("):]
+            matmuls = len(re.findall(r"extern_kernels\.(?:mm|addmm)\(", forward))
+        else:
+            loss, matmuls = step(), None
+        out[(preset, sp)] = {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref),
+                             "forward_matmuls": matmuls}
+    return out
+
+
+def test_fused_qkv_under_tensor_parallelism_matches_one_process(tmp_path) -> None:
+    """``GPTConfig(fused_qkv=True)`` under tp2: the three column-parallel weights' local rows form one
+    matmul; loss and every q/k/v gradient equal one unfused process's (replicated, sequence- and
+    batch-sharded streams; biases split for async TP), and a compiled block's forward runs 3 matmuls
+    (q/k/v, o, up; plus down for 4) instead of 6."""
+    from tests._spawn import spawn
+
+    for r in spawn(_fused_qkv_worker, 2, tmp_path, init_group=True, timeout=600):
+        for key, res in r.items():
+            assert abs(res["loss"] - res["ref_loss"]) < 1e-5 * abs(res["ref_loss"]), key
+            bad = {k: v for k, v in res["worst"].items() if v > 1e-5}
+            assert not bad, (key, bad)
+        assert r[("tiny", "batch")]["forward_matmuls"] == 4  # qkv, o, up, down
+        assert r[("tiny-llama", True)]["forward_matmuls"] == 5  # qkv, o, gate, up, down

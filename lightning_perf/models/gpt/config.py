@@ -51,6 +51,10 @@ class GPTConfig:
     # "sdpa": F.scaled_dot_product_attention; "triton": our flash attention; "auto": per (shape, dtype, device)
     # the fastest of ours and each SDPA backend, timed once on first use (SDPA on CPU), the choice logged
     attention: Literal["auto", "triton", "sdpa"] = "sdpa"
+    # one matmul for q, k and v (their weights concatenated at compute time; parameters and state
+    # dict unchanged): one wider weight-gradient matmul instead of three narrow ones, most useful
+    # under tensor parallelism where each projection shard is narrow
+    fused_qkv: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -75,6 +79,8 @@ class GPTConfig:
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"GPTConfig.{field}={value!r} is not one of {allowed}")
+        if not isinstance(self.fused_qkv, bool):
+            raise ValueError(f"GPTConfig.fused_qkv must be True or False, got {self.fused_qkv!r}")
         for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lightning_perf.models.gpt import ops
 from lightning_perf.models.gpt.config import GPTConfig
@@ -54,6 +55,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return ops.rope(x, cos, sin)
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 class Attention(nn.Module):
     """Causal self-attention with separate q/k/v projections (column-parallel friendly) and GQA."""
 
@@ -68,13 +77,53 @@ class Attention(nn.Module):
         self.rope = config.positions == "rope"
         self.impl = config.attention
         self.kernels = config.kernels
+        self.fused_qkv = config.fused_qkv
+
+    def _qkv_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (each (..., width)) from one matmul over the three weights concatenated by rows.
+
+        Under tensor parallelism the weights are column-parallel DTensor shards: their local rows are
+        concatenated into one local weight (this rank's q, k and v rows, a row-permuted shard of a
+        global [Wq; Wk; Wv]), so the matmul's local output columns are this rank's q, k and v, and
+        each weight's gradient flows back to its own shard. The projections' own forward (and any
+        TP hooks on them) is bypassed; the attention input's layout hooks still apply.
+        """
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = self.q_proj.weight
+        bias_after = getattr(type(self.q_proj), "_lp_bias_after_matmul", False)  # async TP: mm, then + bias
+        if _is_dtensor(weight):
+            from torch.distributed.tensor import DTensor, Replicate
+
+            mesh, placements = weight.device_mesh, weight.placements
+            w = DTensor.from_local(torch.cat([p.weight.to_local() for p in projs]), mesh, placements,
+                                   run_check=False)
+            b = None
+            if self.q_proj.bias is not None:
+                b = DTensor.from_local(torch.cat([p.bias.to_local() for p in projs]), mesh, placements,
+                                       run_check=False)
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            y = F.linear(x, w) + b if (b is not None and bias_after) else F.linear(x, w, b)
+            y = y.to_local()
+            widths = [p.weight.to_local().shape[0] for p in projs]
+        else:
+            w = torch.cat([p.weight for p in projs])
+            b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+            y = F.linear(x, w, b)
+            widths = [p.weight.shape[0] for p in projs]
+        q, k, v = y.split(widths, dim=-1)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         B, T, _ = x.shape
         # heads are read from the projection width so a tensor-parallel shard sees its local heads
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.fused_qkv:
+            q, k, v = self._qkv_fused(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if self.rope:
             assert rope is not None
             q, k = ops.rope(q, *rope, impl=self.kernels), ops.rope(k, *rope, impl=self.kernels)
