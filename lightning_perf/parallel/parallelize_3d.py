@@ -221,9 +221,11 @@ def parallelize_3d(
             # a whole model is called by user code (plain tensors out); a stage feeds the pipeline loss
             apply_tp(stage, mesh["tp"], sequence_parallel=config.sequence_parallel, local_output=pp == 1)
             if config.sequence_parallel == "batch" and pp == 1:
-                # an uneven batch would give the ranks shards of different sizes: refuse it before
-                # the first collective (under pp the pipeline's forward checks each microbatch)
-                stage.register_forward_pre_hook(functools.partial(_check_batch_shardable, tp))
+                # an uneven batch would give the ranks shards of different sizes: pad it (a model
+                # whose loss ignores padded targets) or refuse it, before the first collective
+                # (under pp the pipeline's forward checks each microbatch)
+                stage.register_forward_pre_hook(functools.partial(_pad_batch_for_tp, tp), with_kwargs=True)
+                stage.register_forward_hook(_strip_batch_padding, with_kwargs=True)
             if config.async_tensor_parallel:
                 # async TP fuses collectives into bias-free matmuls only
                 from lightning_perf.parallel.tensor_parallel import unfuse_linear_biases
@@ -314,12 +316,49 @@ def tp_sublayers(block: nn.Module) -> list[nn.Module]:
     return subs or [block]
 
 
-def _check_batch_shardable(tp: int, module: nn.Module, args: tuple) -> None:
-    x = args[0] if args else None
-    if isinstance(x, torch.Tensor) and x.dim() >= 2:
+def _pad_batch_for_tp(tp: int, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """Forward pre-hook of a batch-sharded TP model: a batch that does not divide by ``tp`` (the last,
+    ragged batch of a validation set, say) is padded to the next multiple, when the model says how
+    its loss ignores a target (``batch_padding_target``, e.g. the GPT's -100): the padding repeats
+    the last sequence and its targets are ignored, so the loss is the unpadded batch's; outputs
+    with a batch dimension are cut back (:func:`_strip_batch_padding`). Otherwise a ValueError."""
+    module._lp_unpadded_batch = None
+    x = args[0] if args else kwargs.get("idx")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] % tp == 0:
+        return None
+    fill = getattr(module, "batch_padding_target", None)
+    if fill is None:
         from lightning_perf.parallel.tensor_parallel import tp_sequence_check
 
         tp_sequence_check(x.shape[1], tp, "batch", batch=x.shape[0])
+    batch = x.shape[0]
+    pad = -batch % tp
+    x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
+    args, kwargs = list(args), dict(kwargs)
+    if args:
+        args[0] = x
+    else:
+        kwargs["idx"] = x
+    in_args = len(args) > 1
+    targets = args[1] if in_args else kwargs.get("targets")
+    if isinstance(targets, torch.Tensor) and targets.dim() >= 1 and targets.shape[0] == batch:
+        targets = torch.cat([targets, targets.new_full((pad, *targets.shape[1:]), fill)])
+        if in_args:
+            args[1] = targets
+        else:
+            kwargs["targets"] = targets
+    module._lp_unpadded_batch = batch
+    return tuple(args), kwargs
+
+
+def _strip_batch_padding(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    batch = getattr(module, "_lp_unpadded_batch", None)
+    if batch is None:
+        return output
+    module._lp_unpadded_batch = None
+    if isinstance(output, torch.Tensor) and output.dim() >= 1 and output.shape[0] > batch:
+        return output[:batch]
+    return output
 
 
 def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

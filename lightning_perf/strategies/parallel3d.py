@@ -93,8 +93,9 @@ class Parallel3DStrategy(ParallelStrategy):
         stages_per_rank: model stages per pipeline rank (interleaved schedules).
         sequence_parallel: under TP, shard the norms and the residual stream along the sequence
             (True), along the batch (``"batch"``: whole sequences per rank, so the all-gathers and
-            reduce-scatters need no re-layout copies; each (micro)batch must divide by the TP
-            size), or not at all (False).
+            reduce-scatters need no re-layout copies; a batch should divide by the TP size, a
+            ragged one is padded with ignored targets when the model names one, e.g. the GPT's),
+            or not at all (False).
         async_tensor_parallel: micro-pipelined TP (CUDA and torch.compile only).
         tp_overlap: with ``compile`` under TP, how Inductor orders each block's collectives so the
             backward's reduce-scatters and all-gathers run under the weight-gradient matmuls:

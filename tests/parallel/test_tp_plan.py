@@ -426,18 +426,39 @@ def _batch_shard_worker(rank: int, world: int, out_dir) -> dict:
             kernels = {k for code in codes for k in re.findall(r"\b(cpp_fused_\w+) = ", code)}
             out[(preset, sp)] = {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref),
                                  "relayout": sorted(k for k in kernels if re.search(r"_cat(_|$)", k))}
-    # a batch the TP ranks cannot share evenly fails before any collective, with the numbers
-    _, _, _, model = _reference_and_copy("tiny")
+    # a batch the TP ranks cannot share evenly (3 sequences over 2 ranks, a ragged last batch): padded
+    # with a copy of the last sequence whose targets the loss ignores, outputs cut back to 3
+    from lightning_perf.models.gpt import GPT, GPTConfig
     from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, parallelize_3d
 
+    cfg = GPTConfig.from_name("tiny", n_layer=2)
+    odd = torch.randint(0, cfg.vocab_size, (3, 16), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    ref_loss = ref(odd, odd)
+    ref_loss.backward()
+    ref_logits = ref(odd).detach()
+    torch.manual_seed(0)
+    model = GPT(cfg)
     mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("pp", "dp", "tp"))
     parallelize_3d(model, Parallel3DConfig(tensor_parallel_size=world, sequence_parallel="batch"), mesh,
                    device=torch.device("cpu"))
+    with loss_parallel():
+        loss = model(odd, targets=odd)
+        loss.backward()
+    logits = model(odd)
+    out["odd_batch"] = {"loss": float(loss.detach()), "ref_loss": float(ref_loss.detach()),
+                        "worst": _grad_errors(model, ref), "logits_err": float((logits - ref_logits).abs().max()),
+                        "logits_shape": tuple(logits.shape)}
+    # a model that names no ignored target cannot be padded: refused with the numbers
+    type(model).batch_padding_target = None
     try:
-        model(torch.zeros(3, 16, dtype=torch.long))
-        out["odd_batch"] = None
+        model(odd)
+        out["refused"] = None
     except ValueError as e:
-        out["odd_batch"] = str(e)
+        out["refused"] = str(e)
+    finally:
+        type(model).batch_padding_target = -100
     return out
 
 
@@ -446,12 +467,13 @@ def test_batch_sharded_residual_stream_matches_one_process_without_relayout_copi
     compiled by Inductor with their hooks: loss and every gradient equal one process's, for learned
     positions (a replicated table added to batch-sharded token rows) and RoPE; the compiled graphs
     hold no cat/split re-layout kernels, which sharding the sequence needs around every collective;
-    an odd batch is refused before the first collective."""
+    an odd batch (3 sequences on 2 ranks) is padded with an ignored sequence: same loss, gradients and
+    logits as one process; a model naming no ignored target refuses it before the first collective."""
     from tests._spawn import spawn
 
     for r in spawn(_batch_shard_worker, 2, tmp_path, init_group=True, timeout=600):
         for key, res in r.items():
-            if key == "odd_batch":
+            if key == "refused":
                 continue
             assert abs(res["loss"] - res["ref_loss"]) < 1e-5 * abs(res["ref_loss"]), key
             bad = {k: v for k, v in res["worst"].items() if v > 1e-5}
@@ -459,7 +481,9 @@ def test_batch_sharded_residual_stream_matches_one_process_without_relayout_copi
         for preset in ("tiny", "tiny-llama"):
             assert r[(preset, True)]["relayout"], preset  # sequence sharding: re-layout copies
             assert r[(preset, "batch")]["relayout"] == [], r[(preset, "batch")]["relayout"]
-        assert r["odd_batch"] is not None and "3" in r["odd_batch"] and "tensor_parallel_size 2" in r["odd_batch"]
+        odd = r["odd_batch"]
+        assert odd["logits_shape"][0] == 3 and odd["logits_err"] < 1e-5, odd
+        assert r["refused"] is not None and "batch of 3" in r["refused"] and "tensor_parallel_size 2" in r["refused"]
 
 
 def test_sequence_parallel_values_are_checked() -> None:

@@ -230,6 +230,10 @@ class GPT(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
 
+    #: a target the loss ignores (``F.cross_entropy``'s ignore_index): a strategy that must pad a
+    #: batch (batch-sharded tensor parallelism with a ragged last batch) pads the targets with it
+    batch_padding_target = -100
+
     @property
     def head_weight(self) -> torch.Tensor:
         if self.lm_head is not None:
