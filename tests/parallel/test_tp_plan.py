@@ -579,3 +579,28 @@ def test_fused_qkv_under_tensor_parallelism_matches_one_process(tmp_path) -> Non
             assert not bad, (key, bad)
         assert r[("tiny", "batch")]["forward_matmuls"] == 4  # qkv, o, up, down
         assert r[("tiny-llama", True)]["forward_matmuls"] == 5  # qkv, o, gate, up, down
+
+
+def test_tp_overlap_modes_map_to_inductor_options() -> None:
+    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, _hooked_compile, inductor_overlap_options
+
+    assert inductor_overlap_options("none", "cuda") == {}
+    reorder = inductor_overlap_options("reorder", "cpu")
+    assert reorder["reorder_for_compute_comm_overlap"] is True
+    assert reorder["reorder_for_compute_comm_overlap_passes"][-1] == "reorder_compute_for_overlap"
+    assert "reorder_communication_preserving_peak_memory" in \
+        inductor_overlap_options("reorder_peak_memory", "cpu")["reorder_for_compute_comm_overlap_passes"]
+    # the runtime-estimated scheduler times ops on the GPU: elsewhere it falls back to "reorder"
+    assert inductor_overlap_options("schedule", "cuda") == {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    assert inductor_overlap_options("schedule", "cpu") == reorder
+    # every option name exists in this torch's Inductor config (torch.compile would reject it)
+    from torch._inductor import config as inductor_config
+
+    for mode in ("reorder", "reorder_peak_memory"):
+        for name in inductor_overlap_options(mode, "cpu"):
+            assert hasattr(inductor_config, name), name
+    assert hasattr(inductor_config.aten_distributed_optimizations, "enable_overlap_scheduling")
+    # a compile mode's own options join ours (torch.compile takes a mode or options, not both)
+    assert _hooked_compile("max-autotune-no-cudagraphs", "inductor", "reorder") is not None
+    with pytest.raises(ValueError, match="tp_overlap='fast' is not one of"):
+        Parallel3DConfig(tp_overlap="fast")
