@@ -81,6 +81,10 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     # the residual stream sharded along the batch: collectives on the leading dim, no re-layout copies
     "tp2_compile_batch": {"tp": 2, "compile": "default", "sp": "batch"},
     "tp2_async_compile_batch": {"tp": 2, "compile": "default", "async_tp": True, "sp": "batch"},
+    # each compiled block runs two halves of its batch: one half's collectives under the other's compute
+    "tp2_compile_batch_split": {"tp": 2, "compile": "default", "sp": "batch", "tp_split": 2},
+    "tp2_compile_batch_split_schedule": {"tp": 2, "compile": "default", "sp": "batch", "tp_split": 2,
+                                         "tp_overlap": "schedule"},
     # q, k and v from one matmul (GPTConfig(fused_qkv=True)): dp2 and tp2 both
     "dp2_compile_fused_qkv": {"dp": 2, "compile": "default", "fused_qkv": True},
     "tp2_compile_batch_fused_qkv": {"tp": 2, "compile": "default", "sp": "batch", "fused_qkv": True},
@@ -126,6 +130,7 @@ def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor
         async_tensor_parallel=spec.get("async_tp", False),
         tp_overlap=spec.get("tp_overlap", "reorder"),
         sequence_parallel=spec.get("sp", True),
+        tp_split=spec.get("tp_split", 1),
     )
 
 
@@ -300,6 +305,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "tp_overlap": spec.get("tp_overlap", "reorder") if spec.get("tp", 1) > 1 else None,
         "sequence_parallel": spec.get("sp", True) if spec.get("tp", 1) > 1 else None,
         "fused_qkv": spec.get("fused_qkv", False),
+        "tp_split": spec.get("tp_split", 1),
         "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
         "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
         "tokens_per_s": tokens_per_s,

@@ -74,6 +74,7 @@ class Parallel3DConfig:
     sequence_parallel: Union[bool, str] = True
     async_tensor_parallel: bool = False
     tp_overlap: str = "reorder"
+    tp_split: int = 1
     activation_checkpointing: str = "none"
     fsdp_prefetch: int = 1
     compile: Optional[str] = None
@@ -103,6 +104,9 @@ class Parallel3DConfig:
         check_sequence_parallel(self.sequence_parallel)
         if self.tp_overlap not in TP_OVERLAP_MODES:
             raise ValueError(f"tp_overlap={self.tp_overlap!r} is not one of {TP_OVERLAP_MODES}")
+        if isinstance(self.tp_split, bool) or self.tp_split not in (1, 2):
+            raise ValueError(f"tp_split must be 1 (off) or 2 (each compiled TP block runs two halves of its "
+                             f"batch so one half's collectives overlap the other's compute), got {self.tp_split!r}")
         if self.fsdp_prefetch < 0:
             raise ValueError(f"fsdp_prefetch must be >= 0, got {self.fsdp_prefetch}")
         # the schedule is checked even without pipeline parallelism, so a typo never waits for a pp run
@@ -235,7 +239,7 @@ def parallelize_3d(
     if mode is not None:
         for stage in stages.values():
             compile_blocks(_blocks(stage), mode, backend=config.compile_backend, tensor_parallel=tp > 1,
-                           tp_overlap=config.tp_overlap, device_type=device.type)
+                           tp_overlap=config.tp_overlap, device_type=device.type, tp_split=config.tp_split)
             compile_head_loss(stage, mode, backend=config.compile_backend)
     use_fsdp = dp > 1 and config.zero_stage > 0
     if use_fsdp:
@@ -368,6 +372,28 @@ def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
 
+def _call_module_split(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    # two independent halves of the batch through the same module in one traced graph: the
+    # scheduler can run one half's TP collectives while the other half computes (forward and
+    # backward); per-token and per-sequence maths make the halves exact pieces of the whole
+    outs = [module._call_impl(part, *args, **kwargs) for part in x.chunk(2, dim=0)]
+    return torch.cat(outs, dim=0)
+
+
+def _splittable(x: Any, parts: int) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    # a DTensor input (the batch-sharded first block with a position table) is left whole: chunking
+    # its sharded batch dimension would redistribute it
+    return (isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() >= 1
+            and x.shape[0] >= parts and x.shape[0] % parts == 0)
+
+
+def _run_hooked_split(whole: Any, split: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    chosen = split if args and _splittable(args[0], 2) else whole
+    return _run_hooked(chosen, module, *args, **kwargs)
+
+
 def _run_hooked(compiled: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # A graph input that is a view, e.g. the output of DTensor.to_local() (the vocab-parallel embedding
     # feeding the first block directly), gets a wrong gradient or a plain tensor where DTensor's
@@ -379,7 +405,7 @@ def _run_hooked(compiled: Any, module: nn.Module, *args: Any, **kwargs: Any) -> 
     return compiled(module, *args, **kwargs)
 
 
-_HOOKED_COMPILES: dict[tuple[str, str, str], Any] = {}
+_HOOKED_COMPILES: dict[tuple[str, str, str, bool], Any] = {}
 
 TP_OVERLAP_MODES = ("none", "reorder", "reorder_peak_memory", "schedule")
 
@@ -417,9 +443,11 @@ def inductor_overlap_options(tp_overlap: str, device_type: str) -> dict[str, Any
             "reorder_for_compute_comm_overlap_passes": list(_REORDER_PASSES[tp_overlap])}
 
 
-def _hooked_compile(mode: str, backend: str, tp_overlap: str = "none", device_type: str = "cpu") -> Any:
+def _hooked_compile(mode: str, backend: str, tp_overlap: str = "none", device_type: str = "cpu",
+                    split: bool = False) -> Any:
     options = inductor_overlap_options(tp_overlap, device_type) if backend == "inductor" else {}
-    key = (mode, backend, repr(sorted(options.items())))
+    key = (mode, backend, repr(sorted(options.items())), split)
+    fn = _call_module_split if split else _call_module
     if key not in _HOOKED_COMPILES:
         if backend == "inductor":
             # mode and options are exclusive in torch.compile: a mode's own options join ours
@@ -427,14 +455,14 @@ def _hooked_compile(mode: str, backend: str, tp_overlap: str = "none", device_ty
                 from torch._inductor import list_mode_options
 
                 options = {**list_mode_options(mode), **options}
-            _HOOKED_COMPILES[key] = torch.compile(_call_module, options=options or None)
+            _HOOKED_COMPILES[key] = torch.compile(fn, options=options or None)
         else:
-            _HOOKED_COMPILES[key] = torch.compile(_call_module, backend=backend)
+            _HOOKED_COMPILES[key] = torch.compile(fn, backend=backend)
     return _HOOKED_COMPILES[key]
 
 
 def compile_blocks(blocks: list[nn.Module], mode: str, *, backend: str = "inductor", tensor_parallel: bool,
-                   tp_overlap: str = "none", device_type: str = "cpu") -> None:
+                   tp_overlap: str = "none", device_type: str = "cpu", tp_split: int = 1) -> None:
     """``torch.compile`` per block (names and state dict unchanged); after TP, before FSDP.
 
     Under TP each block is compiled together with its submodules' forward hooks, so the
@@ -448,7 +476,11 @@ def compile_blocks(blocks: list[nn.Module], mode: str, *, backend: str = "induct
                 continue
             if tensor_parallel:
                 compiled = _hooked_compile(mode, backend, tp_overlap, device_type)
-                target._compiled_call_impl = functools.partial(_run_hooked, compiled, target)
+                if tp_split == 2:
+                    split = _hooked_compile(mode, backend, tp_overlap, device_type, split=True)
+                    target._compiled_call_impl = functools.partial(_run_hooked_split, compiled, split, target)
+                else:
+                    target._compiled_call_impl = functools.partial(_run_hooked, compiled, target)
             elif backend == "inductor":
                 target.compile(mode=None if mode == "default" else mode)
             else:  # another backend (e.g. "aot_eager" to isolate inductor): modes are inductor's
