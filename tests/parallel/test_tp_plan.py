@@ -604,3 +604,57 @@ def test_tp_overlap_modes_map_to_inductor_options() -> None:
     assert _hooked_compile("max-autotune-no-cudagraphs", "inductor", "reorder") is not None
     with pytest.raises(ValueError, match="tp_overlap='fast' is not one of"):
         Parallel3DConfig(tp_overlap="fast")
+
+
+def _split_worker(rank: int, world: int, out_dir) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_perf.parallel import parallelize_3d as p3d
+    from lightning_perf.parallel.tensor_parallel import apply_tp
+
+    calls = {"split": 0, "whole": 0}
+    original = p3d._run_hooked_split
+
+    def counting(whole, split, module, *args, **kwargs):
+        calls["split" if args and p3d._splittable(args[0], 2) else "whole"] += 1
+        return original(whole, split, module, *args, **kwargs)
+
+    p3d._run_hooked_split = counting
+    out = {}
+    try:
+        for preset, sp in (("tiny", "batch"), ("tiny-llama", True)):
+            idx, ref, ref_loss, model = _reference_and_copy(preset)
+            idx = torch.cat([idx, idx.flip(0)])  # 4 sequences: 2 per rank under batch sharding, split in two
+            torch.manual_seed(0)
+            ref = type(ref)(ref.config)
+            ref_loss = ref(idx, idx)
+            ref_loss.backward()
+            apply_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel=sp, local_output=True)
+            torch._dynamo.reset()
+            p3d.compile_blocks(list(model.blocks.values()), "default", backend="aot_eager", tensor_parallel=True,
+                               tp_split=2)
+            with loss_parallel():
+                loss = model(idx, idx)
+                loss.backward()
+            out[(preset, sp)] = {"loss": float(loss.detach()), "ref_loss": float(ref_loss.detach()),
+                                 "worst": _grad_errors(model, ref), "calls": dict(calls)}
+            calls.update(split=0, whole=0)
+    finally:
+        p3d._run_hooked_split = original
+    return out
+
+
+def test_tp_split_halves_match_one_process(tmp_path) -> None:
+    """``tp_split=2``: each compiled TP block runs two halves of its batch in one graph; loss and every
+    gradient equal one process's. Blocks fed a plain tensor are split; the batch-sharded first block
+    fed a DTensor (token rows + replicated position table) runs whole."""
+    from tests._spawn import spawn
+
+    for r in spawn(_split_worker, 2, tmp_path, init_group=True, timeout=600):
+        for key, res in r.items():
+            assert abs(res["loss"] - res["ref_loss"]) < 1e-5 * abs(res["ref_loss"]), key
+            bad = {k: v for k, v in res["worst"].items() if v > 1e-5}
+            assert not bad, (key, bad)
+        assert r[("tiny", "batch")]["calls"] == {"split": 1, "whole": 1}  # block 0 gets the DTensor
+        assert r[("tiny-llama", True)]["calls"] == {"split": 2, "whole": 0}
