@@ -198,6 +198,20 @@ def _grad_errors(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, floa
     return out
 
 
+def _loss_parallel_step_with_code(model: torch.nn.Module, idx: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """One forward + backward under ``loss_parallel``, and the code Inductor generated meanwhile."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def step():
+        with loss_parallel():
+            loss = model(idx, idx)
+            loss.backward()
+        return loss
+
+    return run_and_get_code(step)
+
+
 def _unfused_bias_worker(rank: int, world: int, out_dir) -> dict:
     from torch._dynamo.backends.common import aot_autograd
     from torch.distributed.device_mesh import init_device_mesh
@@ -344,9 +358,7 @@ def test_compiled_tp_blocks_fed_by_the_embedding_match_one_process(tmp_path) -> 
 def _overlap_worker(rank: int, world: int, out_dir) -> dict:
     import re
 
-    from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel
 
     from lightning_perf.parallel.parallelize_3d import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp
@@ -358,13 +370,7 @@ def _overlap_worker(rank: int, world: int, out_dir) -> dict:
         torch._dynamo.reset()
         compile_blocks(list(model.blocks.values()), "default", tensor_parallel=True, tp_overlap=mode)
 
-        def step():
-            with loss_parallel():
-                loss = model(idx, idx)
-                loss.backward()
-            return loss
-
-        loss, codes = run_and_get_code(step)
+        loss, codes = _loss_parallel_step_with_code(model, idx)
         # per compiled graph: the matmuls that run between a collective's launch and its wait
         hidden = []
         for code in codes:
@@ -401,7 +407,6 @@ def test_inductor_overlaps_tp_collectives_with_weight_gradient_matmuls(tmp_path)
 def _batch_shard_worker(rank: int, world: int, out_dir) -> dict:
     import re
 
-    from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -416,13 +421,7 @@ def _batch_shard_worker(rank: int, world: int, out_dir) -> dict:
             torch._dynamo.reset()
             compile_blocks(list(model.blocks.values()), "default", tensor_parallel=True, tp_overlap="none")
 
-            def step():
-                with loss_parallel():
-                    loss = model(idx, idx)
-                    loss.backward()
-                return loss
-
-            loss, codes = run_and_get_code(step)
+            loss, codes = _loss_parallel_step_with_code(model, idx)
             kernels = {k for code in codes for k in re.findall(r"\b(cpp_fused_\w+) = ", code)}
             out[(preset, sp)] = {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref),
                                  "relayout": sorted(k for k in kernels if re.search(r"_cat(_|$)", k))}
@@ -528,7 +527,6 @@ def test_compile_head_loss_only_where_the_head_lives() -> None:
 def _fused_qkv_worker(rank: int, world: int, out_dir) -> dict:
     import re
 
-    from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -548,18 +546,15 @@ def _fused_qkv_worker(rank: int, world: int, out_dir) -> dict:
         if compiled:
             compile_blocks(list(model.blocks.values()), "default", tensor_parallel=True, tp_overlap="none")
 
-        def step():
-            with loss_parallel():
-                loss = model(idx, idx)
-                loss.backward()
-            return loss
-
         if compiled:
-            loss, codes = run_and_get_code(step)
+            loss, codes = _loss_parallel_step_with_code(model, idx)
             forward = codes[0][codes[0].index("def call("):]
             matmuls = len(re.findall(r"extern_kernels\.(?:mm|addmm)\(", forward))
         else:
-            loss, matmuls = step(), None
+            with loss_parallel():
+                loss = model(idx, idx)
+                loss.backward()
+            matmuls = None
         out[(preset, sp)] = {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref),
                              "forward_matmuls": matmuls}
     return out

@@ -97,6 +97,20 @@ def _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, d
 
 
 @triton.jit
+def _norm_bwd_step(r0, row_end, cols, col_mask, H, DY, w, MEAN, RSTD, DRES, DX, dw_acc, db_acc, N,
+                   IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Load the BLOCK_M rows from ``r0`` (masked at ``row_end``) and run :func:`_norm_bwd_tile` on them."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    return _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, dw_acc, db_acc, N,
+                          IS_RMS, HAS_DRES, HAS_BIAS)
+
+
+@triton.jit
 def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, rows_per_program,
                      IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
@@ -137,24 +151,12 @@ def _norm_bwd_kernel(H, W, DY, DRES, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, row
         # feed no dot too, copying the next STAGES - 1 tiles of h / dy asynchronously into shared
         # memory (no registers held for them) while this tile computes
         for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-            dw_acc, db_acc = _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, dw_acc,
-                                            db_acc, N, IS_RMS, HAS_DRES, HAS_BIAS)
+            dw_acc, db_acc = _norm_bwd_step(r0, row_end, cols, col_mask, H, DY, w, MEAN, RSTD, DRES, DX, dw_acc,
+                                            db_acc, N, IS_RMS, HAS_DRES, HAS_BIAS, BLOCK_M)
     else:
         for r0 in range(row_start, row_end, BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-            dw_acc, db_acc = _norm_bwd_tile(h, dy, w, rows, row_mask, mask, offs, MEAN, RSTD, DRES, DX, dw_acc,
-                                            db_acc, N, IS_RMS, HAS_DRES, HAS_BIAS)
+            dw_acc, db_acc = _norm_bwd_step(r0, row_end, cols, col_mask, H, DY, w, MEAN, RSTD, DRES, DX, dw_acc,
+                                            db_acc, N, IS_RMS, HAS_DRES, HAS_BIAS, BLOCK_M)
     tl.store(DW_PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_PART + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
