@@ -65,11 +65,12 @@ def make_data(cfg, seq_len: int, batch: int, steps: int, device: torch.device):
     return dm
 
 
-def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block"):
+def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block", extra=None):
     from lightning_perf.models import GPT, GPTConfig
     from lightning_perf.models.gpt.transforms import apply_compile
 
-    cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa")
+    cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa",
+                              **(extra or {}))
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
@@ -94,13 +95,14 @@ def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode
     return timer.step_times(skip=warmup), cfg
 
 
-def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block"):
+def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block", extra=None):
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
     from lightning_perf.models import GPTConfig, GPTLightningModule
 
-    cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa")
+    cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa",
+                              **(extra or {}))
     timer = StepTimer(device.type == "cuda")
 
     class Timing(Callback):
@@ -165,6 +167,11 @@ VARIANTS = {
     "plain-max-autotune-model": (run_plain, "torch", "max-autotune-no-cudagraphs", "model"),
     "trainer-triton-max-autotune-model": (run_trainer, "triton", "max-autotune-no-cudagraphs", "model"),
     "trainer-cudagraphs-model": (run_trainer, "torch", "reduce-overhead", "model"),
+    # FP8 linears in the blocks (GPTConfig(fp8=True)); the bf16 baselines above are the comparison
+    "plain-fp8-compile-model": (run_plain, "torch", "default", "model", {"fp8": True}),
+    "trainer-triton-fp8-compile-model": (run_trainer, "triton", "default", "model", {"fp8": True}),
+    "trainer-triton-fp8-compile": (run_trainer, "triton", "default", "block", {"fp8": True}),
+    "trainer-fp8-compile-model": (run_trainer, "torch", "default", "model", {"fp8": True}),
 }
 
 
@@ -205,14 +212,16 @@ def main() -> None:
         for variant in args.variants.split(","):
             runner, kernels, compile_mode, *rest = VARIANTS[variant]
             scope = rest[0] if rest else "block"
+            extra = rest[1] if len(rest) > 1 else {}
             entry = {"model": name, "seq_len": T, "batch": B, "variant": variant, "kernels": kernels,
-                     "compile": compile_mode, "compile_scope": scope}
+                     "compile": compile_mode, "compile_scope": scope, "config": extra}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.time()
             try:
-                times, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode, scope)
+                times, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode, scope,
+                                    extra)
                 entry.update(summarise(times, cfg, T, B, ceiling))
             except Exception as err:  # record and go on with the next variant
                 entry["error"] = f"{type(err).__name__}: {err}"
@@ -224,12 +233,13 @@ def main() -> None:
     # ratios against the plain loop of the same model
     for run in result["runs"]:
         # the plain loop with the same kernels / compile settings (the variant name with trainer -> plain)
-        twin = run["variant"].replace("trainer", "plain")
+        twin = run["variant"].replace("trainer", "plain").replace("-fp8", "")
         base = next((r for r in result["runs"] if r["model"] == run["model"] and r["variant"] == twin
                      and "tokens_per_s" in r), None)
-        if base is None:
-            base = next((r for r in result["runs"] if r["model"] == run["model"] and r["variant"] == "plain-compile"
-                         and "tokens_per_s" in r), None)
+        for fallback in (["plain-compile-model"] if run["variant"].endswith("-model") else []) + ["plain-compile"]:
+            if base is None:
+                base = next((r for r in result["runs"] if r["model"] == run["model"] and r["variant"] == fallback
+                             and "tokens_per_s" in r), None)
         if base and "tokens_per_s" in run:
             run["baseline"] = base["variant"]
             run["ratio_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]

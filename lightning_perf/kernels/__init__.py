@@ -2,7 +2,8 @@
 
 Functional API (autograd-aware, ``torch.compile``-friendly through custom ops):
 ``flash_attention``, ``fused_linear_cross_entropy``, ``rms_norm``, ``layer_norm``,
-``rotary_embedding``, ``swiglu``, ``gelu_tanh``, ``gelu_tanh_mul``.
+``rotary_embedding``, ``swiglu``, ``gelu_tanh``, ``gelu_tanh_mul``; ``fp8_linear`` /
+``Float8Linear`` (FP8 tensor-core matmuls through ``torch._scaled_mm``, no Triton).
 
 Submodules are imported on first use: importing this package does not import
 Triton, so CPU-only installs and other modules are unaffected. On CPU the kernels
@@ -24,6 +25,8 @@ __all__ = [
     "swiglu",
     "gelu_tanh",
     "gelu_tanh_mul",
+    "fp8_linear",
+    "Float8Linear",
     "RMSNorm",
     "LayerNorm",
     "configure",
@@ -42,6 +45,8 @@ _WHERE = {
     "swiglu": "swiglu",
     "gelu_tanh": "gelu",
     "gelu_tanh_mul": "gelu",
+    "fp8_linear": "fp8_linear",
+    "Float8Linear": "fp8_linear",
     "configure": "autotune",
     "AutotuneCache": "autotune",
     "KernelTuner": "autotune",

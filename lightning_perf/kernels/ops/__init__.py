@@ -12,4 +12,5 @@ __all__ = [
     "rotary",
     "swiglu",
     "gelu",
+    "fp8_linear",
 ]

@@ -55,6 +55,10 @@ class GPTConfig:
     # dict unchanged): one wider weight-gradient matmul instead of three narrow ones, most useful
     # under tensor parallelism where each projection shard is narrow
     fused_qkv: bool = False
+    # the blocks' linears (attention and MLP projections, not the LM head) run their forward and both
+    # gradient matmuls in FP8 with per-tensor dynamic scaling (lightning_perf.kernels.fp8_linear; FP8
+    # tensor cores on compute capability >= 8.9, plain linears elsewhere); parameters stay as they are
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -79,8 +83,9 @@ class GPTConfig:
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"GPTConfig.{field}={value!r} is not one of {allowed}")
-        if not isinstance(self.fused_qkv, bool):
-            raise ValueError(f"GPTConfig.fused_qkv must be True or False, got {self.fused_qkv!r}")
+        for flag in ("fused_qkv", "fp8"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"GPTConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:

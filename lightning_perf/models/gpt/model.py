@@ -63,6 +63,14 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def _linear_class(config: GPTConfig) -> type:
+    if config.fp8:
+        from lightning_perf.kernels.ops.fp8_linear import Float8Linear
+
+        return Float8Linear
+    return nn.Linear
+
+
 class Attention(nn.Module):
     """Causal self-attention with separate q/k/v projections (column-parallel friendly) and GQA."""
 
@@ -70,14 +78,16 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = config.n_embd, config.head_dim
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, hd
-        self.q_proj = nn.Linear(d, config.n_head * hd, bias=config.bias)
-        self.k_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.bias)
-        self.v_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.bias)
-        self.o_proj = nn.Linear(config.n_head * hd, d, bias=config.bias)
+        Linear = _linear_class(config)
+        self.q_proj = Linear(d, config.n_head * hd, bias=config.bias)
+        self.k_proj = Linear(d, config.n_kv_head * hd, bias=config.bias)
+        self.v_proj = Linear(d, config.n_kv_head * hd, bias=config.bias)
+        self.o_proj = Linear(config.n_head * hd, d, bias=config.bias)
         self.rope = config.positions == "rope"
         self.impl = config.attention
         self.kernels = config.kernels
         self.fused_qkv = config.fused_qkv
+        self.fp8 = config.fp8
 
     def _qkv_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v (each (..., width)) from one matmul over the three weights concatenated by rows.
@@ -109,7 +119,12 @@ class Attention(nn.Module):
         else:
             w = torch.cat([p.weight for p in projs])
             b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-            y = F.linear(x, w, b)
+            if self.fp8:
+                from lightning_perf.kernels.ops.fp8_linear import fp8_linear
+
+                y = fp8_linear(x, w, b)
+            else:
+                y = F.linear(x, w, b)
             widths = [p.weight.shape[0] for p in projs]
         q, k, v = y.split(widths, dim=-1)
         return q, k, v
@@ -140,9 +155,10 @@ class MLP(nn.Module):
         d, f = config.n_embd, config.intermediate_size
         self.kind = config.activation
         self.impl = config.kernels
-        self.up_proj = nn.Linear(d, f, bias=config.bias)
-        self.gate_proj = nn.Linear(d, f, bias=config.bias) if self.kind == "swiglu" else None
-        self.down_proj = nn.Linear(f, d, bias=config.bias)
+        Linear = _linear_class(config)
+        self.up_proj = Linear(d, f, bias=config.bias)
+        self.gate_proj = Linear(d, f, bias=config.bias) if self.kind == "swiglu" else None
+        self.down_proj = Linear(f, d, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:

@@ -1,0 +1,228 @@
+"""FP8 linears (``GPTConfig(fp8=True)``) against bf16, same run, one GPU; plus the LM-head loss chunking.
+
+Three parts, each written to one JSON:
+1. ``linears``: one linear's forward + backward at the gpt-1.3b shapes (16384 tokens), compiled,
+   ``fp8_linear`` against ``F.linear`` under bf16 autocast (the baseline's matmul).
+2. ``convergence``: the same model trained from the same seed on the built-in corpus (real text, bytes)
+   in bf16 and with fp8 linears; loss every step, so the curves can be compared point by point.
+3. ``flce_chunks``: ``fused_linear_cross_entropy`` forward + backward at gpt-1.3b's head
+   (16384 x 2048, vocabulary 50304) for several chunk sizes against torch.compile of the reference:
+   the time each chunking costs and its extra memory.
+
+    python benchmarks/bench_fp8.py --out $OUT
+    python benchmarks/bench_fp8.py --smoke          # CPU, tiny shapes, checks the code paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for s, e in zip(starts, ends):
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_linears(device, M: int, shapes, iters: int) -> list[dict]:
+    from lightning_perf.kernels.ops.fp8_linear import fp8_linear
+
+    cuda = device.type == "cuda"
+    rows = []
+    for K, N in shapes:
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16 if cuda else torch.float32, requires_grad=True)
+        w = torch.randn(N, K, device=device, dtype=torch.float32, requires_grad=True)
+        g = torch.randn(M, N, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+        row = {"M": M, "K": K, "N": N, "flop_fwd_bwd": 6 * M * K * N}
+        for name, fn in (("bf16", F.linear), ("fp8", lambda a, b: fp8_linear(a, b))):
+            step_fn = torch.compile(fn) if cuda else fn
+
+            def step():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    y = step_fn(x, w)
+                y.backward(g)
+                x.grad = w.grad = None
+
+            try:
+                t = _time(step, iters, 3, cuda)
+                row[f"{name}_ms"] = t * 1e3
+                row[f"{name}_tflops"] = row["flop_fwd_bwd"] / t / 1e12
+            except Exception as err:
+                row[f"{name}_error"] = f"{type(err).__name__}: {err}"
+        if "bf16_ms" in row and "fp8_ms" in row:
+            row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int, lr: float) -> dict:
+    from lightning_perf.data import TokenDataModule
+    from lightning_perf.models import GPT, GPTConfig
+
+    cuda = device.type == "cuda"
+    dm = TokenDataModule(source="builtin", seq_len=seq_len, batch_size=batch, num_workers=0)
+    dm.setup("fit")
+    out = {"preset": preset, "seq_len": seq_len, "batch": batch, "steps": steps, "lr": lr}
+    for fp8 in (False, True):
+        torch.manual_seed(0)
+        cfg = GPTConfig.from_name(preset, vocab_size=dm.vocab_size, block_size=seq_len, fp8=fp8)
+        with torch.device(device):
+            model = GPT(cfg)
+        compiled = torch.compile(model) if cuda else model
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+        warm = max(1, steps // 20)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+        losses = []
+        it = iter(dm.train_dataloader())
+        t0 = time.time()
+        for step in range(steps):
+            try:
+                x, y = next(it)
+            except StopIteration:
+                it = iter(dm.train_dataloader())
+                x, y = next(it)
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = compiled(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        losses = [float(v) for v in torch.stack(losses).cpu()]
+        val = []
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            for i, (x, y) in enumerate(dm.val_dataloader()):
+                if i >= 20:
+                    break
+                val.append(float(compiled(x.to(device), y.to(device))))
+        key = "fp8" if fp8 else "bf16"
+        out[key] = {"losses": losses, "last_20_mean": statistics.fmean(losses[-20:]),
+                    "val_loss": statistics.fmean(val) if val else None, "wall_s": time.time() - t0}
+        print(json.dumps({key: {k: v for k, v in out[key].items() if k != "losses"}}), flush=True)
+        del model, compiled, opt
+    b, f = out["bf16"]["losses"], out["fp8"]["losses"]
+    out["max_abs_diff_last_half"] = max(abs(p - q) for p, q in zip(b[len(b) // 2:], f[len(f) // 2:]))
+    return out
+
+
+def bench_flce_chunks(device, N: int, d: int, V: int, chunks, iters: int) -> list[dict]:
+    from lightning_perf.kernels.ops import fused_linear_cross_entropy as flce
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    x = (torch.randn(N, d, device=device) * 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(V, d, device=device) * 0.02).requires_grad_()
+    t = torch.randint(0, V, (N,), device=device)
+    rows = []
+
+    def measure(name, fn):
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = fn()
+            loss.backward()
+            x.grad = w.grad = None
+
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        sec = _time(step, iters, 2, cuda)
+        row = {"variant": name, "ms": sec * 1e3,
+               "extra_mem_gb": (torch.cuda.max_memory_allocated() - base) / 1e9 if cuda else None}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    ref = torch.compile(flce.linear_cross_entropy_reference) if cuda else flce.linear_cross_entropy_reference
+    measure("torch.compile reference", lambda: ref(x, w, t))
+    original = flce._chunked
+    for c in chunks:
+        def chunked(*args, c=c, **kw):
+            kw["chunk_rows"] = c
+            return original(*args, **kw)
+
+        flce._chunked = chunked
+        try:
+            measure(f"chunk {c}", lambda: flce.fused_linear_cross_entropy(x, w, t))
+        finally:
+            flce._chunked = original
+    measure(f"default chunk {flce._chunk_rows(N, V, 2)}", lambda: flce.fused_linear_cross_entropy(x, w, t))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--parts", default="linears,convergence,flce_chunks")
+    p.add_argument("--conv-preset", default="gpt2-124m")
+    p.add_argument("--conv-steps", type=int, default=400)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    result = {"benchmark": "bench_fp8", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    if args.smoke:
+        M, shapes, iters = 64, [(64, 32)], 2
+        conv = ("tiny", 64, 4, 6, 1e-3)
+        flce_shape, chunks = (64, 32, 320), [16, 32]
+    else:
+        M, iters = 16384, 20
+        shapes = [(2048, 2048), (2048, 6144), (2048, 8192), (8192, 2048)]
+        conv = (args.conv_preset, 512, 32, args.conv_steps, 1e-3)
+        flce_shape, chunks = (16384, 2048, 50304), [2048, 4096, 8192, 16384]
+    parts = args.parts.split(",")
+    for part, fn in (("linears", lambda: bench_linears(device, M, shapes, iters)),
+                     ("convergence", lambda: bench_convergence(device, *conv)),
+                     ("flce_chunks", lambda: bench_flce_chunks(device, *flce_shape, chunks, iters))):
+        if part not in parts:
+            continue
+        try:
+            result[part] = fn()
+        except Exception as err:
+            result[part] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+            print(result[part]["traceback"], flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    fname = out / f"bench_fp8_{stamp}{'_smoke' if args.smoke else ''}.json"
+    fname.write_text(json.dumps(result, indent=2))
+    print(f"wrote {fname}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""FP8 linear layers for training: dynamic per-tensor scaling, FP8 tensor-core matmuls (``torch._scaled_mm``).
+
+For y = x W^T (+ b), x (M, K), W (N, K), with per-tensor scales
+    s_t = fmax / max(amax(|t|), tiny),   q(t) = cast_fp8(clamp(t * s_t, -fmax, fmax))
+the three matmuls of a training step run on FP8 operands and accumulate in fp32:
+    forward   y  = (q(x) q(W)^T) / (s_x s_W)                    x, W in e4m3 (fmax 448)
+    backward  dx = (q(g) q(W)) / (s_g s_W)                      g = dL/dy in e5m2 (fmax 57344)
+              dW = (q(g)^T q(x)) / (s_g s_x)
+              db = sum over rows of g                          (fp32, exact)
+e4m3 keeps precision for activations and weights, e5m2 keeps the range gradients need (the
+"hybrid" format). Scales are recomputed from the current tensor every call (no amax history),
+so no state needs checkpointing. The backward reuses the forward's FP8 copies of x and W: the
+activation saved for backward is one byte per element instead of two.
+
+Matmul operands must have both dimensions of each FP8 matrix divisible by 16 (the rows of x
+become the inner dimension of dW); a call that breaks this, a device without FP8 tensor cores
+(CUDA before compute capability 8.9) or a DTensor argument runs the plain ``F.linear``. Under
+``torch.compile`` the amax reductions, scaling casts and the transposed FP8 copies fuse into a few
+kernels around each matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "fp8_linear",
+    "fp8_linear_reference",
+    "fp8_linear_supported",
+    "Float8Linear",
+    "quantize_fp8",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_ALIGN = 16
+_TINY = 1e-12
+
+
+def quantize_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, inverse scale): ``q = fp8(clamp(t * s))`` with ``s = fmax / amax(|t|)``; ``q / s`` approximates ``t``.
+
+    The inverse scale is a 0-dim fp32 tensor (what ``torch._scaled_mm`` multiplies the product by).
+    """
+    fmax = torch.finfo(dtype).max
+    amax = t.detach().abs().amax().float()
+    scale = fmax / torch.clamp(amax, min=_TINY)
+    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column-major (the layout ``_scaled_mm`` needs for its second operand)."""
+    return t.t().contiguous().t()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _device_ok(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return False
+
+
+def fp8_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` takes the FP8 path for these arguments (else it runs ``F.linear``)."""
+    if _is_dtensor(x) or _is_dtensor(weight) or weight.dim() != 2 or x.dim() < 1:
+        return False
+    N, K = weight.shape
+    M = x.numel() // max(1, x.shape[-1])
+    return (x.shape[-1] == K and x.device == weight.device and _device_ok(x.device)
+            and x.is_floating_point() and weight.is_floating_point()
+            and K % _ALIGN == 0 and N % _ALIGN == 0 and M % _ALIGN == 0 and M > 0)
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """x (M, K) @ W (N, K)^T on FP8 operands; see the module docstring for the maths."""
+
+    @staticmethod
+    def forward(ctx, x, weight, out_dtype):
+        xq, x_inv = quantize_fp8(x, E4M3)
+        wq, w_inv = quantize_fp8(weight, E4M3)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
+        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        gq, g_inv = quantize_fp8(grad, E5M2)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch._scaled_mm(gq, _col_major(wq), scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=g_inv, scale_b=x_inv,
+                                  out_dtype=w_dtype)
+        return dx, dw, None
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its forward and both gradient matmuls in FP8.
+
+    x (..., K), weight (N, K), bias (N,) or None. The output dtype is the autocast dtype when
+    autocast is on, else x's. Falls back to ``F.linear`` where :func:`fp8_linear_supported` is False.
+    """
+    if not fp8_linear_supported(x, weight):
+        return F.linear(x, weight, bias)
+    out_dtype = _out_dtype(x)
+    lead = x.shape[:-1]
+    with torch.autocast(x.device.type, enabled=False):
+        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype)
+        y = y.view(*lead, weight.shape[0])
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+    return y
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The FP8 forward in fp32 arithmetic: dequantised operands, an fp32 matmul (for tests)."""
+    xq, x_inv = quantize_fp8(x.reshape(-1, x.shape[-1]), E4M3)
+    wq, w_inv = quantize_fp8(weight, E4M3)
+    y = (xq.float() * x_inv) @ (wq.float() * w_inv).t()
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return y + bias.float() if bias is not None else y
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` whose matmuls run in FP8 (:func:`fp8_linear`); same parameters and state dict.
+
+    Tensor-parallel (DTensor) weights are refused: shard-local FP8 scaling is not implemented.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_dtensor(self.weight):
+            raise NotImplementedError(
+                "Float8Linear does not support tensor-parallel (DTensor) weights; use fp8 with data, "
+                "ZeRO or pipeline parallelism, or turn fp8 off for tensor parallelism")
+        return fp8_linear(x, self.weight, self.bias)
