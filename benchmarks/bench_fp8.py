@@ -183,12 +183,95 @@ def bench_flce_chunks(device, N: int, d: int, V: int, chunks, iters: int) -> lis
     return rows
 
 
+_ND = {"triton.prefer_nd_tiling": True}
+_CD = {"coordinate_descent_tuning": True}
+STEP_VARIANTS = {
+    # name: (GPTConfig overrides, fp8_linear's forward fast accumulation[, Inductor options])
+    "bf16": ({}, True),
+    "fp8": ({"fp8": True}, True),
+    "fp8-exact-forward-accum": ({"fp8": True}, False),
+    "fp8-fused-qkv": ({"fp8": True, "fused_qkv": True}, True),
+    "bf16-fused-qkv": ({"fused_qkv": True}, True),
+    "bf16-nd-tiling": ({}, True, _ND),
+    "fp8-fused-qkv-nd-tiling": ({"fp8": True, "fused_qkv": True}, True, _ND),
+    "bf16-coordinate-descent": ({}, True, _CD),
+    "fp8-fused-qkv-coordinate-descent": ({"fp8": True, "fused_qkv": True}, True, _CD),
+    "fp8-fused-qkv-nd-tiling-coordinate-descent": ({"fp8": True, "fused_qkv": True}, True, {**_ND, **_CD}),
+}
+
+
+def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: int, warmup: int,
+               profile_dir: Path) -> list[dict]:
+    """A plain loop (bf16 autocast, whole-model compile, fused AdamW) per variant; one profiled step each."""
+    from lightning_perf.kernels.ops import fp8_linear as f8
+    from lightning_perf.models import GPT, GPTConfig
+    from lightning_perf.perf.gpu_time import gpu_time_breakdown
+
+    cuda = device.type == "cuda"
+    rows = []
+    for name in variants:
+        overrides, fast, *rest = STEP_VARIANTS[name]
+        options = rest[0] if rest else None
+        f8.fp8_linear.__kwdefaults__["fast_accum"] = fast
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        cfg = GPTConfig.from_name(preset, block_size=seq_len, **overrides)
+        with torch.device(device):
+            model = GPT(cfg)
+        compiled = torch.compile(model, options=options) if cuda else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+        x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
+        y = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = compiled(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.time()
+        sec = _time(step, steps, warmup, cuda)
+        row = {"variant": name, "config": overrides, "fast_accum_forward": fast, "inductor_options": options,
+               "step_ms": sec * 1e3,
+               "tokens_per_s": batch * seq_len / sec, "wall_s": time.time() - t0,
+               "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
+        if cuda:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            trace = profile_dir / f"fp8_step_{name}.json"
+            prof.export_chrome_trace(str(trace))
+            row["gpu_time"] = gpu_time_breakdown(json.loads(trace.read_text()).get("traceEvents", []), top=30)
+            trace.unlink()
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "gpu_time"}), flush=True)
+        if "gpu_time" in row:
+            print(json.dumps(row["gpu_time"]["ms_per_step"]), flush=True)
+        del model, compiled, opt
+        if cuda:
+            torch.cuda.empty_cache()
+    f8.fp8_linear.__kwdefaults__["fast_accum"] = True
+    baseline = next((r for r in rows if r["variant"] == "bf16"), None)
+    for r in rows:
+        if baseline:
+            r["vs_bf16"] = r["tokens_per_s"] / baseline["tokens_per_s"]
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    p.add_argument("--parts", default="linears,convergence,flce_chunks")
+    p.add_argument("--parts", default="linears,step,convergence,flce_chunks")
     p.add_argument("--conv-preset", default="gpt2-124m")
     p.add_argument("--conv-steps", type=int, default=400)
+    p.add_argument("--step-preset", default="gpt-1.3b:2048:8")
+    p.add_argument("--step-variants", default="bf16,fp8,fp8-exact-forward-accum,fp8-fused-qkv")
+    p.add_argument("--linear-fast-accum", default="1", help="comma list of forward fast-accum settings: 1,0")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -198,13 +281,30 @@ def main() -> None:
         M, shapes, iters = 64, [(64, 32)], 2
         conv = ("tiny", 64, 4, 6, 1e-3)
         flce_shape, chunks = (64, 32, 320), [16, 32]
+        step = ("tiny", 64, 4, 2, 1)
     else:
         M, iters = 16384, 20
         shapes = [(2048, 2048), (2048, 6144), (2048, 8192), (8192, 2048)]
         conv = (args.conv_preset, 512, 32, args.conv_steps, 1e-3)
         flce_shape, chunks = (16384, 2048, 50304), [2048, 4096, 8192, 16384]
+        preset, T, B = args.step_preset.split(":")
+        step = (preset, int(T), int(B), 15, 5)
     parts = args.parts.split(",")
-    for part, fn in (("linears", lambda: bench_linears(device, M, shapes, iters)),
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from lightning_perf.kernels.ops import fp8_linear as f8
+
+    def linears():
+        rows = []
+        for fast in args.linear_fast_accum.split(","):
+            f8.fp8_linear.__kwdefaults__["fast_accum"] = fast == "1"
+            rows += [dict(r, fast_accum_forward=fast == "1") for r in bench_linears(device, M, shapes, iters)]
+        f8.fp8_linear.__kwdefaults__["fast_accum"] = True
+        return rows
+
+    for part, fn in (("linears", linears),
+                     ("step", lambda: bench_step(device, step[0], step[1], step[2], args.step_variants.split(","),
+                                                 step[3], step[4], out)),
                      ("convergence", lambda: bench_convergence(device, *conv)),
                      ("flce_chunks", lambda: bench_flce_chunks(device, *flce_shape, chunks, iters))):
         if part not in parts:
@@ -216,8 +316,6 @@ def main() -> None:
             print(result[part]["traceback"], flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     fname = out / f"bench_fp8_{stamp}{'_smoke' if args.smoke else ''}.json"
     fname.write_text(json.dumps(result, indent=2))

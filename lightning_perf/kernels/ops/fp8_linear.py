@@ -89,10 +89,11 @@ class _Float8Matmul(torch.autograd.Function):
     """x (M, K) @ W (N, K)^T on FP8 operands; see the module docstring for the maths."""
 
     @staticmethod
-    def forward(ctx, x, weight, out_dtype):
+    def forward(ctx, x, weight, out_dtype, fast_accum):
         xq, x_inv = quantize_fp8(x, E4M3)
         wq, w_inv = quantize_fp8(weight, E4M3)
-        y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype,
+                             use_fast_accum=fast_accum)
         ctx.save_for_backward(xq, x_inv, wq, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype)
         return y
@@ -108,7 +109,7 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=g_inv, scale_b=x_inv,
                                   out_dtype=w_dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -117,18 +118,21 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+               fast_accum: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its forward and both gradient matmuls in FP8.
 
     x (..., K), weight (N, K), bias (N,) or None. The output dtype is the autocast dtype when
     autocast is on, else x's. Falls back to ``F.linear`` where :func:`fp8_linear_supported` is False.
+    ``fast_accum``: the forward matmul accumulates in the tensor cores' native FP8 precision, without
+    cuBLAS's periodic promotion to fp32 (Hopper; faster); the gradient matmuls always promote.
     """
     if not fp8_linear_supported(x, weight):
         return F.linear(x, weight, bias)
     out_dtype = _out_dtype(x)
     lead = x.shape[:-1]
     with torch.autocast(x.device.type, enabled=False):
-        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype)
+        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype, bool(fast_accum))
         y = y.view(*lead, weight.shape[0])
         if bias is not None:
             y = y + bias.to(out_dtype)
