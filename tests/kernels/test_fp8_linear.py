@@ -1,0 +1,148 @@
+"""FP8 linears against emulated references (dequantised operands, fp32 matmuls) and against ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_perf.kernels import Float8Linear, fp8_linear
+from lightning_perf.kernels.ops import fp8_linear as f8
+
+ON_GPU = torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+E4M3, E5M2 = f8.E4M3, f8.E5M2
+
+
+def _deq(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q, inv = f8.quantize_fp8(t, dtype)
+    return q.float() * inv
+
+
+def test_quantize_maps_amax_to_the_format_maximum():
+    t = torch.tensor([[0.5, -3.0], [1.0, 2.0]])
+    for dtype in (E4M3, E5M2):
+        q, inv = f8.quantize_fp8(t, dtype)
+        assert q.dtype == dtype and inv.dim() == 0
+        assert q.float().abs().max() == torch.finfo(dtype).max
+        assert torch.allclose(q.float() * inv, t, rtol=0.13)  # 3 (e4m3) / 2 (e5m2) mantissa bits
+    q, inv = f8.quantize_fp8(torch.zeros(4, 4), E4M3)  # all zeros: no NaN from 0 / 0
+    assert torch.isfinite(inv) and (q.float() == 0).all()
+
+
+@pytest.mark.parametrize("lead,K,N", [((32,), 16, 48), ((2, 8), 64, 32), ((3, 16), 32, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_and_gradients_match_emulated_fp8(lead, K, N, bias):
+    gen = torch.Generator().manual_seed(K * N)
+    x = torch.randn(*lead, K, generator=gen).requires_grad_()
+    w = (torch.randn(N, K, generator=gen) / K**0.5).requires_grad_()
+    b = torch.randn(N, generator=gen).requires_grad_() if bias else None
+    y = fp8_linear(x, w, b)
+    assert y.shape == (*lead, N) and y.dtype == x.dtype
+    torch.testing.assert_close(y, f8.fp8_linear_reference(x, w, b), atol=1e-5, rtol=1e-5)
+    g = torch.randn(*lead, N, generator=gen)
+    y.backward(g)
+    # what the three FP8 matmuls compute: the operands as quantised, products accumulated in fp32
+    g2, x2 = g.reshape(-1, N), x.detach().reshape(-1, K)
+    dx = _deq(g2, E5M2) @ _deq(w.detach(), E4M3)
+    dw = _deq(g2, E5M2).t() @ _deq(x2, E4M3)
+    torch.testing.assert_close(x.grad, dx.view_as(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, dw, atol=1e-5, rtol=1e-5)
+    if bias:
+        torch.testing.assert_close(b.grad, g2.sum(0), atol=1e-5, rtol=1e-5)
+    # and close to the exact linear: FP8 error only (e5m2 gradients carry ~2 mantissa bits)
+    xe, we = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    F.linear(xe, we).backward(g)
+    for got, want, tol in ((x.grad, xe.grad, 0.15), (w.grad, we.grad, 0.15)):
+        assert torch.isfinite(got).all()
+        assert (got - want).norm() / want.norm() < tol
+
+
+def test_unaligned_shapes_fall_back_to_the_plain_linear():
+    x = torch.randn(5, 24)  # 5 rows: the wgrad's inner dimension would not be a multiple of 16
+    w = torch.randn(16, 24)
+    assert not f8.fp8_linear_supported(x, w)
+    torch.testing.assert_close(fp8_linear(x, w), F.linear(x, w), atol=0, rtol=0)
+    assert f8.fp8_linear_supported(torch.randn(16, 32), torch.randn(48, 32))
+
+
+def test_float8_linear_keeps_the_linear_interface():
+    torch.manual_seed(0)
+    lin = Float8Linear(32, 16)
+    ref = torch.nn.Linear(32, 16)
+    ref.load_state_dict(lin.state_dict())
+    assert isinstance(lin, torch.nn.Linear) and list(lin.state_dict()) == list(ref.state_dict())
+    x = torch.randn(4, 8, 32)
+    out = lin(x)
+    assert (out - ref(x)).norm() / ref(x).norm() < 0.06
+    out.sum().backward()
+    assert lin.weight.grad is not None and lin.bias.grad is not None
+
+
+def test_compiled_matches_eager():
+    torch.manual_seed(0)
+    lin = Float8Linear(32, 16)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    eager = lin(x)
+    (gx_e, gw_e) = torch.autograd.grad(eager.square().sum(), (x, lin.weight))
+    compiled = torch.compile(lin, backend="aot_eager")(x)
+    (gx_c, gw_c) = torch.autograd.grad(compiled.square().sum(), (x, lin.weight))
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gx_c, gx_e, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gw_c, gw_e, atol=1e-5, rtol=1e-5)
+
+
+# ---- the cast + transpose kernel ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M,N", [(1, 1), (17, 5), (37, 50), (64, 16)])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_transpose_kernel_writes_both_layouts(M, N, dtype):
+    """The interpreted kernel (CPU) on values already on the fp8 grid: tiles, masked tails, clamping.
+
+    (The interpreter's own fp32 -> fp8 rounding is wrong, so off-grid values are checked on the GPU.)
+    """
+    if ON_GPU:
+        pytest.skip("the GPU test below checks the compiled kernel")
+    fmax = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(M * 100 + N)
+    grid = (torch.randn(M, N, generator=gen) * 8).to(dtype).float()  # representable values
+    t = grid.clone()
+    t.view(-1)[:: 7] = 4 * fmax  # past the range: clamped to +-fmax
+    t.view(-1)[3:: 11] = -4 * fmax
+    scale = torch.tensor(1.0)
+    q = torch.full((M, N), float("nan")).to(dtype)  # poison: every element must be written
+    qt = torch.full((N, M), float("nan")).to(dtype)
+    f8._cast_transpose_launch(t, scale, dtype, out=(q, qt))
+    want, want_t = f8.cast_transpose_fp8_reference(t, scale, dtype)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
+
+
+@requires_gpu
+@pytest.mark.parametrize("M,N", [(16384, 2048), (1000, 8192), (33, 48)])
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_transpose_kernel_bitwise_on_gpu(M, N, src, dtype):
+    t = (torch.randn(M, N, device="cuda") * 3).to(src)
+    scale = f8._scale_of(t, dtype)
+    q, qt = f8.cast_transpose_fp8(t, scale, dtype)
+    want, want_t = f8.cast_transpose_fp8_reference(t, scale, dtype)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
+
+
+@requires_gpu
+def test_fp8_linear_on_gpu_close_to_bf16():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch.manual_seed(0)
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(1024, 2048, device="cuda") * 0.02).requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = fp8_linear(x, w)
+        ref = F.linear(x.float(), w)
+    assert y.dtype == torch.bfloat16
+    assert (y.float() - ref).norm() / ref.norm() < 0.05
+    y.float().square().sum().backward()
+    assert torch.isfinite(w.grad).all() and w.grad.dtype == torch.float32
