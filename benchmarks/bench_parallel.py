@@ -62,6 +62,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                          "reduce_dtype": "bf16"},
     # once compute is compiled, one block of prefetch left 6-8% of the step in exposed communication
     "zero3_triton_compile_prefetch2": {"strategy": "zero3_prefetch2", "kernels": "triton", "compile": "default"},
+    # FP8 linears in the blocks (GPTConfig(fp8=True)); everything else as the bf16 variants
+    "zero3_triton_compile_fp8": {"strategy": "zero3", "kernels": "triton", "compile": "default", "fp8": True},
+    "zero2_triton_compile_fp8": {"strategy": "zero2", "kernels": "triton", "compile": "default", "fp8": True},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
@@ -181,6 +184,8 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
         overrides: dict[str, Any] = {"block_size": max(T, 16)}
         if "kernels" in spec:
             overrides["kernels"] = spec["kernels"]
+        if spec.get("fp8"):
+            overrides["fp8"] = True
         if smoke:
             config = GPTConfig.from_name("tiny-llama" if "llama" in preset else "tiny", **overrides)
         else:

@@ -174,8 +174,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def _device_ok(device: torch.device) -> bool:
     if device.type == "cpu":
         return True
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type == "cuda":  # get_device_properties: torch.compile folds it to a constant (no graph break)
+        props = torch.cuda.get_device_properties(device)
+        return (props.major, props.minor) >= (8, 9)
     return False
 
 
