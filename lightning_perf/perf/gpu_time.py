@@ -18,7 +18,7 @@ __all__ = ["GPU_TIME_RULES", "gpu_time_category", "gpu_time_breakdown", "kernel_
 GPU_TIME_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl", "symm_mem", "multimem", "cross_device")),
     ("pack_elementwise", ("_norm_fwd_kernel", "_norm_bwd_kernel", "_swiglu_", "_gelu_fwd", "_gelu_bwd",
-                          "_rotary_kernel")),
+                          "_rotary_kernel", "_cast_transpose_kernel")),
     ("pack_loss", ("_ce_rows_kernel",)),
     ("attention", ("flash", "fmha", "sdpa", "cudnn", "attn", "_fwd_kernel", "_fwd_tma", "_bwd_dq", "_bwd_dkdv",
                    "_bwd_fused", "_bwd_delta")),
