@@ -72,7 +72,14 @@ def test_every_recipe_parses_and_builds_its_strategy(recipe, tmp_path):
     path = ROOT / "configs" / recipe
     proc = _run(["fit", "--config", str(path), "--print_config"], tmp_path, timeout=300)
     assert "model:" in proc.stdout
-    strategy = yaml.safe_load(path.read_text()).get("trainer", {}).get("strategy")
+    recipe_args = yaml.safe_load(path.read_text())
+    # the module builds from the recipe's arguments (preset + overrides validated; the GPT is built later)
+    from lightning_perf.models import GPTLightningModule
+
+    module = GPTLightningModule(**recipe_args.get("model", {}))
+    for field, value in (recipe_args.get("model", {}).get("config_overrides") or {}).items():
+        assert getattr(module.config, field) == value
+    strategy = recipe_args.get("trainer", {}).get("strategy")
     if isinstance(strategy, dict) and strategy.get("class_path", "").startswith("lightning_perf."):
         module, _, name = strategy["class_path"].rpartition(".")
         cls = getattr(importlib.import_module(module), name)

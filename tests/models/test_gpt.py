@@ -330,3 +330,13 @@ def test_fp8_config_errors():
     with pytest.raises(ValueError, match="fp8=True does not combine with tensor parallelism"):
         check_gpt_layout(GPTConfig.from_name("tiny", fp8=True), tp=2)
     check_gpt_layout(GPTConfig.from_name("tiny", fp8=True, tie_embeddings=False), pp=2)  # fine
+
+
+def test_module_config_overrides():
+    module = GPTLightningModule("tiny", config_overrides={"fp8": True, "kernels": "triton"}, block_size=64)
+    assert module.config.fp8 and module.config.kernels == "triton" and module.config.block_size == 64
+    assert module.hparams["config"]["fp8"] is True  # the checkpoint rebuilds the same model
+    with pytest.raises(ValueError, match="config_overrides has fields GPTConfig does not: \\['fp9'\\]"):
+        GPTLightningModule("tiny", config_overrides={"fp9": True})
+    with pytest.raises(ValueError, match="fp8 must be True or False"):
+        GPTLightningModule("tiny", config_overrides={"fp8": "yes"})

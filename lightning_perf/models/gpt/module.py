@@ -55,6 +55,8 @@ class GPTLightningModule(L.LightningModule):
             ``"model"`` (one graph for the whole GPT: fewer launches, for one GPU).
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per block.
         vocab_size, block_size: override the preset's (e.g. to match a tokenizer or a data module).
+        config_overrides: other :class:`GPTConfig` fields to change on the preset, e.g.
+            ``{"kernels": "triton", "attention": "auto", "fp8": True}`` (a recipe's way to set them).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class GPTLightningModule(L.LightningModule):
         activation_checkpointing: str = "none",
         vocab_size: Optional[int] = None,
         block_size: Optional[int] = None,
+        config_overrides: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         if isinstance(config, str):
@@ -84,7 +87,12 @@ class GPTLightningModule(L.LightningModule):
             cfg = config
         else:
             raise TypeError(f"config must be a preset name or a GPTConfig, got {type(config).__name__}")
-        overrides = {k: v for k, v in (("vocab_size", vocab_size), ("block_size", block_size)) if v is not None}
+        overrides = dict(config_overrides or {})
+        known = {f.name for f in dataclasses.fields(GPTConfig)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"config_overrides has fields GPTConfig does not: {unknown}; known: {sorted(known)}")
+        overrides.update({k: v for k, v in (("vocab_size", vocab_size), ("block_size", block_size)) if v is not None})
         if overrides:
             cfg = cfg.replace(**overrides)
         if compile not in COMPILE_MODES:
@@ -99,7 +107,7 @@ class GPTLightningModule(L.LightningModule):
                 f"{learning_rate}, {min_lr_ratio}, {warmup_steps}"
             )
         self.config = cfg
-        self.save_hyperparameters(ignore=["config", "vocab_size", "block_size"])
+        self.save_hyperparameters(ignore=["config", "vocab_size", "block_size", "config_overrides"])
         # plain types only, so the checkpoint loads with weights_only=True
         self.hparams["config"] = dataclasses.asdict(cfg)
         self.model: Optional[GPT] = None
