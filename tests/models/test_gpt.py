@@ -340,3 +340,20 @@ def test_module_config_overrides():
         GPTLightningModule("tiny", config_overrides={"fp9": True})
     with pytest.raises(ValueError, match="fp8 must be True or False"):
         GPTLightningModule("tiny", config_overrides={"fp8": "yes"})
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_fp8_gpt_with_activation_checkpointing(mode):
+    """Recomputing the FP8 blocks in backward (same quantisation of the same activations) changes nothing."""
+    idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for ac in ("none", mode):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.from_name("tiny", n_layer=2, fp8=True))
+        apply_activation_checkpointing(list(model.blocks.values()), ac)
+        loss = model(idx, idx)
+        loss.backward()
+        out[ac] = (loss.detach(), {k: p.grad for k, p in model.named_parameters()})
+    torch.testing.assert_close(out[mode][0], out["none"][0], rtol=0, atol=0)
+    for k, g in out["none"][1].items():
+        torch.testing.assert_close(out[mode][1][k], g, rtol=1e-6, atol=1e-7, msg=k)

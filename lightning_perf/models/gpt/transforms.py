@@ -24,6 +24,7 @@ _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_mm.default,  # FP8 linears (GPTConfig(fp8=True))
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
