@@ -36,6 +36,7 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_reference",
     "fp8_linear_supported",
+    "fp8_linear_tensor_parallel",
     "Float8Linear",
     "quantize_fp8",
     "cast_transpose_fp8",
@@ -258,15 +259,48 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     return y + bias.float() if bias is not None else y
 
 
+def fp8_linear_tensor_parallel(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                               *, fast_accum: bool = True) -> torch.Tensor:
+    """:func:`fp8_linear` on tensor-parallel DTensors, one FP8 matmul per rank on its local shards.
+
+    Column-parallel (weight ``Shard(0)``, input replicated): each rank's output columns, ``Shard(-1)``.
+    Row-parallel (weight ``Shard(1)``, input ``Shard(-1)``): each rank's partial sum, ``Partial()``,
+    reduced by the plan's output layout; a replicated bias is added after that. Every shard is scaled
+    by its own amax (the local operand's), which is what a one-process FP8 linear over the same
+    shards computes; a plain-tensor input counts as replicated. Other layouts raise.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = weight.device_mesh
+    if len(weight.placements) != 1:
+        raise NotImplementedError(f"FP8 linear over a {len(weight.placements)}-D mesh: weight {weight.placements}")
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    wp, xp = weight.placements[0], x.placements[0]
+    last = x.dim() - 1
+    if wp == Shard(0) and xp == Replicate():
+        # the replicated input's gradient is this rank's share of a sum over the ranks
+        local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
+        y = fp8_linear(x.to_local(grad_placements=[Partial()]), weight.to_local(), local_bias, fast_accum=fast_accum)
+        return DTensor.from_local(y, mesh, [Shard(last)], run_check=False)
+    if wp == Shard(1) and xp == Shard(last):
+        y = fp8_linear(x.to_local(), weight.to_local(), None, fast_accum=fast_accum)
+        out = DTensor.from_local(y, mesh, [Partial()], run_check=False)
+        return out + bias if bias is not None else out
+    raise NotImplementedError(
+        f"FP8 linear for weight placement {weight.placements} with input placement {x.placements}: only "
+        f"column-parallel (Shard(0) weight, replicated input) and row-parallel (Shard(1) weight, input "
+        f"sharded on its last dimension) are implemented")
+
+
 class Float8Linear(nn.Linear):
     """``nn.Linear`` whose matmuls run in FP8 (:func:`fp8_linear`); same parameters and state dict.
 
-    Tensor-parallel (DTensor) weights are refused: shard-local FP8 scaling is not implemented.
+    Under tensor parallelism (DTensor weights from ``ColwiseParallel`` / ``RowwiseParallel``) each rank
+    runs the FP8 matmul on its shards (:func:`fp8_linear_tensor_parallel`).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _is_dtensor(self.weight):
-            raise NotImplementedError(
-                "Float8Linear does not support tensor-parallel (DTensor) weights; use fp8 with data, "
-                "ZeRO or pipeline parallelism, or turn fp8 off for tensor parallelism")
+            return fp8_linear_tensor_parallel(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias)

@@ -113,7 +113,12 @@ class Attention(nn.Module):
                                        run_check=False)
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            y = F.linear(x, w) + b if (b is not None and bias_after) else F.linear(x, w, b)
+            if self.fp8:
+                from lightning_perf.kernels.ops.fp8_linear import fp8_linear_tensor_parallel
+
+                y = fp8_linear_tensor_parallel(x, w, b)
+            else:
+                y = F.linear(x, w) + b if (b is not None and bias_after) else F.linear(x, w, b)
             y = y.to_local()
             widths = [p.weight.to_local().shape[0] for p in projs]
         else:

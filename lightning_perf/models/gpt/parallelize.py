@@ -45,11 +45,6 @@ __all__ = ["gpt_tensor_parallel_plan", "gpt_pipeline_stage", "gpt_stage_layers",
 
 def check_gpt_layout(config: "GPTConfig", *, tp: int = 1, pp: int = 1, stages_per_rank: int = 1) -> None:
     """Raise ``ValueError`` with the numbers when the GPT cannot be split this way."""
-    if tp > 1 and getattr(config, "fp8", False):
-        raise ValueError(
-            f"GPTConfig.fp8=True does not combine with tensor parallelism (tensor_parallel_size={tp}): FP8 "
-            f"linears need whole weights; use fp8 with data, ZeRO or pipeline parallelism, or fp8=False"
-        )
     if tp > 1:
         for what, value in (
             ("n_head", config.n_head),
