@@ -172,6 +172,9 @@ VARIANTS = {
     "trainer-triton-fp8-compile-model": (run_trainer, "triton", "default", "model", {"fp8": True}),
     "trainer-triton-fp8-compile": (run_trainer, "triton", "default", "block", {"fp8": True}),
     "trainer-fp8-compile-model": (run_trainer, "torch", "default", "model", {"fp8": True}),
+    # CUDA graphs: no host launch cost per kernel (the FP8 casts add many small launches at d=768)
+    "plain-fp8-cudagraphs-model": (run_plain, "torch", "reduce-overhead", "model", {"fp8": True}),
+    "trainer-triton-fp8-cudagraphs-model": (run_trainer, "triton", "reduce-overhead", "model", {"fp8": True}),
 }
 
 

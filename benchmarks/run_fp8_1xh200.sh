@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One H200 call: where the gpt2-124m FP8 step loses time (GPU time per kernel and idle time of one
+# profiled step, bf16 against fp8), and whether CUDA graphs (no per-kernel host cost) recover it.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python -m pip install --no-deps -e . -q > /dev/null 2>&1
+timeout 240 python benchmarks/bench_fp8.py --out "$OUT" --parts step --step-preset gpt2-124m:1024:16 \
+    --step-variants bf16,fp8 2>&1 | grep -v Warning | grep '"variant"\|matmul' | cut -c1-400
+timeout 300 python benchmarks/bench_gpt.py --out "$OUT" --models gpt2-124m:1024:16 --tag _fp8_124m \
+    --variants plain-compile-model,plain-cudagraphs-model,trainer-triton-fp8-compile-model,trainer-triton-fp8-cudagraphs-model \
+    2>&1 | grep -v Warning | tail -6
