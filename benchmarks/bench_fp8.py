@@ -132,7 +132,7 @@ def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int,
         out[key] = {"losses": losses, "last_20_mean": statistics.fmean(losses[-20:]),
                     "val_loss": statistics.fmean(val) if val else None, "wall_s": time.time() - t0}
         print(json.dumps({key: {k: v for k, v in out[key].items() if k != "losses"}}), flush=True)
-        del model, compiled, opt
+        model = compiled = opt = None  # free before the next variant
     b, f = out["bf16"]["losses"], out["fp8"]["losses"]
     out["max_abs_diff_last_half"] = max(abs(p - q) for p, q in zip(b[len(b) // 2:], f[len(f) // 2:]))
     return out
@@ -252,7 +252,7 @@ def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: i
         print(json.dumps({k: v for k, v in row.items() if k != "gpu_time"}), flush=True)
         if "gpu_time" in row:
             print(json.dumps(row["gpu_time"]["ms_per_step"]), flush=True)
-        del model, compiled, opt
+        model = compiled = opt = None  # free before the next variant
         if cuda:
             torch.cuda.empty_cache()
     f8.fp8_linear.__kwdefaults__["fast_accum"] = True

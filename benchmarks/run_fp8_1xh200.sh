@@ -6,6 +6,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python -m pip install --no-deps -e . -q > /dev/null 2>&1
+# the cast-and-transpose kernel against its reference, bit for bit (e5m2 from fp32 sources failed on an H200)
+timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py 2>&1 | grep -E "AssertionError|passed|failed" | cut -c1-600
 timeout 240 python benchmarks/bench_fp8.py --out "$OUT" --parts step --step-preset gpt2-124m:1024:16 \
     --step-variants bf16,fp8 2>&1 | grep -v Warning | grep '"variant"\|matmul' | cut -c1-400
 timeout 300 python benchmarks/bench_gpt.py --out "$OUT" --models gpt2-124m:1024:16 --tag _fp8_124m \

@@ -128,8 +128,14 @@ def test_cast_transpose_kernel_bitwise_on_gpu(M, N, src, dtype):
     scale = f8._scale_of(t, dtype)
     q, qt = f8.cast_transpose_fp8(t, scale, dtype)
     want, want_t = f8.cast_transpose_fp8_reference(t, scale, dtype)
-    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
-    assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
+
+    def report(got, want, src):  # mismatching codes: how many, and the first few (input * scale, got, want)
+        bad = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero()[:4]
+        rows = [(float(src[i, j].float() * scale), float(got[i, j].float()), float(want[i, j].float())) for i, j in bad]
+        return int((got.view(torch.uint8) != want.view(torch.uint8)).sum()), rows
+
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), ("q", report(q, want, t))
+    assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8)), ("q^T", report(qt, want_t, t.t()))
 
 
 @requires_gpu
