@@ -14,9 +14,11 @@ activation saved for backward is one byte per element instead of two.
 
 Matmul operands must have both dimensions of each FP8 matrix divisible by 16 (the rows of x
 become the inner dimension of dW); a call that breaks this, a device without FP8 tensor cores
-(CUDA before compute capability 8.9) or a DTensor argument runs the plain ``F.linear``. Under
-``torch.compile`` the amax reductions, scaling casts and the transposed FP8 copies fuse into a few
-kernels around each matmul.
+(CUDA before compute capability 8.9) or a DTensor argument runs the plain ``F.linear``
+(:func:`fp8_linear_tensor_parallel` takes tensor-parallel DTensors shard by shard). Under
+``torch.compile`` the amax reductions fuse into the kernels producing x and g (norms, activations);
+x and g are then cast by :func:`cast_transpose_fp8`, which also writes the transposed copies the
+weight gradient needs.
 """
 
 from __future__ import annotations
