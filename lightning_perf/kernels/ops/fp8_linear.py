@@ -51,14 +51,18 @@ _ALIGN = 16
 _TINY = 1e-12
 
 
+def _scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fmax / amax(|t|)`` as a 0-dim fp32 tensor (amax clamped away from 0)."""
+    return torch.finfo(dtype).max / torch.clamp(t.detach().abs().amax().float(), min=_TINY)
+
+
 def quantize_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, inverse scale): ``q = fp8(clamp(t * s))`` with ``s = fmax / amax(|t|)``; ``q / s`` approximates ``t``.
 
     The inverse scale is a 0-dim fp32 tensor (what ``torch._scaled_mm`` multiplies the product by).
     """
     fmax = torch.finfo(dtype).max
-    amax = t.detach().abs().amax().float()
-    scale = fmax / torch.clamp(amax, min=_TINY)
+    scale = _scale_of(t, dtype)
     q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
     return q, scale.reciprocal()
 
@@ -154,11 +158,6 @@ def cast_transpose_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     differently). t (M, N) with unit stride along N; scale a 0-dim fp32 tensor.
     """
     return _cast_transpose_op(t, scale, dtype)
-
-
-def _scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``fmax / amax(|t|)`` as a 0-dim fp32 tensor (amax clamped away from 0)."""
-    return torch.finfo(dtype).max / torch.clamp(t.detach().abs().amax().float(), min=_TINY)
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
