@@ -65,6 +65,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # FP8 linears in the blocks (GPTConfig(fp8=True)); everything else as the bf16 variants
     "zero3_triton_compile_fp8": {"strategy": "zero3", "kernels": "triton", "compile": "default", "fp8": True},
     "zero2_triton_compile_fp8": {"strategy": "zero2", "kernels": "triton", "compile": "default", "fp8": True},
+    "zero3_triton_compile_fp8_bf16_reduce": {"strategy": "zero3", "kernels": "triton", "compile": "default",
+                                             "fp8": True, "reduce_dtype": "bf16"},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
