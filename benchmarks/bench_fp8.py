@@ -85,15 +85,29 @@ def bench_linears(device, M: int, shapes, iters: int) -> list[dict]:
     return rows
 
 
-def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int, lr: float) -> dict:
+CONV_RUNS = {
+    # name: (fp8 linears, the Triton cast-and-transpose kernel (False: its PyTorch reference))
+    "bf16": (False, True),
+    "fp8": (True, True),
+    "fp8-reference-cast": (True, False),
+}
+
+
+def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int, lr: float,
+                      runs=("bf16", "fp8")) -> dict:
     from lightning_perf.data import TokenDataModule
+    from lightning_perf.kernels.ops import fp8_linear as f8
     from lightning_perf.models import GPT, GPTConfig
 
     cuda = device.type == "cuda"
     dm = TokenDataModule(source="builtin", seq_len=seq_len, batch_size=batch, num_workers=0)
     dm.setup("fit")
     out = {"preset": preset, "seq_len": seq_len, "batch": batch, "steps": steps, "lr": lr}
-    for fp8 in (False, True):
+    kernel_ok = f8._cast_transpose_ok
+    for key in runs:
+        fp8, use_kernel = CONV_RUNS[key]
+        f8._cast_transpose_ok = kernel_ok if use_kernel else (lambda t: False)
+        torch._dynamo.reset()
         torch.manual_seed(0)
         cfg = GPTConfig.from_name(preset, vocab_size=dm.vocab_size, block_size=seq_len, fp8=fp8)
         with torch.device(device):
@@ -128,13 +142,16 @@ def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int,
                 if i >= 20:
                     break
                 val.append(float(compiled(x.to(device), y.to(device))))
-        key = "fp8" if fp8 else "bf16"
         out[key] = {"losses": losses, "last_20_mean": statistics.fmean(losses[-20:]),
                     "val_loss": statistics.fmean(val) if val else None, "wall_s": time.time() - t0}
         print(json.dumps({key: {k: v for k, v in out[key].items() if k != "losses"}}), flush=True)
         model = compiled = opt = None  # free before the next variant
-    b, f = out["bf16"]["losses"], out["fp8"]["losses"]
-    out["max_abs_diff_last_half"] = max(abs(p - q) for p, q in zip(b[len(b) // 2:], f[len(f) // 2:]))
+    f8._cast_transpose_ok = kernel_ok
+    for a, b in (("bf16", "fp8"), ("fp8", "fp8-reference-cast")):
+        if a in out and b in out:
+            x, y = out[a]["losses"], out[b]["losses"]
+            out[f"max_abs_diff_{a}_vs_{b}"] = max(abs(p - q) for p, q in zip(x, y))
+            out[f"max_abs_diff_{a}_vs_{b}_last_half"] = max(abs(p - q) for p, q in zip(x[len(x) // 2:], y[len(y) // 2:]))
     return out
 
 
@@ -269,6 +286,7 @@ def main() -> None:
     p.add_argument("--parts", default="linears,step,convergence,flce_chunks")
     p.add_argument("--conv-preset", default="gpt2-124m")
     p.add_argument("--conv-steps", type=int, default=400)
+    p.add_argument("--conv-runs", default="bf16,fp8", help=f"comma list of {sorted(CONV_RUNS)}")
     p.add_argument("--step-preset", default="gpt-1.3b:2048:8")
     p.add_argument("--step-variants", default="bf16,fp8,fp8-exact-forward-accum,fp8-fused-qkv")
     p.add_argument("--linear-fast-accum", default="1", help="comma list of forward fast-accum settings: 1,0")
@@ -305,7 +323,7 @@ def main() -> None:
     for part, fn in (("linears", linears),
                      ("step", lambda: bench_step(device, step[0], step[1], step[2], args.step_variants.split(","),
                                                  step[3], step[4], out)),
-                     ("convergence", lambda: bench_convergence(device, *conv)),
+                     ("convergence", lambda: bench_convergence(device, *conv, runs=args.conv_runs.split(","))),
                      ("flce_chunks", lambda: bench_flce_chunks(device, *flce_shape, chunks, iters))):
         if part not in parts:
             continue
