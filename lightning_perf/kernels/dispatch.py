@@ -17,6 +17,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from lightning_perf.kernels._utils import is_dtensor as _is_dtensor
+
 __all__ = [
     "attention",
     "norm",
@@ -35,13 +37,6 @@ SDPA_BACKENDS = ("cudnn", "flash", "efficient")
 _CANDIDATES = ("triton",) + SDPA_BACKENDS
 
 
-def _is_dtensor(*tensors) -> bool:
-    """Distributed tensors (tensor parallelism) take the reference path: our kernels see local shards only."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - builds without distributed
-        return False
-    return any(isinstance(t, DTensor) for t in tensors)
 
 
 def _sdpa_backend(name: str):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import can_launch, cdiv
+from lightning_perf.kernels._utils import can_launch, cdiv, is_dtensor
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = [
@@ -167,14 +167,6 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return False
-    return isinstance(t, DTensor)
-
-
 def _device_ok(device: torch.device) -> bool:
     if device.type == "cpu":
         return True
@@ -186,7 +178,7 @@ def _device_ok(device: torch.device) -> bool:
 
 def fp8_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`fp8_linear` takes the FP8 path for these arguments (else it runs ``F.linear``)."""
-    if _is_dtensor(x) or _is_dtensor(weight) or weight.dim() != 2 or x.dim() < 1:
+    if is_dtensor(x, weight) or weight.dim() != 2 or x.dim() < 1:
         return False
     N, K = weight.shape
     M = x.numel() // max(1, x.shape[-1])
@@ -304,6 +296,6 @@ class Float8Linear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_dtensor(self.weight):
+        if is_dtensor(self.weight):
             return fp8_linear_tensor_parallel(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias)

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_perf.kernels._utils import is_dtensor
 from lightning_perf.models.gpt import ops
 from lightning_perf.models.gpt.config import GPTConfig
 
@@ -53,14 +54,6 @@ def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device) 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) by the position angle. x: (B, nh, T, hd)."""
     return ops.rope(x, cos, sin)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return False
-    return isinstance(t, DTensor)
 
 
 def _linear_class(config: GPTConfig) -> type:
@@ -101,7 +94,7 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         weight = self.q_proj.weight
         bias_after = getattr(type(self.q_proj), "_lp_bias_after_matmul", False)  # async TP: mm, then + bias
-        if _is_dtensor(weight):
+        if is_dtensor(weight):
             from torch.distributed.tensor import DTensor, Replicate
 
             mesh, placements = weight.device_mesh, weight.placements
