@@ -114,12 +114,19 @@ def select(names: list[str], only: Optional[str]) -> list[str]:
 def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor") -> Any:
     from lightning_perf.strategies import Parallel3DStrategy
 
+    if spec.get("strategy") == "lightning_fsdp":  # Lightning's own FSDPStrategy, FULL_SHARD per block
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        from lightning_perf.models.gpt.model import Block
+
+        return FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, state_dict_type="sharded",
+                            activation_checkpointing_policy={Block} if spec.get("ac", "none") != "none" else None)
     pp, tp = spec.get("pp", 1), spec.get("tp", 1)
     return Parallel3DStrategy(
         data_parallel_size=world // (pp * tp),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
-        zero_stage=2,
+        zero_stage=spec.get("zero", 2),
         pipeline_schedule=spec.get("schedule", "1f1b"),
         num_microbatches=spec.get("m"),
         stages_per_rank=spec.get("spr", 1),
@@ -254,13 +261,14 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
 
     smoke = args["smoke"]
     preset = spec.get("preset", args["preset"])
-    T = args["seq_len"]
+    T = spec.get("seq_len", args["seq_len"]) if not smoke else args["seq_len"]
     global_batch = spec.get("global_batch", args["global_batch"])
     dp = world // (spec.get("pp", 1) * spec.get("tp", 1))
     B = global_batch // dp
     small = "tiny-llama" if "llama" in preset else "tiny"
     config = GPTConfig.from_name(small if smoke else preset, block_size=max(T, 16), tie_embeddings=False,
-                                 fused_qkv=spec.get("fused_qkv", False))
+                                 fused_qkv=spec.get("fused_qkv", False),
+                                 **(spec.get("smoke_config", {}) if smoke else {}))  # e.g. heads for tp8
     pool = torch.randint(0, config.vocab_size, (64, T + 1), generator=torch.Generator().manual_seed(rank))
 
     class Tokens(Dataset):  # random tokens from a small pool: no data cost inside the step
@@ -301,6 +309,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "ok": True, "preset": config.name, "world": world, "dp": dp, "tp": spec.get("tp", 1),
         "pp": spec.get("pp", 1), "schedule": spec.get("schedule"), "microbatches": spec.get("m"),
         "stages_per_rank": spec.get("spr", 1), "activation_checkpointing": spec.get("ac", "none"),
+        "strategy": spec.get("strategy", "parallel3d"), "zero_stage": spec.get("zero", 2) if dp > 1 else None,
         "compile": spec.get("compile"), "async_tp": spec.get("async_tp", False),
         "tp_overlap": spec.get("tp_overlap", "reorder") if spec.get("tp", 1) > 1 else None,
         "sequence_parallel": spec.get("sp", True) if spec.get("tp", 1) > 1 else None,

@@ -1,0 +1,212 @@
+"""Eight GPUs of one host (8x H200, NVLink switch): 3D layouts of llama-8b, weak scaling of gpt-1.3b.
+
+    python benchmarks/bench_8gpu.py --out DIR                  # part "main", ~9 min on 8x H200
+    python benchmarks/bench_8gpu.py --out DIR --part compile   # compiled llama-8b layouts, ~9 min
+    python benchmarks/bench_8gpu.py --smoke                    # same code paths, tiny models, CPU/gloo
+
+Every variant trains inside Lightning's ``Trainer.fit`` (bf16-mixed, AdamW, random tokens,
+parameters built on meta and initialised on the GPUs) through the measuring code of
+``bench_parallel3d.py`` (CUDA-event median step after warm-up, one profiled step per variant).
+
+Part ``main``:
+
+- llama-8b, T=4096, global batch 32 sequences (131k tokens) per step, eager, under
+  ``Parallel3DStrategy``: dp8 with ZeRO-3 (selective activation checkpointing: matmul and
+  attention outputs kept); pp2 x tp2 x dp2 (1F1B, 8 microbatches, ZeRO-1 on dp, no
+  checkpointing); tp8 (sequence parallel, selective); pp2 x dp4 (1F1B, 8 microbatches,
+  ZeRO-2, no checkpointing).
+- gpt-1.3b (untied head), T=2048, 8 sequences per GPU, ZeRO-2 eager: dp1 -> dp2 -> dp4 -> dp8
+  weak scaling (efficiency = tokens/s per GPU against dp1), then dp8 ZeRO-3 and Lightning's
+  own FSDPStrategy (FULL_SHARD, per-block wrap) on the same 8 GPUs.
+
+Part ``compile``: the llama-8b dp8 and pp2 x tp2 x dp2 layouts with the strategy's
+``compile="default"`` (Inductor per block; first steps compile inside the warm-up), and
+Lightning's FSDPStrategy on dp8 for llama-8b (selective is ours only: full checkpointing there).
+
+Reported per variant: tokens/s in all and per GPU, MFU per GPU (causal attention counted once,
+989 TFLOP/s dense bf16; ``mfu_attention_twice`` the Megatron way), peak allocated memory (max
+over ranks), exposed communication % (NCCL kernel time under no compute kernel, over the
+step; max over ranks), GPU compute-idle % (pipeline bubble + waits), and for pipelines the
+bubble theory ``(p-1) / (m+p-1)``. Variants of one model and world share one spawned group;
+a group past its deadline is killed and its unfinished variants recorded as failures; later
+groups are skipped once ``--budget`` seconds are spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_parallel3d as b3  # noqa: E402
+
+LLAMA = {"preset": "llama-8b", "seq_len": 4096, "global_batch": 32}
+GPT13 = {"preset": "gpt-1.3b", "seq_len": 2048}
+
+# (part, group name, world, {variant: spec}); groups run in this order
+GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
+    ("main", "llama8b_8gpu", 8, {
+        "llama8b_dp8_zero3": dict(LLAMA, zero=3, ac="selective"),
+        "llama8b_pp2_tp2_dp2": dict(LLAMA, pp=2, tp=2, zero=1, schedule="1f1b", m=8),
+        "llama8b_tp8": dict(LLAMA, tp=8, ac="selective", smoke_config={"n_head": 8, "n_kv_head": 8}),
+        "llama8b_pp2_dp4": dict(LLAMA, pp=2, zero=2, schedule="1f1b", m=8),
+    }),
+    ("main", "gpt13b_dp1", 1, {"gpt13b_dp1": dict(GPT13, global_batch=8)}),
+    ("main", "gpt13b_dp2", 2, {"gpt13b_dp2_zero2": dict(GPT13, global_batch=16, zero=2)}),
+    ("main", "gpt13b_dp4", 4, {"gpt13b_dp4_zero2": dict(GPT13, global_batch=32, zero=2)}),
+    ("main", "gpt13b_dp8", 8, {
+        "gpt13b_dp8_zero2": dict(GPT13, global_batch=64, zero=2),
+        "gpt13b_dp8_zero3": dict(GPT13, global_batch=64, zero=3),
+        "gpt13b_dp8_lightning_fsdp": dict(GPT13, global_batch=64, strategy="lightning_fsdp"),
+    }),
+    ("compile", "llama8b_8gpu_compile", 8, {
+        "llama8b_dp8_zero3_compile": dict(LLAMA, zero=3, ac="selective", compile="default"),
+        "llama8b_pp2_tp2_dp2_compile": dict(LLAMA, pp=2, tp=2, zero=1, schedule="1f1b", m=8, compile="default"),
+        "llama8b_dp8_lightning_fsdp": dict(LLAMA, strategy="lightning_fsdp", ac="full"),
+    }),
+]
+
+# a group's deadline: seconds per variant plus the group's start (spawn, imports, NCCL)
+PER_VARIANT_S = {"llama8b_8gpu": 85.0, "llama8b_8gpu_compile": 150.0}
+DEFAULT_PER_VARIANT_S = 35.0
+GROUP_START_S = 30.0
+
+
+def weak_scaling(results: list[dict]) -> dict[str, Any]:
+    """Tokens/s per GPU of the ZeRO-2 gpt-1.3b runs against dp1 (same per-GPU batch)."""
+    ok = {r["variant"]: r for r in results if r.get("ok")}
+    base = ok.get("gpt13b_dp1")
+    table: dict[str, Any] = {}
+    for name in ("gpt13b_dp1", "gpt13b_dp2_zero2", "gpt13b_dp4_zero2", "gpt13b_dp8_zero2"):
+        r = ok.get(name)
+        if r is None:
+            continue
+        per_gpu = r["tokens_per_s"] / r["world"]
+        table[str(r["world"])] = {
+            "variant": name,
+            "tokens_per_s": r["tokens_per_s"],
+            "tokens_per_s_per_gpu": per_gpu,
+            "efficiency": per_gpu / (base["tokens_per_s"] / base["world"]) if base else None,
+        }
+    return table
+
+
+def add_figures(results: list[dict]) -> None:
+    from lightning_perf.parallel.pipeline import bubble_fraction
+
+    for r in results:
+        if not r.get("ok"):
+            continue
+        r["tokens_per_s_per_gpu"] = r["tokens_per_s"] / r["world"]
+        if r.get("pp", 1) > 1:
+            r["bubble_theory"] = bubble_fraction(r["pp"], r["microbatches"], r.get("stages_per_rank", 1))
+    fsdp = next((r for r in results if r.get("ok") and r["variant"] == "gpt13b_dp8_lightning_fsdp"), None)
+    for r in results:
+        if fsdp is not None and r.get("ok") and r["variant"].startswith("gpt13b_dp8"):
+            r["vs_lightning_fsdp_dp8"] = r["tokens_per_s"] / fsdp["tokens_per_s"]
+    lfsdp8b = next((r for r in results if r.get("ok") and r["variant"] == "llama8b_dp8_lightning_fsdp"), None)
+    for r in results:
+        if lfsdp8b is not None and r.get("ok") and r["variant"].startswith("llama8b"):
+            r["vs_lightning_fsdp_llama8b"] = r["tokens_per_s"] / lfsdp8b["tokens_per_s"]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--part", choices=("main", "compile", "all"), default="main")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU processes (gloo)")
+    parser.add_argument("--gpus", type=int, default=8, help="largest world; groups needing more are skipped")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds; a group that cannot finish is skipped")
+    parser.add_argument("--only", default=None, help="comma-separated variant patterns (default: the part's all)")
+    a = parser.parse_args(argv)
+    if a.smoke:
+        a.warmup, a.steps = 1, 1
+    args = {"smoke": a.smoke, "preset": "gpt-1.3b", "seq_len": 32 if a.smoke else 2048, "global_batch": 16,
+            "warmup": a.warmup, "steps": a.steps, "compile_backend": "aot_eager" if a.smoke else "inductor"}
+    start = time.perf_counter()
+    results: list[dict] = []
+    for part, group, world, specs in GROUPS:
+        if a.part != "all" and part != a.part:
+            continue
+        names = b3.select(list(specs), a.only)
+        if not names:
+            continue
+        if world > a.gpus:
+            results += [{"variant": n, "ok": False, "error": f"skipped: needs {world} GPUs"} for n in names]
+            continue
+        per = PER_VARIANT_S.get(group, DEFAULT_PER_VARIANT_S) * (3 if a.smoke else 1)
+        timeout = GROUP_START_S + per * len(names)
+        left = a.budget - (time.perf_counter() - start)
+        if left < GROUP_START_S + per:
+            results += [{"variant": n, "ok": False, "error": f"skipped: {left:.0f}s of the budget left"} for n in names]
+            print(f"[{group}] skipped (budget)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        merged = b3.run_group(names, specs, args, world, min(timeout, left))
+        for r in merged:
+            r["group"] = group
+            status = (f"{r['tokens_per_s']:.0f} tok/s, {r['tokens_per_s'] / world:.0f}/GPU, MFU {100 * r['mfu']:.1f}%"
+                      if r.get("ok") else f"FAILED {r.get('error', '')[:300]}")
+            print(f"[{r['variant']}] {status}", flush=True)
+        print(f"[{group}] {time.perf_counter() - t0:.0f}s", flush=True)
+        results += merged
+    add_figures(results)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    report = {
+        "benchmark": "bench_8gpu",
+        "part": a.part,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else a.gpus,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "config": {**args, "groups": [(p, g, w, s) for p, g, w, s in GROUPS], "peak_flops": b3.PEAK_BF16},
+        "wall_s": time.perf_counter() - start,
+        "weak_scaling": weak_scaling(results),
+        "results": results,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out / f"bench_8gpu{'_smoke' if a.smoke else ''}_{a.part}_{stamp}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"\n{'variant':30s} {'tok/s':>9s} {'/GPU':>7s} {'MFU':>6s} {'memGB':>6s} {'exp.comm':>8s} {'idle':>6s} "
+          f"{'bubble th.':>10s}")
+    for r in results:
+        if not r.get("ok"):
+            print(f"{r['variant']:30s} failed: {r.get('error', '')[:90]}")
+            continue
+
+        def pct(key: str) -> str:
+            return f"{r[key]:.1f}%" if r.get(key) is not None else "-"
+
+        mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
+        bub = f"{100 * r['bubble_theory']:.0f}%" if r.get("bubble_theory") is not None else "-"
+        print(f"{r['variant']:30s} {r['tokens_per_s']:9.0f} {r['tokens_per_s_per_gpu']:7.0f} {100 * r['mfu']:5.1f}% "
+              f"{mem:>6s} {pct('exposed_comm_pct'):>8s} {pct('compute_idle_pct'):>6s} {bub:>10s}")
+    ws = report["weak_scaling"]
+    if ws:
+        print("weak scaling (gpt-1.3b ZeRO-2, tokens/s per GPU vs dp1): " + ", ".join(
+            f"dp{k} {v['efficiency']:.3f}" if v["efficiency"] is not None else f"dp{k} -" for k, v in ws.items()))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One 8x H200 call per part of bench_8gpu.py: PART=main (llama-8b layouts, gpt-1.3b weak scaling,
+# Lightning FSDP dp8) or PART=compile (compiled llama-8b layouts, Lightning FSDP on llama-8b).
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi topo -m 2>&1 | head -12
+python -c 'import torch; print(torch.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))'
+timeout 560 python benchmarks/bench_8gpu.py --out "$OUT" --part "${PART:-main}" --budget 530 2>&1 \
+    | grep -v -E "Warn|warn|USDT|^\s*$" | tail -40
