@@ -7,5 +7,9 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi topo -m 2>&1 | head -12
 python -c 'import torch; print(torch.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))'
-timeout 560 python benchmarks/bench_8gpu.py --out "$OUT" --part "${PART:-main}" --budget 530 2>&1 \
+if [ "${PART:-main}" = main ]; then  # the FP8 cast-transpose kernel's GPU test (fixed after a failing H200 run)
+    CUDA_VISIBLE_DEVICES=0 timeout 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py \
+        -k bitwise_on_gpu 2>&1 | grep -i -E "AssertionError|passed|failed" | cut -c1-400
+fi
+timeout 530 python benchmarks/bench_8gpu.py --out "$OUT" --part "${PART:-main}" --budget 500 2>&1 \
     | grep -v -E "Warn|warn|USDT|^\s*$" | tail -40

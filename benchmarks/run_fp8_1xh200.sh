@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python -m pip install --no-deps -e . -q > /dev/null 2>&1
 timeout 90 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py 2>&1 \
-    | grep -E "AssertionError|passed|failed" | cut -c1-600
+    | grep -i -E "AssertionError|passed|failed" | cut -c1-600
 timeout 170 python benchmarks/bench_fp8.py --out "$OUT" --parts step --step-preset gpt2-124m:1024:16 \
     --step-variants bf16,fp8 2>&1 | grep -v Warning | grep '"variant"\|matmul' | cut -c1-400
 timeout 130 python benchmarks/bench_fp8.py --out "$OUT" --parts convergence --conv-steps 100 \

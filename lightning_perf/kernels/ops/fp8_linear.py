@@ -92,9 +92,10 @@ def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, stride_xm, FMAX: tl.constexpr,
         b = y.to(tl.uint32, bitcast=True)
         b = (b + 0xFFFFF + ((b >> 21) & 1)) & 0xFFE00000
         y = b.to(tl.float32, bitcast=True)
-    q = y.to(Q.dtype.element_ty)
-    tl.store(Q + rm64[:, None] * N + rn64[None, :], q, mask=mask)
-    tl.store(QT + rn64[:, None] * M + rm64[None, :], tl.trans(q), mask=tl.trans(mask))
+    tl.store(Q + rm64[:, None] * N + rn64[None, :], y.to(Q.dtype.element_ty), mask=mask)
+    # transpose the fp32 values, then cast again: on an H200 (Triton 3.6) transposing the fp8 tile
+    # itself scrambled q^T for some tile configurations and source dtypes
+    tl.store(QT + rn64[:, None] * M + rm64[None, :], tl.trans(y).to(QT.dtype.element_ty), mask=tl.trans(mask))
 
 
 _CT_CONFIGS_GPU = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w) for bm, bn in ((64, 64), (128, 64), (64, 128), (128, 128))
@@ -155,8 +156,8 @@ def cast_transpose_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 
     Meant to equal :func:`cast_transpose_fp8_reference` bit for bit (the same fp32 product, rounded to
     nearest-even after the clamp; for e5m2 values below its normal range, 2^-14, a tie may round
-    differently). On an H200, 4 of the 12 cases of the GPU test did not match, among them e5m2
-    from fp32 sources (the test now prints the differing codes): see tests/kernels/test_fp8_linear.py.
+    differently). The kernel transposes the fp32 tile and casts it a second time: transposing the
+    fp8 tile scrambled q^T on an H200 in 4 of the 12 cases of tests/kernels/test_fp8_linear.py.
     t (M, N) with unit stride along N; scale a 0-dim fp32 tensor.
     """
     return _cast_transpose_op(t, scale, dtype)
