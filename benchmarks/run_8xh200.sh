@@ -11,5 +11,5 @@ if [ "${PART:-main}" = main ]; then  # the FP8 cast-transpose kernel's GPU test 
     CUDA_VISIBLE_DEVICES=0 timeout 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py \
         -k bitwise_on_gpu 2>&1 | grep -i -E "AssertionError|passed|failed" | cut -c1-400
 fi
-timeout 530 python benchmarks/bench_8gpu.py --out "$OUT" --part "${PART:-main}" --budget 500 2>&1 \
+timeout 530 python benchmarks/bench_8gpu.py --out "$OUT" --part "${PART:-main}" --budget 500 2>&1 | tee "$OUT/bench_8gpu_${PART:-main}.log" \
     | grep -v -E "Warn|warn|USDT|^\s*$" | tail -40
