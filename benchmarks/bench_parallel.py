@@ -67,6 +67,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zero2_triton_compile_fp8": {"strategy": "zero2", "kernels": "triton", "compile": "default", "fp8": True},
     "zero3_triton_compile_fp8_bf16_reduce": {"strategy": "zero3", "kernels": "triton", "compile": "default",
                                              "fp8": True, "reduce_dtype": "bf16"},
+    # ... with the FP8 weights all-gathered in FP8 (ZeroStrategy(fp8_all_gather=True)): half the gather bytes
+    "zero3_triton_compile_fp8_gather": {"strategy": "zero3_fp8_gather", "kernels": "triton", "compile": "default",
+                                        "fp8": True},
+    "zero2_triton_compile_fp8_gather": {"strategy": "zero2_fp8_gather", "kernels": "triton", "compile": "default",
+                                        "fp8": True},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
@@ -98,6 +103,8 @@ def build_strategy(name: str, smoke: bool) -> Any:
         return ZeroStrategy(stage=1, gradient_compression="fp16" if smoke else "bf16")  # bf16 hook needs NCCL
     if name == "zero1_powersgd":
         return ZeroStrategy(stage=1, gradient_compression="powersgd", powersgd_rank=4)
+    if name.endswith("_fp8_gather"):  # zero3_fp8_gather / zero2_fp8_gather
+        return ZeroStrategy(stage=int(name[4]), fp8_all_gather=True)
     if name.startswith("zero3_prefetch"):  # zero3_prefetch2: all-gathers two blocks ahead
         return ZeroStrategy(stage=3, prefetch=int(name[len("zero3_prefetch"):]))
     stage = int(name[-1])

@@ -7,5 +7,6 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python -m pip install --no-deps -e . -q > /dev/null 2>&1
 timeout 560 python benchmarks/bench_parallel.py --out "$OUT" --steps 20 --budget 520 \
-    --only lightning_fsdp_full_shard zero3_triton_compile_fp8 zero3_triton_compile_fp8_bf16_reduce zero2_triton_compile_fp8 \
+    --only lightning_fsdp_full_shard zero3_triton_compile_fp8 zero3_triton_compile_fp8_gather zero2_triton_compile_fp8 \
+    zero2_triton_compile_fp8_gather zero3_triton_compile_fp8_bf16_reduce \
     2>&1 | grep -v Warn | tail -8

@@ -172,12 +172,14 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    from lightning_perf.parallel.fp8_all_gather import plain_state_dict
+
     path = Path(path)
     rank = _rank(group)
     tmp = prepare_tmp(path, group=group)
     optims = _local_optimizers(optimizers)
     msd, osd = get_state_dict(model, optims) if optims else (get_model_state_dict(model), {})
-    state: dict[str, Any] = {"model": msd}
+    state: dict[str, Any] = {"model": plain_state_dict(msd)}  # FP8-gathering shards as plain tensors
     if optims:
         state["optim"] = {"state": osd["state"]}
     dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _dist())
@@ -278,6 +280,8 @@ def load_checkpoint(
         set_state_dict,
     )
 
+    from lightning_perf.parallel.fp8_all_gather import plain_state_dict
+
     path = resolve(path)
     blob = read_extra(path, weights_only=weights_only)
     if blob.get("backend", "dcp") != "dcp":
@@ -288,7 +292,7 @@ def load_checkpoint(
     if optims and not blob.get("has_optim", False):
         raise ValueError(f"{path} holds no optimizer state; load it with optimizers=()")
     msd, osd = get_state_dict(model, optims) if optims else (get_model_state_dict(model), {})
-    state: dict[str, Any] = {"model": msd}
+    state: dict[str, Any] = {"model": plain_state_dict(msd)}  # FP8-gathering shards as plain tensors
     if optims:
         state["optim"] = {"state": osd["state"]}
     try:

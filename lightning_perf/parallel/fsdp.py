@@ -93,6 +93,7 @@ def apply_fsdp(
     prefetch: int = 1,
     offload_policy: Optional[Any] = None,
     wrap_policy: Optional[WrapPolicy] = None,
+    fp8_all_gather: bool = False,
 ) -> nn.Module:
     """Shard ``module`` with FSDP2 over ``dp_mesh``: one unit per block, then the root.
 
@@ -107,12 +108,24 @@ def apply_fsdp(
         prefetch: how many blocks ahead to all-gather in forward and backward (0 = FSDP2's
             implicit one-ahead behaviour only).
         offload_policy: FSDP2 ``CPUOffloadPolicy`` or ``None``.
+        fp8_all_gather: all-gather the ``Float8Linear`` weights in FP8, quantised per shard with the
+            whole weight's scale (``parallel.fp8_all_gather``); call ``precompute_fp8_scales`` after
+            each optimizer step to reduce all the scales in one collective.
     Returns the same module object, now an FSDP module.
     """
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if not any(True for _ in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no parameters: nothing to shard")
+    if fp8_all_gather:
+        from lightning_perf.parallel.fp8_all_gather import enable_fp8_all_gather
+
+        if offload_policy is not None:
+            raise ValueError("fp8_all_gather with CPU offload is not supported: the FP8 shards are made on the GPU")
+        if not enable_fp8_all_gather(module):
+            raise ValueError(
+                f"fp8_all_gather=True, but {type(module).__name__} has no FP8 linear layers to gather in FP8 "
+                "(Float8Linear outside tensor parallelism, e.g. GPTConfig(fp8=True))")
     fully_shard, _, MixedPrecisionPolicy = _fsdp_api()
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     if offload_policy is not None:

@@ -51,6 +51,7 @@ class ZeroConfig:
     powersgd_rank: int = 4
     init: Literal["rank0", "meta"] = "rank0"
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
+    fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -84,6 +85,10 @@ class ZeroConfig:
             raise ValueError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
         if self.init not in _INITS:
             raise ValueError(f"init={self.init!r} is not one of {_INITS}")
+        if self.fp8_all_gather and not self.uses_fsdp:
+            raise ValueError(
+                "fp8_all_gather changes FSDP2's parameter all-gather: it needs stage 2 or 3 with backend='native', "
+                f"got stage={self.stage}, backend={self.backend!r}")
         if self.reshard_after_forward is None:
             self.reshard_after_forward = self.stage == 3
         if self.reshard_after_forward and self.stage != 3:

@@ -74,6 +74,10 @@ class ZeroStrategy(ParallelStrategy):
             initialises its own shards with the model's ``init_weights()`` (nothing whole
             anywhere: for models larger than one host).
         deepspeed_config: entries merged over the generated DeepSpeed config.
+        fp8_all_gather: with FP8 linears (``GPTConfig(fp8=True)``) at stage 2/3, all-gather their
+            weights in FP8, each shard quantised with the whole weight's scale (half the gather
+            bytes of bf16; the same FP8 weights as quantising after the gather). The scales are
+            reduced in one collective after each optimizer step and after a checkpoint load.
         timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
             fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
     """
@@ -95,6 +99,7 @@ class ZeroStrategy(ParallelStrategy):
         powersgd_rank: int = 4,
         init: Literal["rank0", "meta"] = "rank0",
         deepspeed_config: Optional[dict[str, Any]] = None,
+        fp8_all_gather: bool = False,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -116,6 +121,7 @@ class ZeroStrategy(ParallelStrategy):
             powersgd_rank=powersgd_rank,
             init=init,
             deepspeed_config=dict(deepspeed_config or {}),
+            fp8_all_gather=fp8_all_gather,
         )
         super().__init__(
             accelerator=accelerator,
@@ -321,10 +327,19 @@ class ZeroStrategy(ParallelStrategy):
             reshard_after_forward=bool(self.config.reshard_after_forward),
             mp_policy=self.precision_plugin.mp_policy(),
             prefetch=self.config.prefetch,
+            fp8_all_gather=self.config.fp8_all_gather,
         )
         self.precision_plugin.sharded_casting = self.precision_plugin.is_mixed and target is not None
         self._sharded = target
         self._materialize(target, full)
+        self._precompute_fp8_scales()
+
+    def _precompute_fp8_scales(self) -> None:
+        """With ``fp8_all_gather``: the FP8 gathers' scales for the current weights, one collective."""
+        if self.config.fp8_all_gather and self._sharded is not None:
+            from lightning_perf.parallel.fp8_all_gather import precompute_fp8_scales
+
+            precompute_fp8_scales(self._sharded)
 
     def _shard_optimizers(self) -> None:
         sharded = [shard_optimizer(o) for o in self.optimizers]
@@ -401,7 +416,9 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self._engine is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+            self._precompute_fp8_scales()  # the weights just changed
+            return result
         from lightning.pytorch.trainer import call
 
         result = closure()
@@ -496,6 +513,7 @@ class ZeroStrategy(ParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=safe,
         )
+        self._precompute_fp8_scales()
         return extra["lightning"]
 
     @override

@@ -30,6 +30,7 @@ def test_unknown_stage() -> None:
         ({"stage": 1, "bucket_size_mb": 0}, "bucket_size_mb must be > 0"),
         ({"stage": 3, "init": "disk"}, "init='disk' is not one of"),
         ({"stage": 3, "backend": "megatron"}, "backend must be 'native' or 'deepspeed'"),
+        ({"stage": 1, "fp8_all_gather": True}, "fp8_all_gather changes FSDP2's parameter all-gather"),
     ],
 )
 def test_bad_options(kwargs, match) -> None:

@@ -188,6 +188,15 @@ def fp8_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and K % _ALIGN == 0 and N % _ALIGN == 0 and M % _ALIGN == 0 and M > 0)
 
 
+def _weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, inverse scale): a weight FSDP2 all-gathered in FP8 comes quantised already."""
+    from lightning_perf.parallel.fp8_all_gather import Float8GatheredWeight
+
+    if isinstance(weight, Float8GatheredWeight):
+        return weight._data, weight._scale.reciprocal()
+    return quantize_fp8(weight, E4M3)
+
+
 class _Float8Matmul(torch.autograd.Function):
     """x (M, K) @ W (N, K)^T on FP8 operands; see the module docstring for the maths."""
 
@@ -195,7 +204,7 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, out_dtype, fast_accum):
         x_scale = _scale_of(x, E4M3)
         xq, xq_t = cast_transpose_fp8(x.contiguous(), x_scale, E4M3)  # xq_t (K, M): the wgrad operand
-        wq, w_inv = quantize_fp8(weight, E4M3)
+        wq, w_inv = _weight_fp8(weight)
         x_inv = x_scale.reciprocal()
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype,
                              use_fast_accum=fast_accum)

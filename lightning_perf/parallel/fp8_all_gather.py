@@ -1,0 +1,252 @@
+"""FSDP2 all-gathers FP8 weights: half the bytes of a bf16 gather, and no cast after it.
+
+With ``GPTConfig(fp8=True)`` every block projection quantises its weight to e4m3 before the
+matmul (``kernels.fp8_linear``). Under ZeRO-2/3 the weight is first all-gathered in the
+parameter dtype (bf16), then quantised. Here each rank quantises its own shard *before* the
+gather, with the scale of the whole weight, so the gather moves one byte per element and the
+matmul takes the gathered FP8 tensor as it is:
+
+    s = fmax / max over ranks of amax(|shard|)      one all-reduce (see precompute_fp8_scales)
+    shard -> fp8(clamp(shard * s))                  on every rank, from the fp32 master shard
+    all-gather (1 byte per element)                 FSDP2, through the extension hooks below
+    Float8GatheredWeight(q, s)                      what the Float8Linear sees as its weight
+
+Quantising the shards with the global scale gives exactly the FP8 tensor that quantising the
+gathered weight would (same scale, same elementwise rounding); the only difference from the
+bf16 gather is that the values are rounded once, from the fp32 master weights, instead of twice.
+
+Pieces:
+
+- :class:`Float8AllGatherWeight`: the sharded parameter's local tensor (a wrapper around the
+  master shard; every op runs on the wrapped tensor, so the optimizer, ``to_empty``, in-place
+  initialisation and checkpoint loads behave as for a plain tensor). It implements FSDP2's
+  ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``.
+- :class:`Float8GatheredWeight`: the unsharded weight, logically the parameter dtype, holding the
+  FP8 data and its scale; ``fp8_linear`` uses them directly, any other op sees the dequantised values.
+- :func:`enable_fp8_all_gather` (before ``fully_shard``) and :func:`precompute_fp8_scales` (after
+  each optimizer step: one all-reduce for every weight instead of one per weight and gather).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["Float8AllGatherWeight", "Float8GatheredWeight", "enable_fp8_all_gather", "precompute_fp8_scales",
+           "fp8_all_gather_weights", "plain_state_dict"]
+
+E4M3 = torch.float8_e4m3fn
+_FMAX = float(torch.finfo(E4M3).max)
+_TINY = 1e-12  # the same floor as kernels.ops.fp8_linear._scale_of
+aten = torch.ops.aten
+
+# ops whose outputs stay wrapped: FSDP2 sharding, padding, copies, views and empty_like of the shard
+# (not zeros_like: the optimizer's state tensors are plain)
+_KEEP_WRAPPED = {
+    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default, aten.as_strided.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor, aten.narrow.default,
+    aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten.new_empty.default,
+    aten.new_zeros.default, aten.new_empty_strided.default, aten.copy_.default,
+    aten._pin_memory.default,
+}
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """A weight shard (fp32 or bf16) that FSDP2 all-gathers as FP8 with the whole weight's scale."""
+
+    _data: torch.Tensor
+    _scale: Optional[torch.Tensor]
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> "Float8AllGatherWeight":
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
+            device=data.device, requires_grad=data.requires_grad)
+
+    def __init__(self, data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
+        self._data = data
+        self._scale = scale  # set by precompute_fp8_scales; None: the gather all-reduces the amax itself
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"Float8AllGatherWeight({self._data!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        scale = next((a._scale for a in args if isinstance(a, Float8AllGatherWeight)), None)
+        args, kwargs = tree_map_only(Float8AllGatherWeight, lambda t: t._data, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func in _KEEP_WRAPPED:
+            return tree_map_only(torch.Tensor, lambda t: Float8AllGatherWeight(t, scale), out)
+        return out
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> "Float8AllGatherWeight":
+        return Float8AllGatherWeight(inner["_data"])
+
+    # ---- FSDP2 all-gather extension --------------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                            module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        data = self._data.detach()
+        scale = self._scale
+        if scale is None:  # not precomputed: every rank reduces this weight's amax now (same order on all)
+            scale = _scale_from_amax(_local_amax(data), mesh.get_group())
+        q = (data.float() * scale).clamp(-_FMAX, _FMAX).to(E4M3)
+        # FSDP2 gathers equal-sized shards: pad dim 0 up to ceil(rows / ranks) (uneven last shards)
+        rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
+        if q.dim() and q.shape[0] < rows:
+            padded = q.new_zeros((rows, *q.shape[1:]))
+            padded[: q.shape[0]].copy_(q)
+            q = padded
+        return (q,), (scale,)
+
+    def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
+                             param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None) -> Any:
+        (data,), (scale,) = all_gather_outputs, metadata
+        if out is not None:  # FSDP2 re-gathered into the same storage: only the scale is new
+            assert isinstance(out, Float8GatheredWeight), type(out)
+            out._scale = scale
+            return None
+        return Float8GatheredWeight(data, scale, param_dtype), (data,)
+
+
+class Float8GatheredWeight(torch.Tensor):
+    """An all-gathered weight in FP8 (``data / scale`` approximates it), logically of ``dtype``.
+
+    ``fp8_linear`` multiplies with ``data`` and ``scale`` directly; views keep them; any other op
+    runs on the dequantised values (``(data / scale).to(dtype)``), so code that does not know about
+    FP8 still computes with the weight the matmuls use.
+    """
+
+    _data: torch.Tensor
+    _scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> "Float8GatheredWeight":
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
+            device=data.device)
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self._data = data
+        self._scale = scale
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"Float8GatheredWeight({self._data!r}, scale={self._scale!r}, dtype={self.dtype})"
+
+    def dequantize(self) -> torch.Tensor:
+        return (self._data.float() / self._scale).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default, aten.view.default, aten.as_strided.default,
+                    aten.t.default, aten.transpose.int) and isinstance(args[0], Float8GatheredWeight):
+            w = args[0]
+            return Float8GatheredWeight(func(w._data, *args[1:], **kwargs), w._scale, w.dtype)
+        args, kwargs = tree_map_only(Float8GatheredWeight, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_data", "_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> "Float8GatheredWeight":
+        return Float8GatheredWeight(inner["_data"], inner["_scale"], meta)
+
+
+def _local_amax(data: torch.Tensor) -> torch.Tensor:
+    if data.numel() == 0:  # an empty last shard
+        return torch.zeros((), dtype=torch.float32, device=data.device)
+    return data.abs().amax().float()
+
+
+def _scale_from_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return _FMAX / torch.clamp(amax, min=_TINY)
+
+
+def _is_fp8_linear(module: nn.Module) -> bool:
+    from lightning_perf.kernels.ops.fp8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
+def enable_fp8_all_gather(module: nn.Module) -> list[str]:
+    """Make every ``Float8Linear`` weight in ``module`` an :class:`Float8AllGatherWeight`; call before ``fully_shard``.
+
+    Weights that are already DTensors (tensor parallelism) are left alone. Returns the qualified
+    names of the weights converted (empty when the model has no FP8 linears).
+    """
+    names = []
+    for prefix, sub in module.named_modules():
+        if not _is_fp8_linear(sub) or sub.weight is None:
+            continue
+        w = sub.weight
+        if isinstance(w, Float8AllGatherWeight) or type(w).__name__ == "DTensor" or hasattr(w, "device_mesh"):
+            continue
+        sub.weight = nn.Parameter(Float8AllGatherWeight(w.data), requires_grad=w.requires_grad)
+        names.append(f"{prefix}.weight" if prefix else "weight")
+    return names
+
+
+def fp8_all_gather_weights(module: nn.Module) -> list[Any]:
+    """The sharded parameters (DTensors) whose local tensors gather as FP8."""
+    found = []
+    for p in module.parameters():
+        local = getattr(p, "_local_tensor", None)
+        if isinstance(local, Float8AllGatherWeight):
+            found.append(p)
+    return found
+
+
+@torch.no_grad()
+def precompute_fp8_scales(module: nn.Module) -> int:
+    """One all-reduce for the scales of every FP8-gathered weight (call after each optimizer step).
+
+    Until the next call, the all-gathers use these scales instead of reducing each weight's amax
+    when it is gathered. Anything that changes the weights outside the optimizer (a checkpoint
+    load, a manual edit) should call it again; the strategies do so after the optimizer step and
+    after loading. Every rank must call it (it is a collective). Returns the number of weights.
+    """
+    params = fp8_all_gather_weights(module)
+    if not params:
+        return 0
+    by_group: dict[Any, list[Any]] = {}
+    for p in params:
+        by_group.setdefault(p.device_mesh.get_group(), []).append(p)
+    for group, ps in by_group.items():
+        amax = torch.stack([_local_amax(p._local_tensor._data.detach()) for p in ps])
+        scales = _scale_from_amax(amax, group)
+        for p, s in zip(ps, scales.unbind(0)):
+            p._local_tensor._scale = s
+    return len(params)
+
+
+def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with FP8-gathering shards replaced by DTensors of their plain master tensors.
+
+    The replacements share storage with the parameters, so a checkpoint loads into them in place;
+    saved files hold plain tensors (a plain or differently sharded model loads them).
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in state.items():
+        local = getattr(v, "_local_tensor", None)
+        if isinstance(v, DTensor) and isinstance(local, Float8AllGatherWeight):
+            v = DTensor.from_local(local._data, v.device_mesh, v.placements, run_check=False, shape=v.shape,
+                                   stride=v.stride())
+        out[k] = v
+    return out
