@@ -72,7 +72,7 @@ def quantize_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
 # (both contiguous along the contracted dimension), so dW = q(g)^T q(x) needs q(g) and q(x)
 # transposed. A pointwise kernel that writes a transposed copy strides its stores by the row
 # length; this kernel loads a tile, casts it once and stores the tile and its transpose, both
-# coalesced (the transpose goes through shared memory).
+# coalesced (the transposed copy from a second, transposed load of the same tile, an L2 hit).
 
 
 @triton.jit
@@ -82,9 +82,21 @@ def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, stride_xm, FMAX: tl.constexpr,
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm64 = rm.to(tl.int64)
     rn64 = rn.to(tl.int64)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
     scale = tl.load(SCALE)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(X + rm64[:, None] * stride_xm + rn64[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Q + rm64[:, None] * N + rn64[None, :], _scaled_fp8(x, scale, FMAX, ROUND_TO_2_BITS, Q), mask=mask)
+    # the transposed tile is loaded again (from L2) in transposed order rather than transposed on chip:
+    # on an H200 (Triton 3.6) an in-kernel tl.trans of a tile from an fp32 source wrote q^T wrongly in
+    # 56 of 64 (shape, configuration) cases (benchmarks/debug_cast_transpose.py); this form was exact
+    # in all of them, and as fast for bf16 sources
+    mask_t = (rn[:, None] < N) & (rm[None, :] < M)
+    xt = tl.load(X + rm64[None, :] * stride_xm + rn64[:, None], mask=mask_t, other=0.0).to(tl.float32)
+    tl.store(QT + rn64[:, None] * M + rm64[None, :], _scaled_fp8(xt, scale, FMAX, ROUND_TO_2_BITS, QT), mask=mask_t)
+
+
+@triton.jit
+def _scaled_fp8(x, scale, FMAX: tl.constexpr, ROUND_TO_2_BITS: tl.constexpr, OUT):
     y = tl.clamp(x * scale, -FMAX, FMAX)
     if ROUND_TO_2_BITS:
         # e5m2: round to nearest even at 2 mantissa bits in fp32 first, so the conversion below is exact
@@ -92,10 +104,7 @@ def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, stride_xm, FMAX: tl.constexpr,
         b = y.to(tl.uint32, bitcast=True)
         b = (b + 0xFFFFF + ((b >> 21) & 1)) & 0xFFE00000
         y = b.to(tl.float32, bitcast=True)
-    tl.store(Q + rm64[:, None] * N + rn64[None, :], y.to(Q.dtype.element_ty), mask=mask)
-    # transpose the fp32 values, then cast again: on an H200 (Triton 3.6) transposing the fp8 tile
-    # itself scrambled q^T for some tile configurations and source dtypes
-    tl.store(QT + rn64[:, None] * M + rm64[None, :], tl.trans(y).to(QT.dtype.element_ty), mask=tl.trans(mask))
+    return y.to(OUT.dtype.element_ty)
 
 
 _CT_CONFIGS_GPU = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w) for bm, bn in ((64, 64), (128, 64), (64, 128), (128, 128))
@@ -156,8 +165,7 @@ def cast_transpose_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 
     Meant to equal :func:`cast_transpose_fp8_reference` bit for bit (the same fp32 product, rounded to
     nearest-even after the clamp; for e5m2 values below its normal range, 2^-14, a tie may round
-    differently). The kernel transposes the fp32 tile and casts it a second time: transposing the
-    fp8 tile scrambled q^T on an H200 in 4 of the 12 cases of tests/kernels/test_fp8_linear.py.
+    differently). The transposed copy comes from a second, transposed load of the tile (see the kernel).
     t (M, N) with unit stride along N; scale a 0-dim fp32 tensor.
     """
     return _cast_transpose_op(t, scale, dtype)
