@@ -13,7 +13,7 @@ Part ``main``:
 - llama-8b, T=4096, global batch 32 sequences (131k tokens) per step, eager, under
   ``Parallel3DStrategy``: dp8 with ZeRO-3 (selective activation checkpointing: matmul and
   attention outputs kept); pp2 x tp2 x dp2 (1F1B, 8 microbatches, ZeRO-1 on dp, no
-  checkpointing); tp8 (sequence parallel, selective); pp2 x dp4 (1F1B, 8 microbatches,
+  checkpointing); tp8 (sequence parallel, selective, 16 sequences); pp2 x dp4 (1F1B, 8 microbatches,
   ZeRO-2, no checkpointing).
 - gpt-1.3b (untied head), T=2048, 8 sequences per GPU, ZeRO-2 eager: dp1 -> dp2 -> dp4 -> dp8
   weak scaling (efficiency = tokens/s per GPU against dp1), then dp8 ZeRO-3 and Lightning's
@@ -57,7 +57,8 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
     ("main", "llama8b_8gpu", 8, {
         "llama8b_dp8_zero3": dict(LLAMA, zero=3, ac="selective"),
         "llama8b_pp2_tp2_dp2": dict(LLAMA, pp=2, tp=2, zero=1, schedule="1f1b", m=8),
-        "llama8b_tp8": dict(LLAMA, tp=8, ac="selective", smoke_config={"n_head": 8, "n_kv_head": 8}),
+        # 16 sequences: at 32 the vocabulary-parallel loss's fp32 logits (8 GB) ran out of memory
+        "llama8b_tp8": dict(LLAMA, tp=8, ac="selective", global_batch=16, smoke_config={"n_head": 8, "n_kv_head": 8}),
         "llama8b_pp2_dp4": dict(LLAMA, pp=2, zero=2, schedule="1f1b", m=8),
     }),
     ("main", "gpt13b_dp1", 1, {"gpt13b_dp1": dict(GPT13, global_batch=8)}),
@@ -119,6 +120,51 @@ def add_figures(results: list[dict]) -> None:
             r["vs_lightning_fsdp_llama8b"] = r["tokens_per_s"] / lfsdp8b["tokens_per_s"]
 
 
+def plot(report: dict, path: Path) -> None:
+    """Two panels: gpt-1.3b tokens/s per GPU from dp1 to dp8 (with Lightning FSDP at dp8) and
+    llama-8b tokens/s per GPU and MFU per layout on 8 GPUs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {r["variant"]: r for r in report["results"] if r.get("ok")}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ws = report.get("weak_scaling", {})
+    if ws:
+        gpus = [int(k) for k in ws]
+        per = [v["tokens_per_s_per_gpu"] / 1e3 for v in ws.values()]
+        a.plot(gpus, per, "o-", label="ours, ZeRO-2 (eager)")
+        if per:
+            a.axhline(per[0] * 0.95, color="grey", ls=":", label="95% of dp1")
+        for name, marker, label in (("gpt13b_dp8_zero3", "s", "ours, ZeRO-3 (eager)"),
+                                    ("gpt13b_dp8_lightning_fsdp", "x", "Lightning FSDPStrategy")):
+            if name in ok:
+                a.plot([ok[name]["world"]], [ok[name]["tokens_per_s_per_gpu"] / 1e3], marker, ms=9, label=label)
+        a.set_xscale("log", base=2)
+        a.set_xticks(gpus, [str(g) for g in gpus])
+        a.set_ylim(0, max(per) * 1.25 if per else 1)
+        a.set_xlabel("GPUs (data parallel, 8 x 2048 tokens per GPU)")
+        a.set_ylabel("thousand tokens/s per GPU")
+        a.set_title("gpt-1.3b weak scaling, H200")
+        a.legend(loc="lower right", fontsize=8)
+    llama = [r for r in report["results"] if r["variant"].startswith("llama8b")]
+    names = [r["variant"].replace("llama8b_", "") for r in llama]
+    vals = [r.get("tokens_per_s_per_gpu", 0) / 1e3 if r.get("ok") else 0 for r in llama]
+    bars = b.bar(range(len(llama)), vals, color=["C0" if r.get("ok") else "lightgrey" for r in llama])
+    for bar, r in zip(bars, llama):
+        text = f"{100 * r['mfu']:.1f}% MFU" if r.get("ok") else "failed"
+        b.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + 0.1, text, ha="center", fontsize=8)
+    b.axhline(9.6, color="grey", ls=":", label="target 9.6k")
+    b.set_xticks(range(len(llama)), names, rotation=20, fontsize=8)
+    b.set_ylabel("thousand tokens/s per GPU")
+    b.set_title("llama-8b, T=4096, 8 x H200")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -129,7 +175,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--budget", type=float, default=540.0, help="seconds; a group that cannot finish is skipped")
     parser.add_argument("--only", default=None, help="comma-separated variant patterns (default: the part's all)")
+    parser.add_argument("--plot-from", nargs="+", default=None,
+                        help="only draw the scaling plot from saved JSON results (merged) into --out")
     a = parser.parse_args(argv)
+    if a.plot_from:
+        merged: dict[str, Any] = {"results": [], "weak_scaling": {}}
+        for f in a.plot_from:
+            rep = json.loads(Path(f).read_text())
+            merged["results"] += rep["results"]
+            merged["weak_scaling"].update(rep.get("weak_scaling", {}))
+        target = Path(a.out) / "bench_8gpu_scaling.png"
+        plot(merged, target)
+        print(f"wrote {target}")
+        return 0
     if a.smoke:
         a.warmup, a.steps = 1, 1
     args = {"smoke": a.smoke, "preset": "gpt-1.3b", "seq_len": 32 if a.smoke else 2048, "global_batch": 16,
@@ -186,6 +244,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"bench_8gpu{'_smoke' if a.smoke else ''}_{a.part}_{stamp}.json"
     path.write_text(json.dumps(report, indent=2))
+    try:
+        plot(report, path.with_suffix(".png"))
+    except Exception as e:  # noqa: BLE001  (no matplotlib: the JSON is the result)
+        print(f"no plot: {e}")
     print(f"\n{'variant':30s} {'tok/s':>9s} {'/GPU':>7s} {'MFU':>6s} {'memGB':>6s} {'exp.comm':>8s} {'idle':>6s} "
           f"{'bubble th.':>10s}")
     for r in results:
