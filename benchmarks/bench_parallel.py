@@ -121,6 +121,7 @@ class _Timer:
             def __init__(self) -> None:
                 self.times: list[float] = []
                 self.events: list[tuple[Any, Any]] = []
+                self.host: list[list[float]] = []  # host time to issue each step (~ the step: host-bound)
                 self.profile_events: Optional[list[dict]] = None
                 self.prof = None
 
@@ -130,6 +131,7 @@ class _Timer:
                     torch.cuda.reset_peak_memory_stats()
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                self.host.append([time.perf_counter(), 0.0])
                 if torch.cuda.is_available():
                     start = torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -144,6 +146,7 @@ class _Timer:
                     self.prof.__enter__()
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.host[-1][1] = time.perf_counter()
                 start, _ = self.events[-1]
                 if torch.cuda.is_available():
                     end = torch.cuda.Event(enable_timing=True)
@@ -168,6 +171,9 @@ class _Timer:
                 else:
                     out = [e - s for s, e in self.events if e is not None]
                 return out[warmup:warmup + steps]
+
+            def host_times(self) -> list[float]:
+                return [b - a for a, b in self.host][warmup:warmup + steps]
 
         return Timer()
 
@@ -244,6 +250,7 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             step_s_median=step,
             step_s_min=min(times),
             step_s_max=max(times),
+            host_step_s_median=statistics.median(timer.host_times()),
             tokens_per_s=tokens_per_s,
             mfu=flops_per_token * tokens_per_s / world / PEAK_BF16,
             mfu_attention_twice=config.flops_per_token_full_attention(T) * tokens_per_s / world / PEAK_BF16,
@@ -282,6 +289,11 @@ def run_variant(variant: str, spec: dict, args: dict, world: int, timeout: float
     exposed = [r.get("exposed_comm_pct") for r in results if r.get("exposed_comm_pct") is not None]
     if exposed:
         merged["exposed_comm_pct"] = max(exposed)
+        merged["exposed_comm_pct_per_rank"] = exposed
+    hosts = [r.get("host_step_s_median") for r in results if r.get("host_step_s_median") is not None]
+    if hosts:
+        merged["host_step_s_median_per_rank"] = hosts
+    merged["gpu_time_per_rank"] = [r.get("gpu_time") for r in results]
     if error and merged.get("ok"):
         merged["warning"] = error
     elif error:

@@ -10,5 +10,12 @@ CUDA_VISIBLE_DEVICES=0 timeout 60 python -m pytest -q -p no:cacheprovider tests/
     -k bitwise_on_gpu 2>&1 | grep -i -E "AssertionError|passed|failed" | cut -c1-400
 timeout 520 python benchmarks/bench_parallel.py --out "$OUT" --steps 20 --budget 470 \
     --only lightning_fsdp_full_shard zero3_triton_compile_fp8_gather zero3_triton_compile_fp8 \
-    zero2_triton_compile_fp8_gather zero3_triton_compile \
+    zero2_triton_compile_fp8_gather zero2_triton_compile_fp8 \
     2>&1 | grep -v Warn | tail -9
+python3 - "$OUT" <<'PY'
+import glob, json, sys
+for f in glob.glob(sys.argv[1] + '/bench_parallel_*.json'):
+    for r in json.load(open(f))['results']:
+        print(r['variant'], 'host/step per rank', r.get('host_step_s_median_per_rank'), 'step', r.get('step_s_median'),
+              'exposed per rank', r.get('exposed_comm_pct_per_rank'))
+PY

@@ -70,6 +70,9 @@ class Float8AllGatherWeight(torch.Tensor):
     def __init__(self, data: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
         self._data = data
         self._scale = scale  # set by precompute_fp8_scales; None: the gather all-reduces the amax itself
+        self._fp8: Optional[torch.Tensor] = None  # the quantised (padded) shard made with _scale
+        self._writes = 0  # in-place ops applied so far (the optimizer's steps, loads)
+        self._fp8_at = -1  # _writes when _fp8 was made
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -79,6 +82,10 @@ class Float8AllGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         scale = next((a._scale for a in args if isinstance(a, Float8AllGatherWeight)), None)
+        if func._schema.is_mutable:  # the wrapped tensor changes: a quantised copy made before is stale
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, Float8AllGatherWeight):
+                    t._writes += 1
         args, kwargs = tree_map_only(Float8AllGatherWeight, lambda t: t._data, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func in _KEEP_WRAPPED:
@@ -96,18 +103,16 @@ class Float8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
                             module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
-        data = self._data.detach()
-        scale = self._scale
-        if scale is None:  # not precomputed: every rank reduces this weight's amax now (same order on all)
-            scale = _scale_from_amax(_local_amax(data), mesh.get_group())
-        q = (data.float() * scale).clamp(-_FMAX, _FMAX).to(E4M3)
-        # FSDP2 gathers equal-sized shards: pad dim 0 up to ceil(rows / ranks) (uneven last shards)
         rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
-        if q.dim() and q.shape[0] < rows:
-            padded = q.new_zeros((rows, *q.shape[1:]))
-            padded[: q.shape[0]].copy_(q)
-            q = padded
-        return (q,), (scale,)
+        if self._scale is None:  # never precomputed: every rank reduces this weight's amax now
+            scale = _scale_from_amax(_local_amax(self._data.detach()), mesh.get_group())
+            return (_quantize_padded(self._data.detach(), scale, rows),), (scale,)
+        if self._fp8 is None or self._fp8_at != self._writes:
+            # written since the last precompute (an optimizer stepped outside the strategy, say): the
+            # current values with the last reduced scale (no collective here, so ranks cannot diverge)
+            self._fp8 = _quantize_padded(self._data.detach(), self._scale, rows)
+            self._fp8_at = self._writes
+        return (self._fp8,), (self._scale,)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None) -> Any:
@@ -166,6 +171,17 @@ class Float8GatheredWeight(torch.Tensor):
         return Float8GatheredWeight(inner["_data"], inner["_scale"], meta)
 
 
+def _quantize_padded(data: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """``fp8(clamp(data * scale))``, dim 0 zero-padded to ``rows`` (FSDP2 gathers equal-sized shards:
+    an uneven last shard is padded to ceil(rows / ranks))."""
+    q = (data.float() * scale).clamp(-_FMAX, _FMAX).to(E4M3)
+    if q.dim() and q.shape[0] < rows:
+        padded = q.new_zeros((rows, *q.shape[1:]))
+        padded[: q.shape[0]].copy_(q)
+        q = padded
+    return q
+
+
 def _local_amax(data: torch.Tensor) -> torch.Tensor:
     if data.numel() == 0:  # an empty last shard
         return torch.zeros((), dtype=torch.float32, device=data.device)
@@ -213,12 +229,14 @@ def fp8_all_gather_weights(module: nn.Module) -> list[Any]:
 
 @torch.no_grad()
 def precompute_fp8_scales(module: nn.Module) -> int:
-    """One all-reduce for the scales of every FP8-gathered weight (call after each optimizer step).
+    """One all-reduce for the scales of every FP8-gathered weight, and their FP8 shards (call after
+    each optimizer step).
 
-    Until the next call, the all-gathers use these scales instead of reducing each weight's amax
-    when it is gathered. Anything that changes the weights outside the optimizer (a checkpoint
-    load, a manual edit) should call it again; the strategies do so after the optimizer step and
-    after loading. Every rank must call it (it is a collective). Returns the number of weights.
+    Until the next call, the all-gathers send these FP8 shards instead of reducing each weight's
+    amax and quantising it at every gather (twice a step at ZeRO-3: forward and backward). Anything
+    that changes the weights outside the optimizer (a checkpoint load, a manual edit) should call it
+    again; the strategies do so after the optimizer step and after loading. Every rank must call it
+    (it is a collective). Returns the number of weights.
     """
     params = fp8_all_gather_weights(module)
     if not params:
@@ -229,8 +247,12 @@ def precompute_fp8_scales(module: nn.Module) -> int:
     for group, ps in by_group.items():
         amax = torch.stack([_local_amax(p._local_tensor._data.detach()) for p in ps])
         scales = _scale_from_amax(amax, group)
+        world = dist.get_world_size(group)
         for p, s in zip(ps, scales.unbind(0)):
-            p._local_tensor._scale = s
+            local = p._local_tensor
+            local._scale = s
+            local._fp8 = _quantize_padded(local._data.detach(), s, -(-p.shape[0] // world) if p.dim() else 0)
+            local._fp8_at = local._writes
     return len(params)
 
 

@@ -38,7 +38,7 @@ def data(world: int):
 
 
 def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, compile_blocks: bool = False,
-         ckpt: Path | None = None) -> dict:
+         ckpt: Path | None = None, precompute_once: bool = False) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -73,6 +73,8 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
         out["local_type"] = type(p._local_tensor).__name__
         assert isinstance(p._local_tensor, Float8AllGatherWeight)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    if precompute_once:  # scales and FP8 shards made once, then the optimizer steps without a precompute
+        precompute_fp8_scales(model)
     seen_gathered = []
     if gather:  # the Float8Linear receives the gathered FP8 weight itself
         mods = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
@@ -125,6 +127,7 @@ def _worker(rank: int, world: int, out_dir: Path) -> dict:
         "zero3_gather_pre": _run(rank, world, stage=3, gather=True, precompute=True),
         "zero2_gather_pre": _run(rank, world, stage=2, gather=True, precompute=True, ckpt=out_dir / "ckpt2"),
         "zero3_gather_compiled": _run(rank, world, stage=3, gather=True, precompute=True, compile_blocks=True),
+        "zero3_gather_stale": _run(rank, world, stage=3, gather=True, precompute=False, precompute_once=True),
     }
     # bad input: no FP8 linears to gather, before any collective
     from torch.distributed.device_mesh import init_device_mesh
@@ -155,8 +158,70 @@ def test_fp8_all_gather_equals_plain_gather(tmp_path: Path) -> None:
         assert got["final_types"] == ["Tensor"]  # state dicts hold plain tensors
         for k, v in ref["final"].items():
             assert torch.equal(got["final"][k], v), f"{name}: {k}"
+    # weights stepped without a precompute: gathered as they are now (with the older scale), not as
+    # they were at the precompute: step 0 equals, later steps track the plain run to FP8 resolution
+    stale = r["zero3_gather_stale"]["losses"]
+    assert stale[0] == ref["losses"][0]
+    moved = abs(ref["losses"][-1] - ref["losses"][0])
+    assert max(abs(a - b) for a, b in zip(stale, ref["losses"])) < 0.05 * moved
     # resumed from the step-1 checkpoint == uninterrupted
     assert r["zero3_gather"]["resumed"] == ref["losses"][1:]
     assert r["zero2_gather_pre"]["resumed"] == ref["losses"][1:]
     for rr in results:
         assert rr["error"] is not None and "no FP8 linear layers" in rr["error"]
+
+
+# ---- the tensor subclasses alone (one process, no collectives) ----------------------------------
+
+
+class _Mesh:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+    def get_group(self):
+        raise AssertionError("no collective expected once a scale is precomputed")
+
+
+def test_pre_all_gather_sends_current_values_after_writes() -> None:
+    from lightning_perf.parallel.fp8_all_gather import Float8AllGatherWeight, _quantize_padded
+
+    torch.manual_seed(0)
+    w = Float8AllGatherWeight(torch.randn(8, 16))
+    scale = torch.tensor(448.0) / w._data.abs().amax()
+    w._scale, w._fp8, w._fp8_at = scale, _quantize_padded(w._data, scale, 8), w._writes
+    (q0,), (s0,) = w.fsdp_pre_all_gather(_Mesh(2), torch.Size((16, 16)), (16, 1), None, None)
+    assert q0 is w._fp8 and s0 is scale  # precomputed: sent as made
+    with torch.no_grad():
+        w.mul_(0.5)  # an optimizer step outside the strategy
+    (q1,), (s1,) = w.fsdp_pre_all_gather(_Mesh(2), torch.Size((16, 16)), (16, 1), None, None)
+    want = (w._data * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert s1 is scale and torch.equal(q1.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(q1.view(torch.uint8), q0.view(torch.uint8))
+
+
+def test_pre_all_gather_pads_an_uneven_shard() -> None:
+    from lightning_perf.parallel.fp8_all_gather import Float8AllGatherWeight
+
+    w = Float8AllGatherWeight(torch.ones(2, 16))  # the last of 3 shards of 8 rows: 3 + 3 + 2
+    w._scale = torch.tensor(2.0)
+    (q,), _ = w.fsdp_pre_all_gather(_Mesh(3), torch.Size((8, 16)), (16, 1), None, None)
+    assert q.shape == (3, 16) and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q[:2].float(), torch.full((2, 16), 2.0)) and torch.equal(q[2].float(), torch.zeros(16))
+
+
+def test_gathered_weight_views_stay_fp8_and_other_ops_see_dequantised_values() -> None:
+    from lightning_perf.parallel.fp8_all_gather import Float8GatheredWeight
+
+    data = (torch.randn(16, 32) * 50).to(torch.float8_e4m3fn)
+    gw = Float8GatheredWeight(data, torch.tensor(4.0), torch.bfloat16)
+    assert gw.dtype == torch.bfloat16 and gw.shape == (16, 32)
+    t = gw.t()
+    assert isinstance(t, Float8GatheredWeight) and t._data.data_ptr() == data.data_ptr()
+    deq = (data.float() / 4.0).to(torch.bfloat16)
+    out = gw + 0
+    assert type(out) is torch.Tensor and torch.equal(out, deq)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.nn.functional.linear(x, gw), torch.nn.functional.linear(x, deq))
