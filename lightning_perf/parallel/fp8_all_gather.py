@@ -29,6 +29,7 @@ Pieces:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -122,6 +123,11 @@ class Float8AllGatherWeight(torch.Tensor):
             out._scale = scale
             return None
         return Float8GatheredWeight(data, scale, param_dtype), (data,)
+
+
+# FSDP2 inspects the hook's signature at every gather; a stored signature makes that a lookup
+Float8AllGatherWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+    Float8AllGatherWeight.fsdp_pre_all_gather)
 
 
 class Float8GatheredWeight(torch.Tensor):
