@@ -79,6 +79,7 @@ class Parallel3DConfig:
     fsdp_prefetch: int = 1
     compile: Optional[str] = None
     compile_backend: str = "inductor"
+    fp8_all_gather: bool = False
     pipeline: Optional[PipelineConfig] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +110,17 @@ class Parallel3DConfig:
                              f"batch so one half's collectives overlap the other's compute), got {self.tp_split!r}")
         if self.fsdp_prefetch < 0:
             raise ValueError(f"fsdp_prefetch must be >= 0, got {self.fsdp_prefetch}")
+        if self.fp8_all_gather:
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "fp8_all_gather gathers whole FP8 weights over 'dp'; under tensor parallelism "
+                    f"(tensor_parallel_size={self.tensor_parallel_size}) the FP8 linears quantise each rank's "
+                    "shard instead: use tensor_parallel_size=1 or fp8_all_gather=False")
+            if self.zero_stage == 0 or self.data_parallel_size == 1:
+                raise ValueError(
+                    "fp8_all_gather changes FSDP2's parameter all-gather: it needs data parallelism with ZeRO "
+                    f"(zero_stage 1-3 and data_parallel_size > 1), got zero_stage={self.zero_stage}, "
+                    f"data_parallel_size={self.data_parallel_size!r}")
         # the schedule is checked even without pipeline parallelism, so a typo never waits for a pp run
         self.pipeline = PipelineConfig(
             pp=self.pipeline_parallel_size,
@@ -242,6 +254,8 @@ def parallelize_3d(
                            tp_overlap=config.tp_overlap, device_type=device.type, tp_split=config.tp_split)
             compile_head_loss(stage, mode, backend=config.compile_backend)
     use_fsdp = dp > 1 and config.zero_stage > 0
+    if config.fp8_all_gather and not use_fsdp:  # "auto" resolved to one replica (every rank alike)
+        raise ValueError(f"fp8_all_gather needs data parallelism with ZeRO; this layout has dp={dp}")
     if use_fsdp:
         from lightning_perf.parallel.fsdp import apply_fsdp
 
@@ -255,6 +269,7 @@ def parallelize_3d(
                 reshard_after_forward=reshard,
                 mp_policy=mp_policy,
                 prefetch=config.fsdp_prefetch,
+                fp8_all_gather=config.fp8_all_gather,
             )
     if pp > 1:
         prune_to_stages(target, stages)

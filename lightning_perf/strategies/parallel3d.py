@@ -18,7 +18,7 @@ microbatch loss by ``1 / accumulate_grad_batches``. Validation runs forward only
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -107,6 +107,9 @@ class Parallel3DStrategy(ParallelStrategy):
         meta_init: build the model on the meta device in ``configure_model`` and
             initialise only the local shards after sharding (for models larger than a device).
         fsdp_prefetch: blocks all-gathered ahead by FSDP2.
+        fp8_all_gather: with FP8 linears, all-gather their weights over "dp" in FP8 (each shard
+            quantised with the whole weight's scale; see ``ZeroStrategy``); needs ZeRO with
+            dp > 1 and tensor_parallel_size=1.
         compile: ``torch.compile`` mode (``"default"``, ``"max-autotune"``, ...) applied after
             tensor parallelism and before FSDP2: per block, or under TP per attention/MLP
             sublayer (removes the eager DTensor dispatch cost). ``None``: off; blocks the
@@ -134,6 +137,7 @@ class Parallel3DStrategy(ParallelStrategy):
         activation_checkpointing: str = "none",
         meta_init: bool = False,
         fsdp_prefetch: int = 1,
+        fp8_all_gather: bool = False,
         compile: Optional[str] = None,
         compile_backend: str = "inductor",
         process_group_backend: Optional[str] = None,
@@ -155,6 +159,7 @@ class Parallel3DStrategy(ParallelStrategy):
             tp_split=tp_split,
             activation_checkpointing=activation_checkpointing,
             fsdp_prefetch=fsdp_prefetch,
+            fp8_all_gather=fp8_all_gather,
             compile=compile,
             compile_backend=compile_backend,
         )
@@ -303,6 +308,7 @@ class Parallel3DStrategy(ParallelStrategy):
             self._parallel = parallelize_3d(
                 module, self.config, self.device_mesh, device=self.root_device, mp_policy=mp_policy
             )
+        self._precompute_fp8_scales()
         if isinstance(precision, PerfPrecision):
             precision.sharded_casting = self._parallel.fsdp and precision.is_mixed
         # norm clipping must see every stage's and every shard's gradients (not one rank's)
@@ -320,6 +326,19 @@ class Parallel3DStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _precompute_fp8_scales(self) -> None:
+        """With ``fp8_all_gather``: the FP8 gathers' scales and shards for the current weights."""
+        if self.config.fp8_all_gather and self._parallel is not None:
+            from lightning_perf.parallel.fp8_all_gather import precompute_fp8_scales
+
+            precompute_fp8_scales(self._parallel.target)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._precompute_fp8_scales()  # the weights just changed
+        return result
 
     def _install_pipeline_forward(self, parallel: Parallelized3D) -> None:
         """``target(inputs, targets)`` runs the schedule; names and state dict stay the model's."""
@@ -490,13 +509,15 @@ class Parallel3DStrategy(ParallelStrategy):
 
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
-        return load_checkpoint(
+        extra = load_checkpoint(
             path,
             self.lightning_module,
             self.optimizers,
             strict=self.lightning_module.strict_loading,
             weights_only=True if weights_only is None else weights_only,
         )
+        self._precompute_fp8_scales()
+        return extra
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

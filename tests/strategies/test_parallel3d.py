@@ -33,6 +33,10 @@ def tiny_config(kind: str = "llama"):
     from lightning_perf.models.gpt import GPTConfig
 
     # no biases: a k_proj bias has a zero true gradient and Adam would amplify rounding noise
+    if kind == "llama_fp8":  # the llama shapes with FP8 block projections
+        from dataclasses import replace
+
+        return replace(tiny_config("llama"), fp8=True)
     if kind == "gpt2":  # learned positions, LayerNorm, GELU, tied head
         return GPTConfig(name="t2", vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=32,
                          pad_vocab_multiple=16, bias=False)
@@ -197,6 +201,10 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
     # each microbatch (8 / 2 = 4 sequences) sharded by sequences over tp
     res["pp2_tp2_batch"] = fit(S(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel="batch"), world)
     res["pp2_dp2_zero2"] = fit(S(pipeline_parallel_size=2, zero_stage=2), world, dp=2)
+    # FP8 linears: weights all-gathered over dp in FP8 == gathered plain and quantised after
+    res["pp2_dp2_fp8"] = fit(S(pipeline_parallel_size=2, zero_stage=2), world, dp=2, kind="llama_fp8")
+    res["pp2_dp2_fp8_gather"] = fit(S(pipeline_parallel_size=2, zero_stage=2, fp8_all_gather=True), world, dp=2,
+                                    kind="llama_fp8")
     ckpt = out / "pp2tp2.ckpt"
     res["pp2_tp2"] = fit(S(pipeline_parallel_size=2, tensor_parallel_size=2), world, save_to=ckpt, steps=PER_EPOCH)
     res["pp2_tp2_to_dp4"] = fit(S(data_parallel_size=4), world, dp=4, ckpt_path=ckpt)
@@ -279,6 +287,11 @@ def test_four_rank_2d_layouts_and_consolidation(references, tmp_path) -> None:
     ref = references["llama"]
     for key in ("dp2_tp2", "pp2_dp2_zero0", "pp2_dp2_zero2", "pp2_tp2_batch"):
         _check_run(results, key, ref)
+    for r in results:  # bit for bit, and FP8 really ran (the losses differ from the bf16-free fp32 run)
+        assert r["pp2_dp2_fp8_gather"]["losses"] == r["pp2_dp2_fp8"]["losses"]
+        for k, v in r["pp2_dp2_fp8"]["final"].items():
+            assert torch.equal(r["pp2_dp2_fp8_gather"]["final"][k], v), k
+        assert r["pp2_dp2_fp8"]["losses"] != r["pp2_dp2_zero2"]["losses"]
     bf16 = torch.tensor([r["pp2_dp2_bf16"]["losses"] for r in results]).mean(0)
     torch.testing.assert_close(bf16, torch.tensor(ref["losses"]), rtol=2e-2, atol=0)
     # fp16: all four ranks skipped step 2 and halved the scale, and agree on every loss
