@@ -80,6 +80,10 @@ class Float8AllGatherWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"Float8AllGatherWeight({self._data!r})"
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # saved as the plain tensor it wraps (torch.save of a state dict, weights_only loads)
+        return self._data.detach().__reduce_ex__(protocol)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         scale = next((a._scale for a in args if isinstance(a, Float8AllGatherWeight)), None)
@@ -158,6 +162,9 @@ class Float8GatheredWeight(torch.Tensor):
 
     def dequantize(self) -> torch.Tensor:
         return (self._data.float() / self._scale).to(self.dtype)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.dequantize().__reduce_ex__(protocol)  # saved as the values it stands for
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:

@@ -225,3 +225,18 @@ def test_gathered_weight_views_stay_fp8_and_other_ops_see_dequantised_values() -
     assert type(out) is torch.Tensor and torch.equal(out, deq)
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     torch.testing.assert_close(torch.nn.functional.linear(x, gw), torch.nn.functional.linear(x, deq))
+
+
+def test_saved_as_plain_tensors(tmp_path: Path) -> None:
+    """torch.save of either subclass writes a plain tensor, so weights_only loads read it."""
+    import copy
+
+    from lightning_perf.parallel.fp8_all_gather import Float8AllGatherWeight, Float8GatheredWeight
+
+    w = Float8AllGatherWeight(torch.randn(4, 8))
+    gw = Float8GatheredWeight(torch.randn(4, 8).to(torch.float8_e4m3fn), torch.tensor(2.0), torch.float32)
+    torch.save({"w": w, "gw": gw}, tmp_path / "s.pt")
+    back = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert type(back["w"]) is torch.Tensor and torch.equal(back["w"], w._data)
+    assert type(back["gw"]) is torch.Tensor and torch.equal(back["gw"], gw.dequantize())
+    assert type(copy.deepcopy(w)) is Float8AllGatherWeight  # a copy of the model keeps gathering in FP8
