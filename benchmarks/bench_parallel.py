@@ -12,6 +12,9 @@ gpt-1.3b, T=2048, B=8 per GPU; ``--warmup`` steps, then ``--steps`` timed with C
 events (median step), then one profiled step for the exposed-communication share
 (NCCL kernel time not overlapped by any compute kernel, over the step time).
 
+Per variant, one more step starts from an idle GPU (after a synchronize) and records the host time
+to issue it against its GPU time (``issue_s_and_probe_step_s_per_rank``: close means host-bound).
+
 Reported: tokens/s (all GPUs), MFU per GPU (model FLOPs, causal attention counted once,
 against the 989 TFLOP/s dense bf16 peak), peak allocated memory (max over ranks),
 exposed communication %. Variants: Lightning ``ddp``, Lightning ``FSDPStrategy``
@@ -131,6 +134,10 @@ class _Timer:
                     torch.cuda.reset_peak_memory_stats()
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if batch_idx == warmup + steps and torch.cuda.is_available():
+                    # the probe step starts from an idle GPU: its host time is the cost of issuing one
+                    # step (in steady state the launch queue paces the host to the GPU either way)
+                    torch.cuda.synchronize()
                 self.host.append([time.perf_counter(), 0.0])
                 if torch.cuda.is_available():
                     start = torch.cuda.Event(enable_timing=True)
@@ -138,7 +145,7 @@ class _Timer:
                     self.events.append((start, None))
                 else:
                     self.events.append((time.perf_counter(), None))
-                if profile_dir is not None and batch_idx == warmup + steps:
+                if profile_dir is not None and batch_idx == warmup + steps + 1:
                     from torch.profiler import ProfilerActivity, profile
 
                     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -174,6 +181,14 @@ class _Timer:
 
             def host_times(self) -> list[float]:
                 return [b - a for a, b in self.host][warmup:warmup + steps]
+
+            def probe(self) -> tuple[Optional[float], Optional[float]]:
+                """(host seconds to issue the probe step from an idle GPU, its GPU step seconds)."""
+                if len(self.host) <= warmup + steps or not torch.cuda.is_available():
+                    return None, None
+                a, b = self.host[warmup + steps]
+                s, e = self.events[warmup + steps]
+                return b - a, s.elapsed_time(e) / 1e3
 
         return Timer()
 
@@ -230,7 +245,7 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
                                                        "bf16", "bfloat16")))]}
         trainer = L.Trainer(
             accelerator=accelerator, devices=world, strategy=build_strategy(spec["strategy"], smoke),
-            max_steps=args["warmup"] + args["steps"] + 1, **precision,
+            max_steps=args["warmup"] + args["steps"] + 2, **precision,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
         )
@@ -251,6 +266,8 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             step_s_min=min(times),
             step_s_max=max(times),
             host_step_s_median=statistics.median(timer.host_times()),
+            issue_s=timer.probe()[0],
+            probe_step_s=timer.probe()[1],
             tokens_per_s=tokens_per_s,
             mfu=flops_per_token * tokens_per_s / world / PEAK_BF16,
             mfu_attention_twice=config.flops_per_token_full_attention(T) * tokens_per_s / world / PEAK_BF16,
@@ -293,6 +310,9 @@ def run_variant(variant: str, spec: dict, args: dict, world: int, timeout: float
     hosts = [r.get("host_step_s_median") for r in results if r.get("host_step_s_median") is not None]
     if hosts:
         merged["host_step_s_median_per_rank"] = hosts
+    issue = [(r.get("issue_s"), r.get("probe_step_s")) for r in results if r.get("issue_s") is not None]
+    if issue:  # issue time close to the probe step: the host sets the pace
+        merged["issue_s_and_probe_step_s_per_rank"] = issue
     merged["gpu_time_per_rank"] = [r.get("gpu_time") for r in results]
     if error and merged.get("ok"):
         merged["warning"] = error

@@ -16,6 +16,6 @@ python3 - "$OUT" <<'PY'
 import glob, json, sys
 for f in glob.glob(sys.argv[1] + '/bench_parallel_*.json'):
     for r in json.load(open(f))['results']:
-        print(r['variant'], 'host/step per rank', r.get('host_step_s_median_per_rank'), 'step', r.get('step_s_median'),
-              'exposed per rank', r.get('exposed_comm_pct_per_rank'))
+        print(r['variant'], 'issue s / probe step s per rank', r.get('issue_s_and_probe_step_s_per_rank'),
+              'step', r.get('step_s_median'), 'exposed per rank', r.get('exposed_comm_pct_per_rank'))
 PY
