@@ -38,7 +38,7 @@ def data(world: int):
 
 
 def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, compile_blocks: bool = False,
-         ckpt: Path | None = None, precompute_once: bool = False) -> dict:
+         ckpt: Path | None = None, precompute_once: bool = False, ac: str = "none", meta: bool = False) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -52,6 +52,17 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
 
     def build():
         torch.manual_seed(0)
+        if meta:  # every rank initialises its own shards (init="meta")
+            from lightning_perf.models.gpt.transforms import apply_activation_checkpointing
+            from lightning_perf.parallel.init import materialize_local
+
+            with torch.device("meta"):
+                model = GPT(config())
+            apply_activation_checkpointing(list(model.blocks.values()), ac)
+            apply_fsdp(model, mesh, reshard_after_forward=stage == 3, fp8_all_gather=gather)
+            torch.manual_seed(100 + rank)
+            materialize_local(model, torch.device("cpu"))
+            return model
         if rank == 0:
             model = GPT(config())
             full = take_full_state(model)
@@ -62,6 +73,10 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
         if compile_blocks:
             for block in model.blocks.values():
                 block.compile(backend="aot_eager")
+        if ac != "none":
+            from lightning_perf.models.gpt.transforms import apply_activation_checkpointing
+
+            apply_activation_checkpointing(list(model.blocks.values()), ac)
         apply_fsdp(model, mesh, reshard_after_forward=stage == 3, fp8_all_gather=gather)
         materialize_from_rank0(model, torch.device("cpu"), full)
         return model
@@ -128,6 +143,11 @@ def _worker(rank: int, world: int, out_dir: Path) -> dict:
         "zero2_gather_pre": _run(rank, world, stage=2, gather=True, precompute=True, ckpt=out_dir / "ckpt2"),
         "zero3_gather_compiled": _run(rank, world, stage=3, gather=True, precompute=True, compile_blocks=True),
         "zero3_gather_stale": _run(rank, world, stage=3, gather=True, precompute=False, precompute_once=True),
+        # activation checkpointing recomputes the forward with the re-gathered FP8 weight
+        "zero3_gather_ac": _run(rank, world, stage=3, gather=True, precompute=True, ac="full"),
+        # meta-device init: the shards are initialised in place through the wrapper
+        "zero3_meta_plain": _run(rank, world, stage=3, gather=False, precompute=False, meta=True),
+        "zero3_meta_gather": _run(rank, world, stage=3, gather=True, precompute=True, meta=True),
     }
     # bad input: no FP8 linears to gather, before any collective
     from torch.distributed.device_mesh import init_device_mesh
@@ -149,7 +169,7 @@ def test_fp8_all_gather_equals_plain_gather(tmp_path: Path) -> None:
     ref = r["zero3_plain"]
     assert ref["n_fp8"] == 0
     n_linear = 2 * 4  # q/k/v, o, fc, proj per block (fused q/k/v off: q, k, v separate -> more)
-    for name in ("zero3_gather", "zero3_gather_pre", "zero2_gather_pre", "zero3_gather_compiled"):
+    for name in ("zero3_gather", "zero3_gather_pre", "zero2_gather_pre", "zero3_gather_compiled", "zero3_gather_ac"):
         got = r[name]
         assert got["local_type"] == "Float8AllGatherWeight"
         assert got["n_fp8"] >= n_linear
@@ -164,6 +184,10 @@ def test_fp8_all_gather_equals_plain_gather(tmp_path: Path) -> None:
     assert stale[0] == ref["losses"][0]
     moved = abs(ref["losses"][-1] - ref["losses"][0])
     assert max(abs(a - b) for a, b in zip(stale, ref["losses"])) < 0.05 * moved
+    meta_plain, meta_gather = r["zero3_meta_plain"], r["zero3_meta_gather"]
+    assert meta_gather["losses"] == meta_plain["losses"] and meta_plain["losses"] != ref["losses"]
+    for k, v in meta_plain["final"].items():
+        assert torch.equal(meta_gather["final"][k], v), k
     # resumed from the step-1 checkpoint == uninterrupted
     assert r["zero3_gather"]["resumed"] == ref["losses"][1:]
     assert r["zero2_gather_pre"]["resumed"] == ref["losses"][1:]
