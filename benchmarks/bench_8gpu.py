@@ -20,7 +20,8 @@ Part ``main``:
   own FSDPStrategy (FULL_SHARD, per-block wrap) on the same 8 GPUs.
 
 Part ``compile``: the llama-8b dp8 and pp2 x tp2 x dp2 layouts with the strategy's
-``compile="default"`` (Inductor per block; first steps compile inside the warm-up), and
+``compile="default"`` (Inductor per block; first steps compile inside the warm-up), dp8 ZeRO-2 with
+FP8 linears whose weights are gathered in FP8 (the MFU then counts bf16 FLOPs against the bf16 peak), and
 Lightning's FSDPStrategy on dp8 for llama-8b (selective is ours only: full checkpointing there).
 
 Reported per variant: tokens/s in all and per GPU, MFU per GPU (causal attention counted once,
@@ -71,6 +72,9 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
     }),
     ("compile", "llama8b_8gpu_compile", 8, {
         "llama8b_dp8_zero3_compile": dict(LLAMA, zero=3, ac="selective", compile="default"),
+        # FP8 linears, weights gathered in FP8, ZeRO-2 (one gather per block per step)
+        "llama8b_dp8_zero2_fp8_compile": dict(LLAMA, zero=2, ac="selective", compile="default", fp8=True,
+                                              fp8_all_gather=True),
         "llama8b_pp2_tp2_dp2_compile": dict(LLAMA, pp=2, tp=2, zero=1, schedule="1f1b", m=8, compile="default"),
         "llama8b_dp8_lightning_fsdp": dict(LLAMA, strategy="lightning_fsdp", ac="full"),
     }),

@@ -138,6 +138,7 @@ def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor
         tp_overlap=spec.get("tp_overlap", "reorder"),
         sequence_parallel=spec.get("sp", True),
         tp_split=spec.get("tp_split", 1),
+        fp8_all_gather=spec.get("fp8_all_gather", False),
     )
 
 
@@ -267,7 +268,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
     B = global_batch // dp
     small = "tiny-llama" if "llama" in preset else "tiny"
     config = GPTConfig.from_name(small if smoke else preset, block_size=max(T, 16), tie_embeddings=False,
-                                 fused_qkv=spec.get("fused_qkv", False),
+                                 fused_qkv=spec.get("fused_qkv", False), fp8=spec.get("fp8", False),
                                  **(spec.get("smoke_config", {}) if smoke else {}))  # e.g. heads for tp8
     pool = torch.randint(0, config.vocab_size, (64, T + 1), generator=torch.Generator().manual_seed(rank))
 
@@ -313,7 +314,8 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "compile": spec.get("compile"), "async_tp": spec.get("async_tp", False),
         "tp_overlap": spec.get("tp_overlap", "reorder") if spec.get("tp", 1) > 1 else None,
         "sequence_parallel": spec.get("sp", True) if spec.get("tp", 1) > 1 else None,
-        "fused_qkv": spec.get("fused_qkv", False),
+        "fused_qkv": spec.get("fused_qkv", False), "fp8": spec.get("fp8", False),
+        "fp8_all_gather": spec.get("fp8_all_gather", False),
         "tp_split": spec.get("tp_split", 1),
         "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
         "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
