@@ -139,6 +139,20 @@ def test_cast_transpose_kernel_bitwise_on_gpu(M, N, src, dtype):
 
 
 @requires_gpu
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_transpose_compiled_bitwise_on_gpu(src, dtype):
+    """Under torch.compile the kernel is launched from the generated code (triton_op): same bits."""
+    torch._dynamo.reset()
+    t = (torch.randn(4096, 1024, device="cuda") * 3).to(src)
+    scale = f8._scale_of(t, dtype)
+    q, qt = torch.compile(lambda a, s: f8.cast_transpose_fp8(a, s, dtype), fullgraph=True)(t, scale)
+    want, want_t = f8.cast_transpose_fp8_reference(t, scale, dtype)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
+
+
+@requires_gpu
 def test_fp8_linear_on_gpu_close_to_bf16():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
