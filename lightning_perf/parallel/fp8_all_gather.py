@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 __all__ = ["Float8AllGatherWeight", "Float8GatheredWeight", "enable_fp8_all_gather", "precompute_fp8_scales",
-           "fp8_all_gather_weights", "plain_state_dict"]
+           "fp8_all_gather_weights", "plain_state_dict", "require_fp8_linears"]
 
 E4M3 = torch.float8_e4m3fn
 _FMAX = float(torch.finfo(E4M3).max)
@@ -210,6 +210,14 @@ def _is_fp8_linear(module: nn.Module) -> bool:
     from lightning_perf.kernels.ops.fp8_linear import Float8Linear
 
     return isinstance(module, Float8Linear)
+
+
+def require_fp8_linears(module: nn.Module) -> None:
+    """Raise ValueError when ``module`` has no FP8 linear layer (nothing to gather in FP8); no collective."""
+    if not any(_is_fp8_linear(m) for m in module.modules()):
+        raise ValueError(
+            f"fp8_all_gather=True, but {type(module).__name__} has no FP8 linear layers to gather in FP8 "
+            "(Float8Linear outside tensor parallelism, e.g. GPTConfig(fp8=True))")
 
 
 def enable_fp8_all_gather(module: nn.Module) -> list[str]:

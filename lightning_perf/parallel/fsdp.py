@@ -118,14 +118,14 @@ def apply_fsdp(
     if not any(True for _ in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no parameters: nothing to shard")
     if fp8_all_gather:
-        from lightning_perf.parallel.fp8_all_gather import enable_fp8_all_gather
+        from lightning_perf.parallel.fp8_all_gather import enable_fp8_all_gather, require_fp8_linears
 
         if offload_policy is not None:
             raise ValueError("fp8_all_gather with CPU offload is not supported: the FP8 shards are made on the GPU")
+        require_fp8_linears(module)
         if not enable_fp8_all_gather(module):
-            raise ValueError(
-                f"fp8_all_gather=True, but {type(module).__name__} has no FP8 linear layers to gather in FP8 "
-                "(Float8Linear outside tensor parallelism, e.g. GPTConfig(fp8=True))")
+            raise ValueError(f"fp8_all_gather=True, but every FP8 linear layer of {type(module).__name__} is "
+                             "tensor-parallel (its shards are quantised per rank): nothing to gather in FP8")
     fully_shard, _, MixedPrecisionPolicy = _fsdp_api()
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     if offload_policy is not None:

@@ -304,6 +304,10 @@ class Parallel3DStrategy(ParallelStrategy):
         mp_policy = None
         if isinstance(precision, PerfPrecision):
             mp_policy = precision.mp_policy()
+        if self.config.fp8_all_gather and self._parallel is None:  # before any collective
+            from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
+
+            require_fp8_linears(module)
         if self._parallel is None:  # once per strategy: fit then validate/test reuse the split model
             self._parallel = parallelize_3d(
                 module, self.config, self.device_mesh, device=self.root_device, mp_policy=mp_policy

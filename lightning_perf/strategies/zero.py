@@ -256,6 +256,10 @@ class ZeroStrategy(ParallelStrategy):
                 f"{type(module).__name__} has no parameters (0 elements): build the model in __init__ or "
                 "configure_model() before training with a ZeRO strategy"
             )
+        if self.config.fp8_all_gather:  # before the first collective (the init broadcast)
+            from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
+
+            require_fp8_linears(module)
         if self._prepared is not module:
             self._shard_and_materialize(module)
             self._prepared = module

@@ -94,3 +94,17 @@ def test_model_without_parameters_fails_before_any_collective() -> None:
     strategy.model = strategy._lightning_module
     with pytest.raises(ValueError, match=r"has no parameters \(0 elements\)"):
         strategy.setup(trainer)
+
+
+def test_fp8_all_gather_without_fp8_linears_fails_before_any_collective() -> None:
+    from lightning_perf.models.gpt.module import GPTLightningModule
+
+    strategy = ZeroStrategy(stage=3, fp8_all_gather=True)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    module = GPTLightningModule("tiny")  # fp8 off: no Float8Linear
+    module.configure_model()
+    strategy._lightning_module = module
+    strategy.model = module
+    with pytest.raises(ValueError, match="no FP8 linear layers"):
+        strategy.setup(trainer)  # no process group exists: the check runs before any collective
