@@ -19,7 +19,7 @@ same global batch of 16 x 2048 tokens per step in every layout:
   GPU); tp2 ablations: async TP, the collectives left where issued (``_no_reorder``) or
   placed by Inductor's runtime-estimated scheduler (``_schedule``), sublayer compile scope,
   the residual stream sharded along the batch instead of the sequence (``_batch``), q/k/v from one
-  matmul (``_fused_qkv``, dp2 too).
+  matmul (``_fused_qkv``, dp2 too); ``_fp8``: FP8 linears (dp2 also gathers its weights in FP8).
 
 Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 and tp2
 with full activation checkpointing, 4 x 2048 tokens per step.
@@ -94,6 +94,10 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "tp2_compile_sublayer": {"tp": 2, "compile": "default", "tp_compile_scope": "sublayer"},
     "tp2_async_compile_sublayer": {"tp": 2, "compile": "default", "async_tp": True, "tp_compile_scope": "sublayer"},
     "pp2_1f1b_m4_compile": {"pp": 2, "schedule": "1f1b", "m": 4, "compile": "default"},
+    # FP8 linears (GPTConfig(fp8=True)): per-shard FP8 matmuls under TP, FP8 weight gathers under dp
+    "dp2_compile_fp8": {"dp": 2, "compile": "default", "fp8": True, "fp8_all_gather": True},
+    "tp2_compile_batch_fp8": {"tp": 2, "compile": "default", "sp": "batch", "fp8": True},
+    "pp2_1f1b_m4_compile_fp8": {"pp": 2, "schedule": "1f1b", "m": 4, "compile": "default", "fp8": True},
 }
 LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
     "llama8b_pp2": {"pp": 2, "schedule": "1f1b", "m": 4, "ac": "full"},
@@ -389,8 +393,9 @@ def run_group(names: list[str], specs: dict, args: dict, world: int, timeout: fl
 def add_bubble_figures(results: list[dict]) -> None:
     """Throughput vs dp2 and, for pipelines, measured bubble against theory, same global batch.
 
-    The baseline is dp2 in the same mode: ``dp2_compile`` for a compiled variant (when it ran),
-    ``dp2`` otherwise (named in ``baseline``); ``vs_dp2_eager`` always compares with eager dp2.
+    The baseline is dp2 in the same mode: ``dp2_compile_fp8`` for an FP8 variant and ``dp2_compile``
+    for a compiled one (when they ran), ``dp2`` otherwise (named in ``baseline``); ``vs_dp2_eager``
+    always compares with eager dp2.
     """
     from lightning_perf.parallel.pipeline import bubble_fraction
 
@@ -400,6 +405,8 @@ def add_bubble_figures(results: list[dict]) -> None:
         if not r.get("ok"):
             continue
         base = ok.get("dp2_compile") if r.get("compile") and "dp2_compile" in ok else eager
+        if r.get("fp8") and "dp2_compile_fp8" in ok:  # FP8 layouts against FP8 dp2
+            base = ok["dp2_compile_fp8"]
         if base is None or r["preset"] != base["preset"]:
             continue
         r["baseline"] = base["variant"]
