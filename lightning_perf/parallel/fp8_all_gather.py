@@ -201,6 +201,18 @@ def _local_amax(data: torch.Tensor) -> torch.Tensor:
     return data.abs().amax().float()
 
 
+def _local_amaxes(datas: list[torch.Tensor]) -> torch.Tensor:
+    """``max |t|`` of each tensor as one fp32 vector: one fused foreach pass (0 for an empty shard)."""
+    full = [i for i, d in enumerate(datas) if d.numel()]
+    norms = torch._foreach_norm([datas[i] for i in full], ord=float("inf")) if full else []
+    if len(full) == len(datas):
+        return torch.stack(norms).float()
+    out = torch.zeros(len(datas), dtype=torch.float32, device=datas[0].device)
+    for i, n in zip(full, norms):  # device copies, no host synchronisation
+        out[i] = n
+    return out
+
+
 def _scale_from_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return _FMAX / torch.clamp(amax, min=_TINY)
@@ -266,7 +278,7 @@ def precompute_fp8_scales(module: nn.Module) -> int:
     for p in params:
         by_group.setdefault(p.device_mesh.get_group(), []).append(p)
     for group, ps in by_group.items():
-        amax = torch.stack([_local_amax(p._local_tensor._data.detach()) for p in ps])
+        amax = _local_amaxes([p._local_tensor._data.detach() for p in ps])
         scales = _scale_from_amax(amax, group)
         world = dist.get_world_size(group)
         for p, s in zip(ps, scales.unbind(0)):

@@ -264,3 +264,18 @@ def test_saved_as_plain_tensors(tmp_path: Path) -> None:
     assert type(back["w"]) is torch.Tensor and torch.equal(back["w"], w._data)
     assert type(back["gw"]) is torch.Tensor and torch.equal(back["gw"], gw.dequantize())
     assert type(copy.deepcopy(w)) is Float8AllGatherWeight  # a copy of the model keeps gathering in FP8
+
+
+def test_local_amaxes_in_one_pass_equal_per_tensor_amaxes() -> None:
+    from lightning_perf.parallel.fp8_all_gather import _local_amax, _local_amaxes
+
+    torch.manual_seed(0)
+    cases = [
+        [torch.randn(5, 3), torch.randn(2, 2) * 7, torch.randn(3, 3, dtype=torch.bfloat16)],
+        [torch.randn(4, 4), torch.empty(0, 4), -torch.rand(2, 8) * 300],  # an empty last shard: 0
+        [torch.empty(0, 2)],
+    ]
+    for tensors in cases:
+        got = _local_amaxes(tensors)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, torch.stack([_local_amax(t) for t in tensors]))
