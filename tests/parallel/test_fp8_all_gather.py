@@ -94,22 +94,26 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
     if gather:  # the Float8Linear receives the gathered FP8 weight itself
         mods = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
         mods[0].register_forward_pre_hook(lambda m, a: seen_gathered.append(isinstance(m.weight, Float8GatheredWeight)))
-    losses = []
+    def train(model, opt, batches, on_step=None) -> list[float]:
+        """Each rank its slice of every batch; the mean loss over ranks per step."""
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            loss = model(x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if precompute:
+                assert precompute_fp8_scales(model) == out["n_fp8"]
+            l = loss.detach().clone()
+            dist.all_reduce(l)
+            losses.append(l.item() / world)
+            if on_step is not None:
+                on_step(i)
+        return losses
+
     batches = data(world)
-    for i, (x, y) in enumerate(batches):
-        xs, ys = x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]
-        loss = model(xs, ys)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if precompute:
-            assert precompute_fp8_scales(model) == out["n_fp8"]
-        l = loss.detach().clone()
-        dist.all_reduce(l)
-        losses.append(l.item() / world)
-        if ckpt is not None and i == 0:
-            save_checkpoint(ckpt, model, [opt], extra={"step": 1})
-    out["losses"] = losses
+    save = (lambda i: save_checkpoint(ckpt, model, [opt], extra={"step": 1}) if i == 0 else None) if ckpt else None
+    out["losses"] = train(model, opt, batches, save)
     out["final"] = full_model_state_dict(model)
     out["final_types"] = sorted({type(v).__name__ for v in out["final"].values()})
     out["seen_gathered"] = seen_gathered
@@ -119,19 +123,7 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
         extra = load_checkpoint(ckpt, model2, [opt2])
         if precompute:
             precompute_fp8_scales(model2)
-        resumed = []
-        for x, y in batches[extra["step"]:]:
-            xs, ys = x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]
-            loss = model2(xs, ys)
-            loss.backward()
-            opt2.step()
-            opt2.zero_grad()
-            if precompute:
-                precompute_fp8_scales(model2)
-            l = loss.detach().clone()
-            dist.all_reduce(l)
-            resumed.append(l.item() / world)
-        out["resumed"] = resumed
+        out["resumed"] = train(model2, opt2, batches[extra["step"]:])
     return out
 
 
