@@ -43,14 +43,15 @@ def kernel_breakdown(trace_path: Path, steps: int) -> dict:
     return gpu_time_breakdown(json.loads(trace_path.read_text()).get("traceEvents", []), steps=steps)
 
 
-def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profile_dir=None):
+def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profile_dir=None, fp8=False):
     from lightning_perf.models import GPT, GPTConfig
     from lightning_perf.models.gpt.transforms import apply_compile
 
     only(enabled)
     torch._dynamo.reset()
     kernels = "triton" if enabled else "torch"
-    cfg = GPTConfig.from_name(preset, kernels=kernels, attention=attention if "attention" in enabled else "sdpa")
+    cfg = GPTConfig.from_name(preset, kernels=kernels, attention=attention if "attention" in enabled else "sdpa",
+                              fp8=fp8)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GPT(cfg)
@@ -105,6 +106,7 @@ def main():
     p.add_argument("--profile", default="all", help="comma list of op sets to profile: torch, all")
     p.add_argument("--sets", default="torch,all,each", help="comma list of op sets to time: torch, all, each")
     p.add_argument("--tag", default="", help="suffix of the output JSON name")
+    p.add_argument("--fp8", action="store_true", help="FP8 linears in the blocks (GPTConfig(fp8=True))")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +121,7 @@ def main():
             "torch" in args.profile.split(",") and not enabled)
         try:
             med, lo, hi, table, breakdown = run(args.preset, args.seq_len, args.batch, args.steps, args.warmup, args.scope,
-                                     args.attention, enabled, out if prof else None)
+                                     args.attention, enabled, out if prof else None, args.fp8)
         except Exception as err:  # keep the other rows
             print(f"{name}: FAILED {type(err).__name__}: {err}", flush=True)
             rows.append({"ops": name, "error": repr(err)})
