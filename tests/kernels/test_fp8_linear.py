@@ -166,3 +166,54 @@ def test_fp8_linear_on_gpu_close_to_bf16():
     assert (y.float() - ref).norm() / ref.norm() < 0.05
     y.float().square().sum().backward()
     assert torch.isfinite(w.grad).all() and w.grad.dtype == torch.float32
+
+
+# ---- amax(|t|) before each cast -----------------------------------------------------------------
+
+
+def _kernel_device() -> str:
+    return "cuda" if ON_GPU else "cpu"  # the compiled kernel on a GPU, the interpreted one on CPU
+
+
+@pytest.mark.parametrize("n", [1, 7, 4096, 4097, 3 * 4096 + 5, 200_003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_absmax_kernel_matches_torch(n, dtype):
+    """Every element counts: the largest magnitude sits once, at a varying place (tails, later blocks)."""
+    gen = torch.Generator().manual_seed(n)
+    t = torch.rand(n, generator=gen) * 2 - 1
+    where = int(torch.randint(0, n, (1,), generator=gen))
+    t[where] = -3.5 if n % 2 else 3.5  # the maximum magnitude, negative for odd n
+    t = t.to(dtype).to(_kernel_device())
+    got = f8._absmax_launch(t, out=torch.full((), float("nan"), device=t.device))  # poisoned output
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert torch.equal(got.cpu(), t.abs().amax().float().cpu()) and float(got) == 3.5
+
+
+def test_absmax_kernel_propagates_nan_and_inf():
+    t = torch.randn(10_000)
+    t[1234] = float("-inf")
+    assert float(f8._absmax_launch(t.to(_kernel_device()))) == float("inf")
+    t[9999] = float("nan")
+    assert torch.isnan(f8._absmax_launch(t.to(_kernel_device())))  # as torch.amax: NaN wins over inf
+    assert torch.isnan(t.abs().amax())
+
+
+def test_absmax_dispatch_and_empty_input():
+    t = torch.randn(3, 5)
+    torch.testing.assert_close(f8.absmax(t), t.abs().amax(), atol=0, rtol=0)  # CPU: the PyTorch reduction
+    torch.testing.assert_close(f8.absmax(t.t()), t.abs().amax(), atol=0, rtol=0)  # non-contiguous
+    with pytest.raises(ValueError, match="empty"):
+        f8.absmax(torch.empty(0, 4))
+
+
+@requires_gpu
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+def test_absmax_on_gpu_eager_and_compiled(src):
+    """The op in eager mode and launched from torch.compile's generated code: torch.amax's bits."""
+    torch._dynamo.reset()
+    t = (torch.randn(16384, 2048, device="cuda") * 3).to(src)
+    want = t.abs().amax().float()
+    assert torch.equal(f8.absmax(t), want)
+    compiled = torch.compile(lambda a: f8.absmax(a * 2) / 2, fullgraph=True)  # with a producer before it
+    assert torch.equal(compiled(t), want)
+    assert torch.equal(compiled(t), want)  # a second call: the output word is zeroed each time
