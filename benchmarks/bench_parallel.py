@@ -75,6 +75,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                         "fp8": True},
     "zero2_triton_compile_fp8_gather": {"strategy": "zero2_fp8_gather", "kernels": "triton", "compile": "default",
                                         "fp8": True},
+    # ... with q/k/v as one linear (one amax and one cast of each block input instead of three)
+    "zero3_triton_compile_fp8_qkv": {"strategy": "zero3", "kernels": "triton", "compile": "default", "fp8": True,
+                                     "fused_qkv": True},
+    "zero2_triton_compile_fp8_qkv": {"strategy": "zero2", "kernels": "triton", "compile": "default", "fp8": True,
+                                     "fused_qkv": True},
+    "zero3_triton_compile_fp8_gather_qkv": {"strategy": "zero3_fp8_gather", "kernels": "triton",
+                                            "compile": "default", "fp8": True, "fused_qkv": True},
+    "zero2_triton_compile_fp8_gather_qkv": {"strategy": "zero2_fp8_gather", "kernels": "triton",
+                                            "compile": "default", "fp8": True, "fused_qkv": True},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
@@ -216,6 +225,8 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             overrides["kernels"] = spec["kernels"]
         if spec.get("fp8"):
             overrides["fp8"] = True
+        if spec.get("fused_qkv"):
+            overrides["fused_qkv"] = True
         if smoke:
             config = GPTConfig.from_name("tiny-llama" if "llama" in preset else "tiny", **overrides)
         else:
