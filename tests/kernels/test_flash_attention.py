@@ -137,6 +137,10 @@ def test_bad_inputs_raise(device):
     with pytest.raises(ValueError, match="head dim 24"):
         flash_attention(q, q, q)
     assert not flash_attention_supported(q, q, q)
+    q = torch.randn(1, 2, 8, 16, device=device)
+    for scale in (0.0, -0.25, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softmax_scale must be a positive"):
+            flash_attention(q, q, q, softmax_scale=scale)
 
 
 @pytest.mark.gpu

@@ -49,15 +49,21 @@ def _online_softmax_step(acc, l_i, m_i, q, k, offs_m, start_n, T, qk_scale,
                          MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
     """Scores of q against one key tile, folded into the running max / sum; returns the rescaled
     accumulator, the new sum and max, and the tile's probabilities (for ``acc += p @ v``)."""
-    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    qk = tl.dot(q, tl.trans(k))
     if MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         valid = offs_n[None, :] < T
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= offs_n[None, :])
-        qk = tl.where(valid, qk, -1.0e30)
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
+        qk = tl.where(valid, qk * qk_scale, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+    else:
+        # unmasked tiles: the row max of the raw scores times the (positive) scale is the max of the
+        # scaled scores, so scaling and subtracting the max is one FMA per score, not a multiply and
+        # a subtract
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_new, p
 
@@ -834,6 +840,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """softmax(scale * q k^T [causal mask]) v for q (B, H, T, D), k / v (B, Hkv, T, D); scale 1/sqrt(D) by default."""
     _check(q, k, v)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not (scale > 0 and math.isfinite(scale)):  # the kernels scale row maxima: a positive scale keeps them maxima
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     if torch.compiler.is_compiling():
         return _flash_op(q, k, v, causal, scale)[0]
     return FlashAttentionFunction.apply(q, k, v, causal, scale)
