@@ -7,8 +7,7 @@ On an H200 (Triton 3.6) the kernel's first form, which transposed the loaded til
 configuration) cases while q and bf16 sources were right; a form that loads the tile a second
 time in transposed order was exact everywhere and became the library kernel
 (``debug_cast_transpose_20261122-102140.json``: "library" was the on-chip form then, "reload"
-the second-load form). The library kernel has since become a third form, the FP8 tile transposed on
-chip as bytes (exact in every case of ``bench_cast_transpose_20261122-120347.json``). This runs every configuration of the library kernel and of the on-chip
+the second-load form). This runs every configuration of the library kernel and of the on-chip
 form, for fp32 and bf16 sources, against the PyTorch reference, and writes the mismatch counts
 (and times) as JSON.
 """

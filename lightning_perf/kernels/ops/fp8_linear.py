@@ -135,7 +135,7 @@ def quantize_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
 # (both contiguous along the contracted dimension), so dW = q(g)^T q(x) needs q(g) and q(x)
 # transposed. A pointwise kernel that writes a transposed copy strides its stores by the row
 # length; this kernel loads a tile, casts it once and stores the tile and its transpose, both
-# coalesced (3.4-3.7 TB/s on an H200, 85-90% of its copy bandwidth).
+# coalesced (the transposed copy from a second, transposed load of the same tile, an L2 hit).
 
 
 @triton.jit
@@ -148,15 +148,14 @@ def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, stride_xm, FMAX: tl.constexpr,
     scale = tl.load(SCALE)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(X + rm64[:, None] * stride_xm + rn64[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = _scaled_fp8(x, scale, FMAX, ROUND_TO_2_BITS, Q)
-    tl.store(Q + rm64[:, None] * N + rn64[None, :], y, mask=mask)
-    # the FP8 tile is transposed on chip as bytes. (Transposing the fp32 tile instead, before the cast,
-    # wrote q^T wrongly on an H200 with Triton 3.6 for fp32 sources in 56 of 64 (shape, configuration)
-    # cases, debug_cast_transpose_*.json; the byte transpose was exact in every case and ~4% faster than
-    # loading the tile a second time in transposed order, bench_cast_transpose_*.json.)
-    yt = tl.trans(y.to(tl.uint8, bitcast=True)).to(QT.dtype.element_ty, bitcast=True)
+    tl.store(Q + rm64[:, None] * N + rn64[None, :], _scaled_fp8(x, scale, FMAX, ROUND_TO_2_BITS, Q), mask=mask)
+    # the transposed tile is loaded again (from L2) in transposed order rather than transposed on chip:
+    # on an H200 (Triton 3.6) an in-kernel tl.trans of a tile from an fp32 source wrote q^T wrongly in
+    # 56 of 64 (shape, configuration) cases (benchmarks/debug_cast_transpose.py); this form was exact
+    # in all of them, and as fast for bf16 sources
     mask_t = (rn[:, None] < N) & (rm[None, :] < M)
-    tl.store(QT + rn64[:, None] * M + rm64[None, :], yt, mask=mask_t)
+    xt = tl.load(X + rm64[None, :] * stride_xm + rn64[:, None], mask=mask_t, other=0.0).to(tl.float32)
+    tl.store(QT + rn64[:, None] * M + rm64[None, :], _scaled_fp8(xt, scale, FMAX, ROUND_TO_2_BITS, QT), mask=mask_t)
 
 
 @triton.jit
@@ -243,7 +242,7 @@ def cast_transpose_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 
     Meant to equal :func:`cast_transpose_fp8_reference` bit for bit (the same fp32 product, rounded to
     nearest-even after the clamp; for e5m2 values below its normal range, 2^-14, a tie may round
-    differently). The tile is cast once and its FP8 bytes transposed on chip (see the kernel).
+    differently). The transposed copy comes from a second, transposed load of the tile (see the kernel).
     t (M, N) with unit stride along N; scale a 0-dim fp32 tensor.
     """
     return _cast_transpose_op(t, scale, dtype)
