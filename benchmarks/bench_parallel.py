@@ -84,6 +84,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                             "compile": "default", "fp8": True, "fused_qkv": True},
     "zero2_triton_compile_fp8_gather_qkv": {"strategy": "zero2_fp8_gather", "kernels": "triton",
                                             "compile": "default", "fp8": True, "fused_qkv": True},
+    # ... with Python's garbage collector on a fixed schedule, the same on both ranks (GarbageCollection):
+    # an automatic full collection pauses one rank's host while the other waits in the next collective
+    "zero3_triton_compile_fp8_qkv_gc": {"strategy": "zero3", "kernels": "triton", "compile": "default", "fp8": True,
+                                        "fused_qkv": True, "gc": 10},
+    "zero2_triton_compile_fp8_qkv_gc": {"strategy": "zero2", "kernels": "triton", "compile": "default", "fp8": True,
+                                        "fused_qkv": True, "gc": 10},
+    "zero3_triton_compile_gc": {"strategy": "zero3", "kernels": "triton", "compile": "default", "gc": 10},
+    "lightning_fsdp_full_shard_gc": {"strategy": "fsdp_full", "gc": 10},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
@@ -254,11 +262,16 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             precision = {"plugins": [PerfPrecision(precision["precision"],
                                                    reduce_dtype=getattr(torch, spec["reduce_dtype"].replace(
                                                        "bf16", "bfloat16")))]}
+        gc_callbacks = []
+        if spec.get("gc"):
+            from lightning_perf.callbacks import GarbageCollection
+
+            gc_callbacks = [GarbageCollection(every_n_steps=int(spec["gc"]))]
         trainer = L.Trainer(
             accelerator=accelerator, devices=world, strategy=build_strategy(spec["strategy"], smoke),
             max_steps=args["warmup"] + args["steps"] + 2, **precision,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer] + gc_callbacks,
         )
         loader = DataLoader(Tokens(), batch_size=B, num_workers=0, pin_memory=not smoke)
         t0 = time.perf_counter()

@@ -4,6 +4,7 @@ Each one adds no host-device synchronisation on the steps it does not sample.
 """
 
 from lightning_perf.callbacks.comm import CommOverlapMonitor
+from lightning_perf.callbacks.garbage import GarbageCollection
 from lightning_perf.callbacks.mfu import MFUMonitor
 from lightning_perf.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from lightning_perf.callbacks.report import PerfReport
@@ -26,4 +27,5 @@ __all__ = [
     "RankWatchdog",
     "RankFailureError",
     "CollectiveTimeoutError",
+    "GarbageCollection",
 ]
