@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import time
 from collections import deque
 from typing import Any, Optional
 
@@ -14,6 +16,7 @@ from typing_extensions import override
 import lightning_perf.perf.throughput as _throughput
 from lightning_perf.callbacks._utils import batch_size_of, device_of, find_callback, layout_of, log_dir_of
 from lightning_perf.callbacks.comm import CommOverlapMonitor
+from lightning_perf.callbacks.garbage import GarbageCollection
 from lightning_perf.callbacks.mfu import MFUMonitor
 from lightning_perf.callbacks.roofline import RooflineMonitor
 from lightning_perf.callbacks.stall import DataLoaderStallDetector
@@ -26,12 +29,14 @@ __all__ = ["PerfReport"]
 
 class PerfReport(Callback):
     """At the end of fit: step time split into compute / exposed communication / data wait /
-    host overhead, MFU, the roofline bound, the sync sites and the top three recommendations.
+    host overhead, MFU, the roofline bound, Python garbage-collection pauses, the sync sites and the
+    top three recommendations.
 
     Step time and the device's idle gap between steps are measured here (CUDA events read
     with ``query()``, or the host clock on CPU). The rest comes from the other callbacks of
     the pack when they are attached (``MFUMonitor``, ``DataLoaderStallDetector``,
-    ``CommOverlapMonitor``, ``RooflineMonitor``, ``SyncPointWarner``). The report is printed
+    ``CommOverlapMonitor``, ``RooflineMonitor``, ``SyncPointWarner``). Every garbage collection
+    during the fit is timed through ``gc.callbacks`` (two clock reads per collection). The report is printed
     on rank 0 and saved as ``{filename}.md`` and ``{filename}.json`` in the log dir.
 
     Args:
@@ -57,6 +62,19 @@ class PerfReport(Callback):
         self._tokens = 0
         self._index = 0
         self._measured: list[tuple[int, float, float, int]] = []  # (step, step_s, gap_s, tokens)
+        self._gc_pauses: list[tuple[int, float]] = []  # (step index, seconds) of each collection
+        self._gc_t0: Optional[float] = None
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self._gc_pauses.append((self._index - 1, time.perf_counter() - self._gc_t0))
+            self._gc_t0 = None
+
+    def _stop_gc_timing(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     def _stamp(self) -> Any:
         if self._cuda:
@@ -71,6 +89,17 @@ class PerfReport(Callback):
         self._start = self._end = None
         self._index = 0
         self._measured = []
+        self._gc_pauses = []
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop_gc_timing()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop_gc_timing()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -107,6 +136,7 @@ class PerfReport(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop_gc_timing()
         self._drain(block=True)
         self.summary = self.build_summary(trainer)
         if not trainer.is_global_zero:
@@ -165,6 +195,13 @@ class PerfReport(Callback):
         if roof is not None and roof.results:
             r = roof.summary()
             s.bound, s.roofline = r["bound"], r["categories"]
+        measured = {r[0] for r in rows}
+        pauses = [dt for index, dt in self._gc_pauses if index in measured]
+        if steps:
+            s.gc_pause_s = sum(pauses) / steps
+            s.gc_max_pause_s = max(pauses) if pauses else 0.0
+            s.gc_collections = len(pauses)
+            s.gc_scheduled = find_callback(trainer, GarbageCollection) is not None
         sync = find_callback(trainer, SyncPointWarner)
         if sync is not None:
             s.user_sync_sites = [x.describe() for x in sync.user_sites()]

@@ -35,6 +35,10 @@ class PerfSummary:
     framework_sync_sites: list[str] = field(default_factory=list)
     dataloader_advice: list[str] = field(default_factory=list)
     comm: dict[str, Any] = field(default_factory=dict)
+    gc_pause_s: Optional[float] = None  # Python garbage collection, mean seconds per measured step
+    gc_max_pause_s: Optional[float] = None  # the longest single collection in the measured steps
+    gc_collections: int = 0
+    gc_scheduled: bool = False  # collections run on a fixed schedule (GarbageCollection) rather than automatically
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -90,6 +94,16 @@ def recommendations(s: PerfSummary, *, top: int = 3) -> list[str]:
     if over > 0.2:
         tips.append((0.5 * over * compute, f"Overhead-bound ops take {100 * over:.0f}% of kernel time (launch "
                                            "latency); larger batches, torch.compile, CUDA graphs."))
+    if s.gc_pause_s is not None and s.step_time_s > 0 and not s.gc_scheduled:
+        frac = s.gc_pause_s / s.step_time_s
+        longest = (s.gc_max_pause_s or 0.0) / s.step_time_s
+        if frac > 0.01 or longest > 0.1:
+            tips.append((max(frac, 0.1 * longest),
+                         f"Python garbage collection paused the host {1e3 * s.gc_pause_s:.3g} ms per step "
+                         f"({s.gc_collections} automatic collections, the longest {1e3 * (s.gc_max_pause_s or 0):.3g} "
+                         "ms); with several ranks each pause also stalls the others in the next collective. "
+                         "Attach lightning_perf.callbacks.GarbageCollection to collect at fixed steps on every "
+                         "rank."))
     if s.mfu is not None and s.mfu < 0.3:
         tips.append((0.01, f"MFU is {100 * s.mfu:.1f}%: raise the micro-batch, use bf16 autocast, fused "
                            "AdamW and torch.compile."))
@@ -114,6 +128,10 @@ def render_markdown(s: PerfSummary) -> str:
               f"| HFU | {_fmt(s.hfu, 100, '%')} |",
               f"| peak used | {s.peak or 'n/a'} |",
               f"| bound | {s.bound or 'n/a'} |"]
+    if s.gc_pause_s is not None:
+        kind = "scheduled" if s.gc_scheduled else "automatic"
+        lines.append(f"| Python GC | {_fmt(s.gc_pause_s, 1e3, ' ms')} per step ({s.gc_collections} {kind} "
+                     f"collections, longest {_fmt(s.gc_max_pause_s, 1e3, ' ms')}) |")
     if s.roofline:
         lines += ["", "| op group | time share | TFLOP/s | GB/s | bound |", "| --- | --- | --- | --- | --- |"]
         for g in s.roofline:

@@ -66,3 +66,47 @@ def test_report_collects_the_other_callbacks(tmp_path):
     assert any("test_callbacks_report.py" in site for site in s.user_sync_sites)
     md = open(os.path.join(str(tmp_path), "perf_report.md")).read()
     assert "Top recommendations" in md and "Input pipeline" in md and "test_callbacks_report.py" in md
+
+
+class CollectingLM(ToyLM):
+    """Holds many tracked Python objects and runs a full collection in one step (as CPython would
+    on its own, at a moment of its choosing)."""
+
+    def __init__(self, at: int = 3) -> None:
+        super().__init__()
+        self.ballast = [[i] for i in range(300_000)]
+        self.at = at
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.at:
+            import gc
+
+            gc.collect()
+        return super().training_step(batch, batch_idx)
+
+
+def test_report_times_garbage_collection_and_recommends_scheduling_it(tmp_path):
+    from lightning_perf.perf.report import recommendations
+
+    report = PerfReport(warmup_steps=1, print_report=False)
+    trainer(tmp_path, [report], max_steps=8).fit(CollectingLM(), loader())
+    s = report.summary
+    assert s.gc_collections >= 1 and not s.gc_scheduled
+    assert s.gc_max_pause_s > 0.002  # a full pass over 300k lists
+    assert s.gc_pause_s * s.steps >= s.gc_max_pause_s
+    assert any("GarbageCollection" in tip for tip in recommendations(s, top=10))
+    assert "| Python GC |" in open(report.files[0]).read()
+    import gc
+
+    assert report._on_gc not in gc.callbacks  # timing removed after fit
+
+
+def test_report_with_scheduled_collections_does_not_recommend_them(tmp_path):
+    from lightning_perf.callbacks import GarbageCollection
+    from lightning_perf.perf.report import recommendations
+
+    report = PerfReport(warmup_steps=1, print_report=False)
+    trainer(tmp_path, [GarbageCollection(every_n_steps=2), report], max_steps=8).fit(CollectingLM(at=-1), loader())
+    s = report.summary
+    assert s.gc_scheduled and s.gc_collections >= 3  # steps 2, 4, 6 (8 is past the last measured interval)
+    assert not any("GarbageCollection" in tip for tip in recommendations(s, top=10))
