@@ -9,7 +9,6 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
