@@ -92,6 +92,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                         "fused_qkv": True, "gc": 10},
     "zero3_triton_compile_gc": {"strategy": "zero3", "kernels": "triton", "compile": "default", "gc": 10},
     "lightning_fsdp_full_shard_gc": {"strategy": "fsdp_full", "gc": 10},
+    # ... with two blocks per FSDP2 unit: half the all-gathers / reduce-scatters and FSDP2 host work
+    "zero3_triton_compile_fp8_qkv_gc_units2": {"strategy": "zero3_units2", "kernels": "triton", "compile": "default",
+                                               "fp8": True, "fused_qkv": True, "gc": 10},
+    "zero2_triton_compile_fp8_qkv_gc_units2": {"strategy": "zero2_units2", "kernels": "triton", "compile": "default",
+                                               "fp8": True, "fused_qkv": True, "gc": 10},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
@@ -125,6 +130,9 @@ def build_strategy(name: str, smoke: bool) -> Any:
         return ZeroStrategy(stage=1, gradient_compression="powersgd", powersgd_rank=4)
     if name.endswith("_fp8_gather"):  # zero3_fp8_gather / zero2_fp8_gather
         return ZeroStrategy(stage=int(name[4]), fp8_all_gather=True)
+    if "_units" in name:  # zero3_units2: two consecutive blocks per FSDP2 unit
+        stage, units = name.split("_units")
+        return ZeroStrategy(stage=int(stage[-1]), blocks_per_unit=int(units))
     if name.startswith("zero3_prefetch"):  # zero3_prefetch2: all-gathers two blocks ahead
         return ZeroStrategy(stage=3, prefetch=int(name[len("zero3_prefetch"):]))
     stage = int(name[-1])

@@ -94,8 +94,10 @@ def apply_fsdp(
     offload_policy: Optional[Any] = None,
     wrap_policy: Optional[WrapPolicy] = None,
     fp8_all_gather: bool = False,
+    blocks_per_unit: int = 1,
 ) -> nn.Module:
-    """Shard ``module`` with FSDP2 over ``dp_mesh``: one unit per block, then the root.
+    """Shard ``module`` with FSDP2 over ``dp_mesh``: one unit per block (or per ``blocks_per_unit``
+    consecutive blocks), then the root.
 
     Args:
         module: the model (parameters may be on ``meta``; materialise after with
@@ -111,10 +113,15 @@ def apply_fsdp(
         fp8_all_gather: all-gather the ``Float8Linear`` weights in FP8, quantised per shard with the
             whole weight's scale (``parallel.fp8_all_gather``); call ``precompute_fp8_scales`` after
             each optimizer step to reduce all the scales in one collective.
+        blocks_per_unit: consecutive blocks sharded as one FSDP unit (one all-gather and one
+            reduce-scatter for the group): fewer, larger collectives and a fraction of FSDP2's
+            per-unit host work per step, for more memory held gathered at a time. Prefetch depth
+            counts units.
     Returns the same module object, now an FSDP module.
     """
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    check_blocks_per_unit(blocks_per_unit)
     if not any(True for _ in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no parameters: nothing to shard")
     if fp8_all_gather:
@@ -132,15 +139,22 @@ def apply_fsdp(
         kwargs["offload_policy"] = offload_policy
     units = list(blocks) if blocks is not None else find_blocks(module, wrap_policy)
     units = [u for u in units if any(True for _ in u.parameters())]
-    for i, unit in enumerate(units):
-        # the last block's parameters are needed again at once by backward: keep them gathered
-        last = i == len(units) - 1
-        fully_shard(unit, reshard_after_forward=reshard_after_forward and not last, **kwargs)
+    groups = [units[i:i + blocks_per_unit] for i in range(0, len(units), blocks_per_unit)]
+    for i, group in enumerate(groups):
+        # the last unit's parameters are needed again at once by backward: keep them gathered
+        last = i == len(groups) - 1
+        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard_after_forward and not last,
+                    **kwargs)
     # the root keeps its (embedding / head) parameters gathered between forward and backward
     fully_shard(module, reshard_after_forward=False if units else reshard_after_forward, **kwargs)
-    if prefetch > 0 and len(units) > 1:
-        _set_prefetch(units, prefetch)
+    if prefetch > 0 and len(groups) > 1:
+        _set_prefetch([g[0] for g in groups], prefetch)  # a group's modules share one FSDP state
     return module
+
+
+def check_blocks_per_unit(blocks_per_unit: object) -> None:
+    if isinstance(blocks_per_unit, bool) or not isinstance(blocks_per_unit, int) or blocks_per_unit < 1:
+        raise ValueError(f"blocks_per_unit must be an int >= 1, got {blocks_per_unit!r}")
 
 
 def _set_prefetch(units: Sequence[nn.Module], depth: int) -> None:

@@ -52,6 +52,7 @@ class ZeroConfig:
     init: Literal["rank0", "meta"] = "rank0"
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     fp8_all_gather: bool = False
+    blocks_per_unit: int = 1
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -89,6 +90,12 @@ class ZeroConfig:
             raise ValueError(
                 "fp8_all_gather changes FSDP2's parameter all-gather: it needs stage 2 or 3 with backend='native', "
                 f"got stage={self.stage}, backend={self.backend!r}")
+        from lightning_perf.parallel.fsdp import check_blocks_per_unit
+
+        check_blocks_per_unit(self.blocks_per_unit)
+        if self.blocks_per_unit > 1 and not self.uses_fsdp:
+            raise ValueError("blocks_per_unit groups FSDP2 units: it needs stage 2 or 3 with backend='native', "
+                             f"got stage={self.stage}, backend={self.backend!r}")
         if self.reshard_after_forward is None:
             self.reshard_after_forward = self.stage == 3
         if self.reshard_after_forward and self.stage != 3:

@@ -22,8 +22,8 @@ B, T = 2, 16  # per rank
 LR = 1e-2
 
 
-def tiny_config(fp8: bool = False) -> GPTConfig:
-    return GPTConfig(name="t", vocab_size=100, block_size=T, n_layer=2, n_head=2, n_embd=32, pad_vocab_multiple=16,
+def tiny_config(fp8: bool = False, n_layer: int = 2) -> GPTConfig:
+    return GPTConfig(name="t", vocab_size=100, block_size=T, n_layer=n_layer, n_head=2, n_embd=32, pad_vocab_multiple=16,
                      bias=False,  # a k_proj bias has a zero true gradient: Adam would amplify rounding noise
                      fp8=fp8)
 
@@ -42,7 +42,8 @@ def batches(n_steps: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]
 # ---- the distributed part ------------------------------------------------------------------
 
 
-def _fsdp_run(rank: int, world: int, stage: int, data, ckpt: Path | None, fp8: bool = False):
+def _fsdp_run(rank: int, world: int, stage: int, data, ckpt: Path | None, fp8: bool = False, blocks_per_unit: int = 1,
+              n_layer: int = 2):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -53,18 +54,19 @@ def _fsdp_run(rank: int, world: int, stage: int, data, ckpt: Path | None, fp8: b
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
     if rank == 0:
-        model = GPT(tiny_config(fp8))  # the single-process random stream
+        model = GPT(tiny_config(fp8, n_layer))  # the single-process random stream
         full = take_full_state(model)
     else:
         with torch.device("meta"):
-            model = GPT(tiny_config(fp8))
+            model = GPT(tiny_config(fp8, n_layer))
         full = None
-    apply_fsdp(model, mesh, reshard_after_forward=stage == 3, prefetch=1)
+    apply_fsdp(model, mesh, reshard_after_forward=stage == 3, prefetch=1, blocks_per_unit=blocks_per_unit)
     materialize_from_rank0(model, torch.device("cpu"), full)
     init_state = full_model_state_dict(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    out: dict = {"init": init_state}
+    out: dict = {"init": init_state,
+                 "block_units": len({id(b._get_fsdp_state()) for b in model.blocks.values()})}
     for i, (x, y) in enumerate(data):
         xs, ys = x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]
         loss = model(xs, ys)
@@ -127,12 +129,14 @@ def _worker(rank: int, world: int, out_dir: Path) -> dict:
     res["zero3"] = _fsdp_run(rank, world, 3, data, out_dir / "ckpt")
     # 3. FP8 linears under ZeRO-3: each rank quantises its own half of the batch
     res["zero3_fp8"] = _fsdp_run(rank, world, 3, data, None, fp8=True)
+    # 4. three blocks sharded two to a unit (units of 2 and 1 blocks, prefetch across them)
+    res["zero3_grouped"] = _fsdp_run(rank, world, 3, data, None, blocks_per_unit=2, n_layer=3)
     return res
 
 
-def reference(data, steps: int):
+def reference(data, steps: int, n_layer: int = 2):
     torch.manual_seed(0)
-    model = GPT(tiny_config())
+    model = GPT(tiny_config(n_layer=n_layer))
     init = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, at = [], {}
@@ -202,6 +206,13 @@ def test_zero_parallel_pieces(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(fp8_losses), rtol=1e-5, atol=1e-6)
     _close(z["final"], fp8_final)
     assert max(abs(a - b) for a, b in zip(z["losses"], losses)) < 0.05
+    # consecutive blocks grouped into FSDP units: the same training as one process
+    _, losses3, final3, _ = reference(data, STEPS, n_layer=3)
+    for r in results:
+        assert r["zero3_grouped"]["block_units"] == 2 and r["zero3"]["block_units"] == 2
+    torch.testing.assert_close(torch.tensor(results[0]["zero3_grouped"]["losses"]), torch.tensor(losses3), rtol=1e-5,
+                               atol=1e-6)
+    _close(results[0]["zero3_grouped"]["final"], final3)
     # resume from the step-2 checkpoint = uninterrupted run
     torch.testing.assert_close(torch.tensor(results[0]["zero3"]["resumed"]), torch.tensor(losses[2:]),
                                rtol=1e-5, atol=1e-6)

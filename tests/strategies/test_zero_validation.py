@@ -31,6 +31,9 @@ def test_unknown_stage() -> None:
         ({"stage": 3, "init": "disk"}, "init='disk' is not one of"),
         ({"stage": 3, "backend": "megatron"}, "backend must be 'native' or 'deepspeed'"),
         ({"stage": 1, "fp8_all_gather": True}, "fp8_all_gather changes FSDP2's parameter all-gather"),
+        ({"stage": 3, "blocks_per_unit": 0}, "blocks_per_unit must be an int >= 1"),
+        ({"stage": 3, "blocks_per_unit": 1.5}, "blocks_per_unit must be an int >= 1"),
+        ({"stage": 1, "blocks_per_unit": 2}, "blocks_per_unit groups FSDP2 units"),
     ],
 )
 def test_bad_options(kwargs, match) -> None:
