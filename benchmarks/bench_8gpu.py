@@ -78,10 +78,20 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
         "llama8b_pp2_tp2_dp2_compile": dict(LLAMA, pp=2, tp=2, zero=1, schedule="1f1b", m=8, compile="default"),
         "llama8b_dp8_lightning_fsdp": dict(LLAMA, strategy="lightning_fsdp", ac="full"),
     }),
+    # Python's garbage collector on a fixed schedule on every rank (GarbageCollection every 10 steps):
+    # do the layouts whose exposure exceeded 10% (ZeRO-2 dp8, pp2 x dp4) owe it to one rank's pauses?
+    ("gc", "gpt13b_dp8_gc", 8, {
+        "gpt13b_dp8_zero2": dict(GPT13, global_batch=64, zero=2),
+        "gpt13b_dp8_zero2_gc": dict(GPT13, global_batch=64, zero=2, gc=10),
+    }),
+    ("gc", "llama8b_8gpu_gc", 8, {
+        "llama8b_pp2_dp4": dict(LLAMA, pp=2, zero=2, schedule="1f1b", m=8),
+        "llama8b_pp2_dp4_gc": dict(LLAMA, pp=2, zero=2, schedule="1f1b", m=8, gc=10),
+    }),
 ]
 
 # a group's deadline: seconds per variant plus the group's start (spawn, imports, NCCL)
-PER_VARIANT_S = {"llama8b_8gpu": 85.0, "llama8b_8gpu_compile": 150.0}
+PER_VARIANT_S = {"llama8b_8gpu": 85.0, "llama8b_8gpu_compile": 150.0, "llama8b_8gpu_gc": 85.0}
 DEFAULT_PER_VARIANT_S = 35.0
 GROUP_START_S = 30.0
 
@@ -172,7 +182,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--part", choices=("main", "compile", "all"), default="main")
+    parser.add_argument("--part", choices=("main", "compile", "gc", "all"), default="main")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU processes (gloo)")
     parser.add_argument("--gpus", type=int, default=8, help="largest world; groups needing more are skipped")
     parser.add_argument("--warmup", type=int, default=2)

@@ -115,6 +115,15 @@ def select(names: list[str], only: Optional[str]) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
+def _gc_callbacks(spec: dict) -> list:
+    """``spec["gc"] = N``: Python's garbage collector every N steps on every rank (GarbageCollection)."""
+    if not spec.get("gc"):
+        return []
+    from lightning_perf.callbacks import GarbageCollection
+
+    return [GarbageCollection(every_n_steps=int(spec["gc"]))]
+
+
 def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor") -> Any:
     from lightning_perf.strategies import Parallel3DStrategy
 
@@ -303,7 +312,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         accelerator="cpu" if smoke else "gpu", devices=world, strategy=_strategy(spec, world, args["compile_backend"]),
         precision="32-true" if smoke else "bf16-mixed", max_steps=args["warmup"] + args["steps"] + 1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer] + _gc_callbacks(spec),
     )
     t0 = time.perf_counter()
     trainer.fit(module, DataLoader(Tokens(), batch_size=B, pin_memory=not smoke))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One 8x H200 call per part of bench_8gpu.py: PART=main (llama-8b layouts, gpt-1.3b weak scaling,
-# Lightning FSDP dp8) or PART=compile (compiled llama-8b layouts incl. dp8 ZeRO-2 with FP8 linears and
-# FP8 all-gather, Lightning FSDP on llama-8b).
+# Lightning FSDP dp8), PART=gc (the layouts above 10% exposure, with and without GarbageCollection)
+# or PART=compile (compiled llama-8b layouts incl. dp8 ZeRO-2 with FP8 linears and FP8 all-gather,
+# Lightning FSDP on llama-8b).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
