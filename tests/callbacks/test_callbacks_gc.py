@@ -101,3 +101,11 @@ def test_gradient_accumulation_collects_once_per_step(tmp_path):
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         GarbageCollection(**kwargs)
+
+
+def test_the_same_callback_serves_two_fits(tmp_path):
+    cb = GarbageCollection(every_n_steps=2)
+    trainer(tmp_path, [cb], max_steps=4).fit(ToyLM(), loader())
+    assert cb.collected_at == [2, 4] and gc.isenabled()
+    trainer(tmp_path, [cb], max_steps=2).fit(ToyLM(), loader())
+    assert cb.collected_at == [2] and gc.isenabled() and gc.get_freeze_count() == 0
