@@ -40,7 +40,8 @@ class GarbageCollection(Callback):
         generation: the generation collected on schedule: 0, 1 (default: young objects only, fast)
             or 2 (everything not frozen).
         freeze: move the objects alive at the start (and at the first collection) to the
-            permanent generation, so later collections skip them.
+            permanent generation, so later collections skip them (skipped when the program froze
+            objects itself: the end of fit could not thaw ours alone).
     """
 
     def __init__(self, every_n_steps: int = 50, *, generation: int = 1, freeze: bool = True) -> None:
@@ -78,7 +79,9 @@ class GarbageCollection(Callback):
         self.collected_at, self.pauses_ms, self._pending_ms = [], [], 0.0
         gc.callbacks.append(self._on_gc)
         gc.collect()
-        if self.freeze:
+        # freezing is undone with gc.unfreeze() at the end, which would also thaw objects someone else
+        # froze: with a permanent generation already in use, leave it alone
+        if self.freeze and gc.get_freeze_count() == 0:
             gc.freeze()
             self._froze, self._refrozen = True, False
         gc.disable()
@@ -109,7 +112,7 @@ class GarbageCollection(Callback):
         step = trainer.global_step
         if step < 1 or step % self.every_n_steps or (self.collected_at and self.collected_at[-1] == step):
             return  # (with gradient accumulation global_step holds for several batches: collect once)
-        if self.freeze and not self._refrozen:
+        if self._froze and not self._refrozen:
             gc.collect()  # everything made by compilation and the first steps: freeze it too
             gc.freeze()
             self._refrozen = True

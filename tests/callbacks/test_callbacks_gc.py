@@ -109,3 +109,14 @@ def test_the_same_callback_serves_two_fits(tmp_path):
     assert cb.collected_at == [2, 4] and gc.isenabled()
     trainer(tmp_path, [cb], max_steps=2).fit(ToyLM(), loader())
     assert cb.collected_at == [2] and gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_objects_frozen_by_the_program_stay_frozen(tmp_path):
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        cb = GarbageCollection(every_n_steps=2)
+        trainer(tmp_path, [cb], max_steps=4).fit(ToyLM(), loader())
+        assert cb.collected_at == [2, 4] and 0 < gc.get_freeze_count() <= frozen  # not thawed, none added
+    finally:
+        gc.unfreeze()
