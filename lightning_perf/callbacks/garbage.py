@@ -4,14 +4,39 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_perf.callbacks._utils import log_scalars
 
-__all__ = ["GarbageCollection"]
+__all__ = ["GarbageCollection", "CollectionTimer"]
+
+
+class CollectionTimer:
+    """Times every collection of Python's garbage collector while installed in ``gc.callbacks``:
+    ``pauses`` holds ``(tag(), seconds)`` per collection (two clock reads each)."""
+
+    def __init__(self, tag: Optional[Callable[[], Any]] = None) -> None:
+        self.tag = tag
+        self.pauses: list[tuple[Any, float]] = []
+        self._t0: Optional[float] = None
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.pauses.append((self.tag() if self.tag is not None else None, time.perf_counter() - self._t0))
+            self._t0 = None
+
+    def install(self) -> None:
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def remove(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
 
 
 class GarbageCollection(Callback):
@@ -54,30 +79,23 @@ class GarbageCollection(Callback):
         self.generation = generation
         self.freeze = bool(freeze)
         self.collected_at: list[int] = []  # global steps at which a scheduled collection ran
-        self.pauses_ms: list[float] = []  # duration of every collection during fit (scheduled or not)
+        self._on_gc = CollectionTimer()  # every collection during fit (scheduled or not)
+        self._logged = 0  # collections already counted in a logged perf/gc_ms
         self._was_enabled: Optional[bool] = None
         self._froze = False
         self._refrozen = False
-        self._pending_ms = 0.0
-        self._t0: Optional[float] = None
 
-    # ---- timing of every collection (gc.callbacks) ----------------------------------------------
-
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self._t0 is not None:
-            ms = (time.perf_counter() - self._t0) * 1e3
-            self._t0 = None
-            self.pauses_ms.append(ms)
-            self._pending_ms += ms
+    @property
+    def pauses_ms(self) -> list[float]:
+        """Milliseconds of every collection during the last fit."""
+        return [1e3 * seconds for _, seconds in self._on_gc.pauses]
 
     def _start(self) -> None:
         if self._was_enabled is not None:  # already active (a second start without an end)
             return
         self._was_enabled = gc.isenabled()
-        self.collected_at, self.pauses_ms, self._pending_ms = [], [], 0.0
-        gc.callbacks.append(self._on_gc)
+        self.collected_at, self._on_gc.pauses, self._logged = [], [], 0
+        self._on_gc.install()
         gc.collect()
         # freezing is undone with gc.unfreeze() at the end, which would also thaw objects someone else
         # froze: with a permanent generation already in use, leave it alone
@@ -89,8 +107,7 @@ class GarbageCollection(Callback):
     def _stop(self) -> None:
         if self._was_enabled is None:
             return
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
+        self._on_gc.remove()
         if self._froze:
             gc.unfreeze()  # back into the oldest generation: collectable again
             self._froze = False
@@ -119,8 +136,9 @@ class GarbageCollection(Callback):
         else:
             gc.collect(self.generation)
         self.collected_at.append(step)
-        log_scalars(pl_module, {"perf/gc_ms": self._pending_ms})
-        self._pending_ms = 0.0
+        pauses = self.pauses_ms
+        log_scalars(pl_module, {"perf/gc_ms": sum(pauses[self._logged:])})
+        self._logged = len(pauses)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
-import time
 from collections import deque
 from typing import Any, Optional
 
@@ -15,7 +13,7 @@ from typing_extensions import override
 import lightning_perf.perf.throughput as _throughput
 from lightning_perf.callbacks._utils import batch_size_of, device_of, find_callback, layout_of, log_dir_of
 from lightning_perf.callbacks.comm import CommOverlapMonitor
-from lightning_perf.callbacks.garbage import GarbageCollection
+from lightning_perf.callbacks.garbage import CollectionTimer, GarbageCollection
 from lightning_perf.callbacks.mfu import MFUMonitor
 from lightning_perf.callbacks.roofline import RooflineMonitor
 from lightning_perf.callbacks.stall import DataLoaderStallDetector
@@ -61,19 +59,10 @@ class PerfReport(Callback):
         self._tokens = 0
         self._index = 0
         self._measured: list[tuple[int, float, float, int]] = []  # (step, step_s, gap_s, tokens)
-        self._gc_pauses: list[tuple[int, float]] = []  # (step index, seconds) of each collection
-        self._gc_t0: Optional[float] = None
+        self._on_gc = CollectionTimer(tag=self._step_index)  # (step index, seconds) per collection
 
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._gc_t0 = time.perf_counter()
-        elif self._gc_t0 is not None:
-            self._gc_pauses.append((self._index - 1, time.perf_counter() - self._gc_t0))
-            self._gc_t0 = None
-
-    def _stop_gc_timing(self) -> None:
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
+    def _step_index(self) -> int:
+        return self._index - 1
 
     def _stamp(self) -> Any:
         if self._cuda:
@@ -88,17 +77,16 @@ class PerfReport(Callback):
         self._start = self._end = None
         self._index = 0
         self._measured = []
-        self._gc_pauses = []
-        if self._on_gc not in gc.callbacks:
-            gc.callbacks.append(self._on_gc)
+        self._on_gc.pauses = []
+        self._on_gc.install()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._stop_gc_timing()
+        self._on_gc.remove()
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._stop_gc_timing()
+        self._on_gc.remove()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -135,7 +123,7 @@ class PerfReport(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._stop_gc_timing()
+        self._on_gc.remove()
         self._drain(block=True)
         self.summary = self.build_summary(trainer)
         if not trainer.is_global_zero:
@@ -195,7 +183,7 @@ class PerfReport(Callback):
             r = roof.summary()
             s.bound, s.roofline = r["bound"], r["categories"]
         measured = {r[0] for r in rows}
-        pauses = [dt for index, dt in self._gc_pauses if index in measured]
+        pauses = [dt for index, dt in self._on_gc.pauses if index in measured]
         if steps:
             s.gc_pause_s = sum(pauses) / steps
             s.gc_max_pause_s = max(pauses) if pauses else 0.0
