@@ -29,6 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import StepTimer  # noqa: E402
 
+from lightning_perf.kernels.ops import fp8_linear as _f8  # noqa: E402
+
+_ABSMAX = _f8.absmax  # the library's amax; the "torch" ablation swaps it for the PyTorch reduction
+
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet
 
 
@@ -185,15 +189,6 @@ VARIANTS = {
 }
 
 
-def _library_absmax():
-    from lightning_perf.kernels.ops import fp8_linear as f8
-
-    return f8.absmax
-
-
-_ABSMAX = _library_absmax()
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -240,9 +235,7 @@ def main() -> None:
             t0 = time.time()
             extra = dict(extra)
             amax = extra.pop("amax", "triton")
-            from lightning_perf.kernels.ops import fp8_linear as f8
-
-            f8.absmax = _ABSMAX if amax == "triton" else (lambda t: t.abs().amax().float())
+            _f8.absmax = _ABSMAX if amax == "triton" else (lambda t: t.abs().amax().float())
             try:
                 times, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode, scope,
                                     extra)
