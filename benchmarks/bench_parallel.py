@@ -97,6 +97,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                "fp8": True, "fused_qkv": True, "gc": 10},
     "zero2_triton_compile_fp8_qkv_gc_units2": {"strategy": "zero2_units2", "kernels": "triton", "compile": "default",
                                                "fp8": True, "fused_qkv": True, "gc": 10},
+    "zero3_triton_compile_fp8_qkv_units2": {"strategy": "zero3_units2", "kernels": "triton", "compile": "default",
+                                            "fp8": True, "fused_qkv": True},
+    "zero3_triton_compile_units2": {"strategy": "zero3_units2", "kernels": "triton", "compile": "default"},
+    "zero3_triton_compile_gc_units2": {"strategy": "zero3_units2", "kernels": "triton", "compile": "default", "gc": 10},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},

@@ -98,6 +98,9 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "dp2_compile_fp8": {"dp": 2, "compile": "default", "fp8": True, "fp8_all_gather": True},
     "tp2_compile_batch_fp8": {"tp": 2, "compile": "default", "sp": "batch", "fp8": True},
     "pp2_1f1b_m4_compile_fp8": {"pp": 2, "schedule": "1f1b", "m": 4, "compile": "default", "fp8": True},
+    # Python's garbage collector on a fixed schedule on every rank (GarbageCollection every 10 steps)
+    "dp2_compile_gc": {"dp": 2, "compile": "default", "gc": 10},
+    "tp2_compile_batch_gc": {"tp": 2, "compile": "default", "sp": "batch", "gc": 10},
 }
 LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
     "llama8b_pp2": {"pp": 2, "schedule": "1f1b", "m": 4, "ac": "full"},
