@@ -186,6 +186,9 @@ VARIANTS = {
     # CUDA graphs: no host launch cost per kernel (the FP8 casts add many small launches at d=768)
     "plain-fp8-cudagraphs-model": (run_plain, "torch", "reduce-overhead", "model", {"fp8": True}),
     "trainer-triton-fp8-cudagraphs-model": (run_trainer, "triton", "reduce-overhead", "model", {"fp8": True}),
+    "trainer-triton-fp8-qkv-cudagraphs-model": (run_trainer, "triton", "reduce-overhead", "model",
+                                                {"fp8": True, "fused_qkv": True}),
+    "trainer-triton-qkv-cudagraphs-model": (run_trainer, "triton", "reduce-overhead", "model", {"fused_qkv": True}),
 }
 
 

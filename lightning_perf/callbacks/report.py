@@ -189,6 +189,9 @@ class PerfReport(Callback):
             s.gc_max_pause_s = max(pauses) if pauses else 0.0
             s.gc_collections = len(pauses)
             s.gc_scheduled = find_callback(trainer, GarbageCollection) is not None
+        config = getattr(trainer.strategy, "config", None)  # ZeroStrategy's ZeroConfig
+        if getattr(config, "uses_fsdp", False) and getattr(config, "backend", None) == "native":
+            s.fsdp_blocks_per_unit = config.blocks_per_unit
         sync = find_callback(trainer, SyncPointWarner)
         if sync is not None:
             s.user_sync_sites = [x.describe() for x in sync.user_sites()]

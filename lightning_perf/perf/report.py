@@ -39,6 +39,7 @@ class PerfSummary:
     gc_max_pause_s: Optional[float] = None  # the longest single collection in the measured steps
     gc_collections: int = 0
     gc_scheduled: bool = False  # collections run on a fixed schedule (GarbageCollection) rather than automatically
+    fsdp_blocks_per_unit: Optional[int] = None  # blocks per FSDP2 unit when a native ZeRO-2/3 strategy shards the model
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -73,7 +74,13 @@ def recommendations(s: PerfSummary, *, top: int = 3) -> list[str]:
         first = s.dataloader_advice[0] if s.dataloader_advice else "use more DataLoader workers"
         tips.append((data, f"Input pipeline: {100 * data:.1f}% of each step waits for data; {first}."))
     comm = parts["exposed_comm"]["fraction"]
-    if comm > 0.10:
+    if s.fsdp_blocks_per_unit == 1 and comm > 0.05:
+        gc_advice = "" if s.gc_scheduled else (
+            ", and attach lightning_perf.callbacks.GarbageCollection so the ranks do not pause at different moments")
+        tips.append((comm, f"Communication: {100 * comm:.1f}% of each step is exposed; shard two blocks per FSDP2 unit "
+                           "(ZeroStrategy(blocks_per_unit=2): half the collectives and FSDP2 hook work per step)"
+                           f"{gc_advice}; then check FSDP prefetch and the link's bus bandwidth."))
+    elif comm > 0.10:
         tips.append((comm, f"Communication: {100 * comm:.1f}% of each step is exposed; overlap it (DDP bucket size, "
                            "FSDP prefetch, larger micro-batches) and check the link's bus bandwidth."))
     if s.user_sync_sites:

@@ -110,3 +110,20 @@ def test_report_with_scheduled_collections_does_not_recommend_them(tmp_path):
     s = report.summary
     assert s.gc_scheduled and s.gc_collections >= 3  # steps 2, 4, 6 (8 is past the last measured interval)
     assert not any("GarbageCollection" in tip for tip in recommendations(s, top=10))
+
+
+def test_report_knows_the_fsdp_units_of_a_zero_strategy(tmp_path):
+    """Under native ZeRO-3 the summary carries the strategy's blocks per FSDP2 unit (what the
+    communication advice is keyed on); under a plain strategy it stays None."""
+    import lightning as L
+
+    from lightning_perf.models import GPTLightningModule
+    from lightning_perf.strategies import ZeroStrategy
+
+    data = loader(batch_size=2)
+    for strategy, expected in ((ZeroStrategy(stage=3, blocks_per_unit=2), 2), ("auto", None)):
+        report = PerfReport(warmup_steps=1, print_report=False)
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, callbacks=[report], logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=str(tmp_path)).fit(GPTLightningModule("tiny", warmup_steps=0), data)
+        assert report.summary.fsdp_blocks_per_unit == expected

@@ -37,6 +37,24 @@ def test_recommendations_rank_by_share():
     assert "| data wait | 300.000 | 30.0% |" in md and "1. Input pipeline" in md
 
 
+def test_exposed_communication_under_fsdp_units_of_one_block_recommends_larger_units():
+    s = PerfSummary(step_time_s=1.0, exposed_comm_s=0.07, fsdp_blocks_per_unit=1)
+    (tip,) = [r for r in recommendations(s, top=10) if r.startswith("Communication")]
+    assert tip.startswith("Communication: 7.0%") and "blocks_per_unit=2" in tip and "GarbageCollection" in tip
+    s.gc_scheduled = True  # already collecting on a schedule: only the units are suggested
+    (tip,) = [r for r in recommendations(s, top=10) if r.startswith("Communication")]
+    assert "blocks_per_unit=2" in tip and "GarbageCollection" not in tip
+    # units already larger, or not a native ZeRO-2/3 run: only the general advice, above 10%
+    for units in (2, None):
+        s = PerfSummary(step_time_s=1.0, exposed_comm_s=0.07, fsdp_blocks_per_unit=units)
+        assert not [r for r in recommendations(s, top=10) if r.startswith("Communication")]
+        s.exposed_comm_s = 0.2
+        (tip,) = [r for r in recommendations(s, top=10) if r.startswith("Communication")]
+        assert "blocks_per_unit" not in tip
+    # communication well hidden: nothing to say
+    assert not recommendations(PerfSummary(step_time_s=1.0, exposed_comm_s=0.02, fsdp_blocks_per_unit=1))
+
+
 def test_exposed_wait_and_window():
     assert exposed_wait(0.2, None) == 0.2
     assert exposed_wait(0.2, 0.05) == 0.05  # the GPU was busy for the rest of the fetch
