@@ -132,10 +132,15 @@ def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None
     # torch's own symmetric-memory collectives (workspace path: the input is a plain tensor)
     low = None
     try:
-        ops = torch.ops.symm_mem
-        name = group.group_name
-        low = {"all_gather": lambda: ops._low_contention_all_gather(shard, name),
-               "reduce_scatter": lambda: ops._low_contention_reduce_scatter(partial, "sum", name)}
+        symm_ops, group_name = torch.ops.symm_mem, group.group_name
+        backend_stream = symm_mem._get_backend_stream()
+
+        def wait(out: torch.Tensor) -> torch.Tensor:  # they copy on a stream of their own and return at once
+            torch.cuda.current_stream().wait_stream(backend_stream)
+            return out
+
+        low = {"all_gather": lambda: wait(symm_ops._low_contention_all_gather(shard, group_name)),
+               "reduce_scatter": lambda: wait(symm_ops._low_contention_reduce_scatter(partial, "sum", group_name))}
         ag, rs = low["all_gather"](), low["reduce_scatter"]()
         nccl_all_gather(), nccl_reduce_scatter()
         torch.cuda.synchronize()

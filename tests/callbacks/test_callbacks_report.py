@@ -113,17 +113,24 @@ def test_report_with_scheduled_collections_does_not_recommend_them(tmp_path):
 
 
 def test_report_knows_the_fsdp_units_of_a_zero_strategy(tmp_path):
-    """Under native ZeRO-3 the summary carries the strategy's blocks per FSDP2 unit (what the
-    communication advice is keyed on); under a plain strategy it stays None."""
+    """Under native ZeRO-2/3 the summary carries the strategy's blocks per FSDP2 unit (what the
+    communication advice is keyed on); under a plain strategy, or ZeRO-1, it stays None. The ZeRO
+    trainers are only built (a fit would start a process group in this test process)."""
     import lightning as L
 
-    from lightning_perf.models import GPTLightningModule
     from lightning_perf.strategies import ZeroStrategy
 
-    data = loader(batch_size=2)
-    for strategy, expected in ((ZeroStrategy(stage=3, blocks_per_unit=2), 2), ("auto", None)):
+    def build(strategy):
         report = PerfReport(warmup_steps=1, print_report=False)
-        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, callbacks=[report], logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  default_root_dir=str(tmp_path)).fit(GPTLightningModule("tiny", warmup_steps=0), data)
-        assert report.summary.fsdp_blocks_per_unit == expected
+        t = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, callbacks=[report], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path))
+        return t, report
+
+    for strategy, expected in ((ZeroStrategy(stage=3, blocks_per_unit=2), 2), (ZeroStrategy(stage=2), 1),
+                               (ZeroStrategy(stage=1), None)):
+        t, report = build(strategy)
+        assert report.build_summary(t).fsdp_blocks_per_unit == expected
+    t, report = build("auto")
+    t.fit(ToyLM(), loader(batch_size=2))
+    assert report.summary.steps >= 1 and report.summary.fsdp_blocks_per_unit is None
