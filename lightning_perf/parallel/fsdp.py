@@ -152,9 +152,9 @@ def apply_fsdp(
     return module
 
 
-def check_blocks_per_unit(blocks_per_unit: object) -> None:
+def check_blocks_per_unit(blocks_per_unit: object, name: str = "blocks_per_unit") -> None:
     if isinstance(blocks_per_unit, bool) or not isinstance(blocks_per_unit, int) or blocks_per_unit < 1:
-        raise ValueError(f"blocks_per_unit must be an int >= 1, got {blocks_per_unit!r}")
+        raise ValueError(f"{name} must be an int >= 1, got {blocks_per_unit!r}")
 
 
 def _set_prefetch(units: Sequence[nn.Module], depth: int) -> None:

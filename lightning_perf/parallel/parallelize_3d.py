@@ -77,6 +77,7 @@ class Parallel3DConfig:
     tp_split: int = 1
     activation_checkpointing: str = "none"
     fsdp_prefetch: int = 1
+    fsdp_blocks_per_unit: int = 1
     compile: Optional[str] = None
     compile_backend: str = "inductor"
     fp8_all_gather: bool = False
@@ -110,6 +111,12 @@ class Parallel3DConfig:
                              f"batch so one half's collectives overlap the other's compute), got {self.tp_split!r}")
         if self.fsdp_prefetch < 0:
             raise ValueError(f"fsdp_prefetch must be >= 0, got {self.fsdp_prefetch}")
+        from lightning_perf.parallel.fsdp import check_blocks_per_unit
+
+        check_blocks_per_unit(self.fsdp_blocks_per_unit, "fsdp_blocks_per_unit")
+        if self.fsdp_blocks_per_unit > 1 and self.zero_stage == 0:
+            raise ValueError("fsdp_blocks_per_unit groups FSDP2 units over 'dp': it needs zero_stage 1-3, "
+                             f"got zero_stage=0 (fsdp_blocks_per_unit={self.fsdp_blocks_per_unit})")
         if self.fp8_all_gather:
             if self.tensor_parallel_size > 1:
                 raise ValueError(
@@ -270,6 +277,7 @@ def parallelize_3d(
                 mp_policy=mp_policy,
                 prefetch=config.fsdp_prefetch,
                 fp8_all_gather=config.fp8_all_gather,
+                blocks_per_unit=config.fsdp_blocks_per_unit,
             )
     if pp > 1:
         prune_to_stages(target, stages)

@@ -107,6 +107,9 @@ class Parallel3DStrategy(ParallelStrategy):
         meta_init: build the model on the meta device in ``configure_model`` and
             initialise only the local shards after sharding (for models larger than a device).
         fsdp_prefetch: blocks all-gathered ahead by FSDP2.
+        fsdp_blocks_per_unit: consecutive blocks of a stage sharded as one FSDP2 unit over "dp"
+            (fewer all-gathers / reduce-scatters and less FSDP2 hook work per step; see
+            ``ZeroStrategy(blocks_per_unit=...)``); needs zero_stage 1-3.
         fp8_all_gather: with FP8 linears, all-gather their weights over "dp" in FP8 (each shard
             quantised with the whole weight's scale; see ``ZeroStrategy``); needs ZeRO with
             dp > 1 and tensor_parallel_size=1.
@@ -137,6 +140,7 @@ class Parallel3DStrategy(ParallelStrategy):
         activation_checkpointing: str = "none",
         meta_init: bool = False,
         fsdp_prefetch: int = 1,
+        fsdp_blocks_per_unit: int = 1,
         fp8_all_gather: bool = False,
         compile: Optional[str] = None,
         compile_backend: str = "inductor",
@@ -159,6 +163,7 @@ class Parallel3DStrategy(ParallelStrategy):
             tp_split=tp_split,
             activation_checkpointing=activation_checkpointing,
             fsdp_prefetch=fsdp_prefetch,
+            fsdp_blocks_per_unit=fsdp_blocks_per_unit,
             fp8_all_gather=fp8_all_gather,
             compile=compile,
             compile_backend=compile_backend,

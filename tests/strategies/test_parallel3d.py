@@ -131,8 +131,13 @@ def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "l
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     val_loss = float(trainer.callback_metrics["val/loss"]) if val else None
+    # FSDP2 units over this rank's blocks (a unit's blocks share one FSDP state)
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [m for name, m in module.named_modules() if name.count(".") == 2 and ".blocks." in f".{name}"]
+    units = len({id(b._get_fsdp_state()) for b in blocks if isinstance(b, FSDPModule)})
     return {"losses": module.losses, "final": final, "precision": trainer.precision_plugin.state_dict(),
-            "val": val_loss}
+            "val": val_loss, "fsdp_units": units}
 
 
 # ---- process harness --------------------------------------------------------------------------
@@ -201,6 +206,9 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
     # each microbatch (8 / 2 = 4 sequences) sharded by sequences over tp
     res["pp2_tp2_batch"] = fit(S(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel="batch"), world)
     res["pp2_dp2_zero2"] = fit(S(pipeline_parallel_size=2, zero_stage=2), world, dp=2)
+    # two blocks per FSDP2 unit over dp (one unit per stage here), under TP and under PP
+    res["dp2_tp2_units2"] = fit(S(tensor_parallel_size=2, zero_stage=3, fsdp_blocks_per_unit=2), world, dp=2)
+    res["pp2_dp2_units2"] = fit(S(pipeline_parallel_size=2, zero_stage=2, fsdp_blocks_per_unit=2), world, dp=2)
     # FP8 linears: weights all-gathered over dp in FP8 == gathered plain and quantised after
     res["pp2_dp2_fp8"] = fit(S(pipeline_parallel_size=2, zero_stage=2), world, dp=2, kind="llama_fp8")
     res["pp2_dp2_fp8_gather"] = fit(S(pipeline_parallel_size=2, zero_stage=2, fp8_all_gather=True), world, dp=2,
@@ -285,7 +293,12 @@ def test_two_rank_layouts_schedules_and_resharding(references, tmp_path) -> None
 def test_four_rank_2d_layouts_and_consolidation(references, tmp_path) -> None:
     results = spawn(_worker4, 4, tmp_path, timeout=300.0)
     ref = references["llama"]
-    for key in ("dp2_tp2", "pp2_dp2_zero0", "pp2_dp2_zero2", "pp2_tp2_batch"):
+    # 4 blocks: 4 units per rank at dp2 x tp2, 2 when grouped; 2 blocks per pipeline stage: 2, then 1
+    assert [r["dp2_tp2"]["fsdp_units"] for r in results] == [4] * 4
+    assert [r["dp2_tp2_units2"]["fsdp_units"] for r in results] == [2] * 4
+    assert [r["pp2_dp2_zero2"]["fsdp_units"] for r in results] == [2] * 4
+    assert [r["pp2_dp2_units2"]["fsdp_units"] for r in results] == [1] * 4
+    for key in ("dp2_tp2", "pp2_dp2_zero0", "pp2_dp2_zero2", "pp2_tp2_batch", "dp2_tp2_units2", "pp2_dp2_units2"):
         _check_run(results, key, ref)
     for r in results:  # bit for bit, and FP8 really ran (the losses differ from the bf16-free fp32 run)
         assert r["pp2_dp2_fp8_gather"]["losses"] == r["pp2_dp2_fp8"]["losses"]

@@ -35,6 +35,9 @@ def _meta_gpt(**kw) -> GPT:
         (dict(fp8_all_gather=True, tensor_parallel_size=2), "under tensor parallelism"),
         (dict(fp8_all_gather=True, zero_stage=0), "needs data parallelism with ZeRO"),
         (dict(fp8_all_gather=True, data_parallel_size=1), "needs data parallelism with ZeRO"),
+        (dict(fsdp_blocks_per_unit=0), "fsdp_blocks_per_unit must be an int >= 1, got 0"),
+        (dict(fsdp_blocks_per_unit=True), "fsdp_blocks_per_unit must be an int >= 1, got True"),
+        (dict(fsdp_blocks_per_unit=2, zero_stage=0), "needs zero_stage 1-3, got zero_stage=0"),
     ],
 )
 def test_construction_rejects_bad_options(kwargs, match) -> None:
