@@ -9,6 +9,7 @@ import torch
 
 __all__ = [
     "is_interpreted",
+    "launch_device",
     "can_launch",
     "next_power_of_2",
     "cdiv",
@@ -27,19 +28,24 @@ def is_interpreted(kernel: Any) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-def can_launch(kernel: Any, *tensors: torch.Tensor) -> bool:
-    """Whether ``kernel`` can run on the tensors' device.
+def launch_device(kernel: Any) -> str:
+    """The device type ``kernel`` launches on: ``"cpu"`` for an interpreted kernel, else ``"cuda"``.
 
-    A compiled kernel needs CUDA tensors; an interpreted one (built while
-    ``TRITON_INTERPRET=1`` was set) needs CPU tensors. Mixed devices never launch.
+    Call it where the kernel is defined, at import, and keep the string: under ``torch.compile``
+    Dynamo wraps a compiled Triton kernel in a variable whose Python type it cannot take, so asking
+    the kernel object inside a traced function (``type(kernel)``) fails on the GPU.
+    """
+    return "cpu" if is_interpreted(kernel) else "cuda"
+
+
+def can_launch(device_type: str, *tensors: torch.Tensor) -> bool:
+    """Whether a kernel whose :func:`launch_device` is ``device_type`` can run on the tensors.
+
+    A compiled kernel needs CUDA tensors; an interpreted one (built while ``TRITON_INTERPRET=1``
+    was set) needs CPU tensors. Mixed devices never launch.
     """
     devices = {t.device.type for t in tensors if t is not None}
-    if len(devices) != 1:
-        return False
-    (device,) = devices
-    if is_interpreted(kernel):
-        return device == "cpu"
-    return device == "cuda"
+    return len(devices) == 1 and devices == {device_type}
 
 
 def kernel_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:

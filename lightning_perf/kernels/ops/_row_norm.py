@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import kernel_dtypes, can_launch, next_power_of_2, num_sms, cdiv
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, launch_device, next_power_of_2, num_sms, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["norm_fwd", "norm_bwd", "norm_supported", "norm_op", "NormFunction"]
@@ -301,13 +301,16 @@ def norm_bwd(h, weight, bias, mean, rstd, dy, dres, is_rms: bool):
     return dx.view(h.shape), dw, db
 
 
+_NORM_FWD_DEVICE = launch_device(_norm_fwd_kernel)  # decided at import: see launch_device
+
+
 def norm_supported(x, weight, bias=None, residual=None) -> bool:
     N = x.shape[-1]
     if weight.shape != (N,) or (bias is not None and bias.shape != (N,)) or N > _MAX_N or x.numel() == 0:
         return False
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return False
-    return x.dtype in kernel_dtypes(x.device) and can_launch(_norm_fwd_kernel, x, weight)
+    return x.dtype in kernel_dtypes(x.device) and can_launch(_NORM_FWD_DEVICE, x, weight)
 
 
 # ---- torch.compile: custom ops -----------------------------------------------------------------

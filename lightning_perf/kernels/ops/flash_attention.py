@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import can_launch, cdiv
+from lightning_perf.kernels._utils import can_launch, launch_device, cdiv
 
 try:  # host-side tensor descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -826,13 +826,16 @@ def _check(q, k, v) -> None:
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+_FWD_DEVICE = launch_device(_fwd_kernel)  # decided at import: see launch_device
+
+
 def flash_attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     try:
         _check(q, k, v)
     except ValueError:
         return False
     dtypes = (torch.float16, torch.bfloat16) if q.is_cuda else (torch.float32, torch.float16)
-    return q.dtype in dtypes and q.shape[2] > 0 and can_launch(_fwd_kernel, q, k, v)
+    return q.dtype in dtypes and q.shape[2] > 0 and can_launch(_FWD_DEVICE, q, k, v)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from lightning_perf.kernels._utils import can_launch, cdiv, is_dtensor
+from lightning_perf.kernels._utils import can_launch, launch_device, cdiv, is_dtensor
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = [
@@ -88,10 +88,13 @@ def _absmax_grid(n: int, device: torch.device) -> int:
     return max(1, programs)
 
 
+_ABSMAX_DEVICE = launch_device(_absmax_kernel)  # decided at import: see launch_device
+
+
 def _absmax_ok(t: torch.Tensor) -> bool:
     return (t.is_cuda and t.is_contiguous() and t.numel() > 0 and t.dtype in (torch.float32, torch.float16,
                                                                                torch.bfloat16)
-            and can_launch(_absmax_kernel, t))
+            and can_launch(_ABSMAX_DEVICE, t))
 
 
 def _absmax_launch(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -203,12 +206,15 @@ def _cast_transpose_launch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return q, qt
 
 
+_CAST_TRANSPOSE_DEVICE = launch_device(_cast_transpose_kernel)  # decided at import: see launch_device
+
+
 def _cast_transpose_ok(t: torch.Tensor) -> bool:
     # CUDA only: Triton's CPU interpreter rounds fp32 -> fp8 wrongly (a carry out of the mantissa is
     # dropped), so on CPU the reference runs; tests drive the interpreted kernel with values already
     # on the fp8 grid, where no rounding happens
     return (t.dim() == 2 and t.stride(1) == 1 and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and t.is_cuda and can_launch(_cast_transpose_kernel, t))
+            and t.is_cuda and can_launch(_CAST_TRANSPOSE_DEVICE, t))
 
 
 # the same kernel autotuned by Triton (GPU only): the form torch.compile launches from its own generated

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import can_launch, next_power_of_2, cdiv
+from lightning_perf.kernels._utils import can_launch, launch_device, next_power_of_2, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = [
@@ -284,12 +284,15 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+_CE_ROWS_DEVICE = launch_device(_ce_rows_kernel)  # decided at import: see launch_device
+
+
 def fused_linear_cross_entropy_supported(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> bool:
     dtypes = (torch.float32, torch.float16, torch.bfloat16) if x.is_cuda else (torch.float32, torch.float16)
     return (
         x.shape[-1] == weight.shape[-1] and weight.dim() == 2 and x.shape[:-1] == target.shape
         and x.dtype in dtypes and weight.dtype in dtypes and x.numel() > 0
-        and not target.is_floating_point() and can_launch(_ce_rows_kernel, x, weight, target)
+        and not target.is_floating_point() and can_launch(_CE_ROWS_DEVICE, x, weight, target)
     )
 
 

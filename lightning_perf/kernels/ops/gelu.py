@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import kernel_dtypes, can_launch, cdiv
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, launch_device, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = [
@@ -178,10 +178,13 @@ def gelu_tanh_mul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.gelu(a.float(), approximate="tanh") * b.float()).to(a.dtype)
 
 
+_GELU_FWD_DEVICE = launch_device(_gelu_fwd_kernel)  # decided at import: see launch_device
+
+
 def gelu_supported(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> bool:
     if b is not None and (b.shape != a.shape or b.dtype != a.dtype):
         return False
-    return a.dtype in kernel_dtypes(a.device) and can_launch(_gelu_fwd_kernel, a, *(() if b is None else (b,)))
+    return a.dtype in kernel_dtypes(a.device) and can_launch(_GELU_FWD_DEVICE, a, *(() if b is None else (b,)))
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

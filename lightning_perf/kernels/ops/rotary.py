@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import kernel_dtypes, can_launch, next_power_of_2, cdiv
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, launch_device, next_power_of_2, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference", "RotaryFunction", "RotaryInplaceFunction",
@@ -152,11 +152,14 @@ def rotary_embedding_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+_ROTARY_DEVICE = launch_device(_rotary_kernel)  # decided at import: see launch_device
+
+
 def rotary_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return (
         x.dim() == 4 and x.shape[-1] % 2 == 0 and cos.shape == sin.shape and cos.dim() == 2
         and cos.shape[0] >= x.shape[-2] and cos.shape[1] == x.shape[-1] // 2
-        and x.dtype in kernel_dtypes(x.device) and can_launch(_rotary_kernel, x, cos, sin)
+        and x.dtype in kernel_dtypes(x.device) and can_launch(_ROTARY_DEVICE, x, cos, sin)
     )
 
 

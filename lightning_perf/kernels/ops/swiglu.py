@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_perf.kernels._utils import kernel_dtypes, can_launch, cdiv
+from lightning_perf.kernels._utils import kernel_dtypes, can_launch, launch_device, cdiv
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
 
 __all__ = ["swiglu", "swiglu_reference", "SwiGLUFunction", "swiglu_supported"]
@@ -124,12 +124,15 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
+_SWIGLU_FWD_DEVICE = launch_device(_swiglu_fwd_kernel)  # decided at import: see launch_device
+
+
 def swiglu_supported(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return (
         gate.shape == up.shape
         and gate.dtype == up.dtype
         and gate.dtype in kernel_dtypes(gate.device)
-        and can_launch(_swiglu_fwd_kernel, gate, up)
+        and can_launch(_SWIGLU_FWD_DEVICE, gate, up)
     )
 
 
