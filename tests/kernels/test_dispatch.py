@@ -15,27 +15,28 @@ from lightning_perf.models.gpt import GPT, GPTConfig
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
-def test_gpt_with_triton_kernels_matches_torch(preset, close, device):
+def test_gpt_with_triton_kernels_matches_torch(preset, close, device, model_dtype):
     """Loss and every parameter gradient agree: norms, activations, attention (GQA for llama), fused loss."""
+    dtype, f = model_dtype
     cfg = GPTConfig.from_name(preset, n_layer=1)
     torch.manual_seed(0)
-    ref = GPT(cfg).to(device)
-    tri = GPT(cfg.replace(kernels="triton", attention="triton")).to(device)
+    ref = GPT(cfg).to(device, dtype)
+    tri = GPT(cfg.replace(kernels="triton", attention="triton")).to(device, dtype)
     tri.load_state_dict(ref.state_dict())
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen).to(device)
     targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen).to(device)
     targets[0, :3] = -100
     loss_ref, loss_tri = ref(idx, targets), tri(idx, targets)
-    close(loss_tri, loss_ref, 1e-5, 1e-5, "loss")
+    close(loss_tri, loss_ref, 1e-5 * f, 1e-5 * f, "loss")
     loss_ref.backward()
     loss_tri.backward()
     for (name, p_ref), p_tri in zip(ref.named_parameters(), tri.parameters()):
-        close(p_tri.grad, p_ref.grad, 2e-5, 1e-4, f"grad of {name}")
+        close(p_tri.grad, p_ref.grad, 2e-5 * f, 1e-4 * min(f, 100.0), f"grad of {name}")
 
 
 @pytest.mark.parametrize("elementwise", ["triton", "inductor"])
-def test_compiled_gpt_has_no_graph_break(elementwise, close, device, monkeypatch):
+def test_compiled_gpt_has_no_graph_break(elementwise, close, device, model_dtype, monkeypatch):
     """The GPT with every kernel compiles as one graph (``fullgraph=True`` raises on a break) and agrees.
 
     With ``elementwise_under_compile="inductor"`` (the default) the traced graph holds our attention
@@ -43,9 +44,10 @@ def test_compiled_gpt_has_no_graph_break(elementwise, close, device, monkeypatch
     """
     monkeypatch.setattr(dispatch._Default, "dispatcher",
                         dispatch.KernelDispatcher(elementwise_under_compile=elementwise))
+    dtype, f = model_dtype
     cfg = GPTConfig.from_name("tiny-llama", n_layer=1, kernels="triton", attention="triton")
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    model = GPT(cfg).to(device, dtype)
     gen = torch.Generator().manual_seed(2)
     idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen).to(device)
     targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen).to(device)
@@ -60,10 +62,10 @@ def test_compiled_gpt_has_no_graph_break(elementwise, close, device, monkeypatch
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     loss = compiled(idx, targets)
-    close(loss, eager, 1e-5, 1e-5, "compiled loss")
+    close(loss, eager, 1e-5 * f, 1e-5 * f, "compiled loss")
     for (name, _), g, e in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
                                eager_grads):
-        close(g, e, 1e-5, 1e-5, f"compiled grad of {name}")
+        close(g, e, 1e-5 * f, 1e-5 * f, f"compiled grad of {name}")
     ours = {t for t in seen if "lightning_perf" in t}
     assert any("flash_attn" in t for t in ours) and any("fused_linear_cross_entropy" in t for t in ours), seen
     elementwise_ops = {t for t in ours if "row_norm" in t or "swiglu" in t}
@@ -230,11 +232,11 @@ def _block(x, w, b, q, k, v, head, targets):
                                       head, targets)
 
 
-def _block_inputs(device):
+def _block_inputs(device, dtype=torch.float32):
     gen = torch.Generator().manual_seed(3)
 
     def rnd(*s):
-        return torch.randn(*s, generator=gen).to(device).requires_grad_()
+        return torch.randn(*s, generator=gen).to(device, dtype).requires_grad_()
 
     x, w, b = rnd(2, 16, 16), rnd(16), rnd(16)
     q, k, v = rnd(2, 2, 16, 16), rnd(2, 1, 16, 16), rnd(2, 1, 16, 16)
@@ -243,16 +245,17 @@ def _block_inputs(device):
     return [x, w, b, q, k, v, head], targets
 
 
-def test_compile_fullgraph_matches_eager(close, device):
+def test_compile_fullgraph_matches_eager(close, device, model_dtype):
     """Custom ops keep Dynamo from breaking the graph: ``fullgraph=True`` would raise on a break."""
-    inputs, targets = _block_inputs(device)
+    dtype, f = model_dtype
+    inputs, targets = _block_inputs(device, dtype)
     eager = _block(*inputs, targets)
     eager_grads = torch.autograd.grad(eager, inputs)
     compiled = torch.compile(_block, backend="aot_eager", fullgraph=True)
     out = compiled(*inputs, targets)
-    close(out, eager, 1e-5, 1e-5, "compiled loss")
+    close(out, eager, 1e-5 * f, 1e-5 * f, "compiled loss")
     for i, (g, e) in enumerate(zip(torch.autograd.grad(out, inputs), eager_grads)):
-        close(g, e, 1e-5, 1e-5, f"compiled grad {i}")
+        close(g, e, 1e-5 * f, 1e-5 * f, f"compiled grad {i}")
 
 
 def test_activation_checkpointing_matches(close, device):
@@ -277,3 +280,27 @@ def test_attention_auto_picks_and_caches_on_gpu(close):
     expected = ref if out is not None else ref
     if out is not None:
         close(out, expected, 2e-2, 2e-2, f"auto ({selector.choices[key]})")
+
+
+def test_launch_checks_never_touch_kernel_objects():
+    """Dynamo cannot take the Python type of a compiled Triton kernel (a GPU-only failure: every
+    kernel is interpreted on CPU), so the support checks that run inside traced code compare
+    devices against a string decided at import, never the kernel object."""
+    import ast
+    import inspect
+    import pathlib
+
+    from lightning_perf.kernels import _utils
+
+    cpu = torch.zeros(1)
+    assert _utils.can_launch("cpu", cpu, None, cpu) and not _utils.can_launch("cuda", cpu)
+    assert not _utils.can_launch("cpu", cpu, torch.zeros(1, device="meta"))  # mixed devices
+    root = pathlib.Path(inspect.getfile(_utils)).parent
+    calls = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "can_launch":
+                calls.append((path.name, node.args[0]))
+    assert len(calls) >= 8
+    for name, first in calls:  # a module constant computed by launch_device at import
+        assert isinstance(first, ast.Name) and first.id.endswith("_DEVICE"), (name, ast.dump(first))
