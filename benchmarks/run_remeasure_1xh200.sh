@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One H200 call: the single-GPU records taken before the launch-device fix, re-measured against the
+# plain compiled loop in the same run: gpt-1.3b with FP8 linears + fused q/k/v (whole-model compile;
+# the 1.16x record), and gpt2-124m with per-block compile (the 476.0k / 418.8k question). Set
+# OLD=.oldpkg (a `git archive <commit> lightning_perf` extracted there) to add the same 124M variant
+# run on that older package.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+PYTHONPATH=$PWD timeout 330 python benchmarks/bench_gpt.py --out "$OUT" --models gpt-1.3b:2048:8 --tag _1.3b_fp8_remeasure \
+    --variants plain-compile-model,trainer-triton-fp8-qkv-compile-model 2>&1 | grep -v Warn | tail -4
+PYTHONPATH=$PWD timeout 150 python benchmarks/bench_gpt.py --out "$OUT" --models gpt2-124m:1024:16 --tag _124m_block_new \
+    --variants plain-compile,trainer-triton-compile 2>&1 | grep -v Warn | tail -4
+if [ -n "${OLD:-}" ]; then
+    PYTHONPATH=$PWD/$OLD:$PWD timeout 100 python benchmarks/bench_gpt.py --out "$OUT" --models gpt2-124m:1024:16 \
+        --tag _124m_block_old --variants trainer-triton-compile 2>&1 | grep -v Warn | tail -3
+fi
