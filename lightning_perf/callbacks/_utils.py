@@ -67,8 +67,14 @@ class StepSampler:
 
 
 def log_dir_of(trainer: Any) -> str:
-    """The trainer's log dir (the logger's version dir when there is one), created."""
-    path = getattr(trainer, "log_dir", None) or getattr(trainer, "default_root_dir", None) or os.getcwd()
+    """The trainer's log dir (the first logger's version dir, or its save dir, else the default root
+    dir), created. Worked out on this rank alone: ``Trainer.log_dir`` broadcasts from rank 0, a
+    collective that hangs or fails when, as in the callbacks writing reports, only rank 0 asks."""
+    loggers = getattr(trainer, "loggers", None) or []
+    path = None
+    if loggers:
+        path = getattr(loggers[0], "log_dir", None) or getattr(loggers[0], "save_dir", None)
+    path = path or getattr(trainer, "default_root_dir", None) or os.getcwd()
     os.makedirs(path, exist_ok=True)
     return path
 
