@@ -55,6 +55,9 @@ class CommOverlapMonitor(Callback):
         self._ranks = 1
         self._link: tuple[str, float] = ("", 0.0)
         self._warned: set[str] = set()
+        #: after fit with world size > 1: every rank's mean exposed share of its sampled steps (rank
+        #: order; None where a rank sampled nothing). Uneven values mean ranks wait for each other.
+        self.exposed_fraction_per_rank: Optional[list[Optional[float]]] = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -127,15 +130,23 @@ class CommOverlapMonitor(Callback):
                                f"{100 * self.bandwidth_fraction:.0f}% of {link}'s {expected / 1e9:.0f} GB/s "
                                "(small messages, or a slower path than expected)")
 
-    @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _stop_profiler(self) -> None:
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
             self._profiler = None
 
     @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop_profiler()
+        if self._enabled:  # the same on every rank: every rank joins the gather
+            self.exposed_fraction_per_rank = _gather_per_rank(self._mean_exposed())
+
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self.on_train_end(trainer, pl_module)
+        self._stop_profiler()  # no collective here: the other ranks may not be in this hook
+
+    def _mean_exposed(self) -> Optional[float]:
+        return sum(r["exposed_fraction"] for r in self.results) / len(self.results) if self.results else None
 
     def summary(self) -> Optional[dict[str, Any]]:
         if not self.results:
@@ -143,9 +154,21 @@ class CommOverlapMonitor(Callback):
         n = len(self.results)
         return {
             "samples": n,
-            "exposed_fraction": sum(r["exposed_fraction"] for r in self.results) / n,
+            "exposed_fraction": self._mean_exposed(),
+            "exposed_fraction_per_rank": self.exposed_fraction_per_rank,
             "exposed_s": sum(r["exposed_s"] for r in self.results) / n,
             "overlap_fraction": sum(r["overlap_fraction"] for r in self.results) / n,
             "collectives": self.results[-1]["collectives"],
             "link": self._link[0],
         }
+
+
+def _gather_per_rank(value: Optional[float]) -> Optional[list[Optional[float]]]:
+    """``value`` from every rank of the default process group, in rank order (None without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    values: list[Optional[float]] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values

@@ -178,6 +178,7 @@ class PerfReport(Callback):
         if comm is not None and comm.summary():
             c = comm.summary()
             s.exposed_comm_s, s.comm = c["exposed_s"], c
+            s.exposed_comm_per_rank = list(c.get("exposed_fraction_per_rank") or [])
         roof = find_callback(trainer, RooflineMonitor)
         if roof is not None and roof.results:
             r = roof.summary()

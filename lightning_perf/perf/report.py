@@ -40,6 +40,7 @@ class PerfSummary:
     gc_collections: int = 0
     gc_scheduled: bool = False  # collections run on a fixed schedule (GarbageCollection) rather than automatically
     fsdp_blocks_per_unit: Optional[int] = None  # blocks per FSDP2 unit when a native ZeRO-2/3 strategy shards the model
+    exposed_comm_per_rank: list[Optional[float]] = field(default_factory=list)  # exposed share of the step, per rank
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -83,6 +84,15 @@ def recommendations(s: PerfSummary, *, top: int = 3) -> list[str]:
     elif comm > 0.10:
         tips.append((comm, f"Communication: {100 * comm:.1f}% of each step is exposed; overlap it (DDP bucket size, "
                            "FSDP prefetch, larger micro-batches) and check the link's bus bandwidth."))
+    ranks = [(r, x) for r, x in enumerate(s.exposed_comm_per_rank) if x is not None]
+    if len(ranks) > 1:
+        (low_rank, low), (high_rank, high) = min(ranks, key=lambda t: t[1]), max(ranks, key=lambda t: t[1])
+        if high - low > 0.10:
+            tips.append((high - low, f"Ranks wait for each other: exposed communication is {100 * high:.1f}% of the "
+                                     f"step on rank {high_rank} but {100 * low:.1f}% on rank {low_rank}, so the "
+                                     "collectives wait for the slowest rank's host. Look for pauses there: "
+                                     "automatic garbage collections (lightning_perf.callbacks.GarbageCollection), "
+                                     "data-loading stalls, host work per step (fewer FSDP units, CUDA graphs)."))
     if s.user_sync_sites:
         sites = ", ".join(x.split(" in ")[0] for x in s.user_sync_sites[:3])
         tips.append((min(0.5, 0.1 * len(s.user_sync_sites)),
@@ -135,6 +145,9 @@ def render_markdown(s: PerfSummary) -> str:
               f"| HFU | {_fmt(s.hfu, 100, '%')} |",
               f"| peak used | {s.peak or 'n/a'} |",
               f"| bound | {s.bound or 'n/a'} |"]
+    if any(x is not None for x in s.exposed_comm_per_rank):
+        per_rank = " / ".join("n/a" if x is None else f"{100 * x:.1f}%" for x in s.exposed_comm_per_rank)
+        lines.append(f"| exposed comm per rank | {per_rank} |")
     if s.gc_pause_s is not None:
         kind = "scheduled" if s.gc_scheduled else "automatic"
         lines.append(f"| Python GC | {_fmt(s.gc_pause_s, 1e3, ' ms')} per step ({s.gc_collections} {kind} "
