@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 
 import pytest
 from lightning.pytorch import Callback
@@ -11,6 +12,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from callback_toys import D, H, V, ToyLM, loader, trainer
 from lightning_perf.callbacks import CommOverlapMonitor
+
+TIMEOUT = timedelta(seconds=120)  # a collective only one rank enters fails the test instead of hanging it
 
 
 class Dump(Callback):
@@ -24,10 +27,15 @@ class Dump(Callback):
 
 @pytest.mark.slow
 def test_ddp_allreduce_is_measured(tmp_path):
+    from lightning_perf.callbacks import RooflineMonitor
+
     mon = CommOverlapMonitor(start_step=1, every_n_steps=0)
-    strategy = DDPStrategy(process_group_backend="gloo", start_method="fork")
-    trainer(tmp_path, [mon, Dump(mon, str(tmp_path))], max_steps=3, devices=2, strategy=strategy).fit(
+    # writes its files on rank 0 only (no collective may hide in that path: it would hang the job)
+    roof = RooflineMonitor(start_step=2, peak_flops=1e11, peak_bandwidth=2e10)
+    strategy = DDPStrategy(process_group_backend="gloo", start_method="fork", timeout=TIMEOUT)
+    trainer(tmp_path, [mon, roof, Dump(mon, str(tmp_path))], max_steps=5, devices=2, strategy=strategy).fit(
         ToyLM(), loader(n=16))
+    assert [p.name for p in tmp_path.glob("roofline_step*.json")] == ["roofline_step2.json"]
     param_bytes = 4 * (V * D + D * H + H * V)
     for rank in range(2):
         with open(tmp_path / f"comm{rank}.json") as f:
@@ -77,7 +85,7 @@ def test_a_slow_rank_shows_as_uneven_exposure_and_is_reported(tmp_path):
 
     mon = CommOverlapMonitor(start_step=1, every_n_steps=1)
     report = PerfReport(warmup_steps=1, print_report=False)
-    strategy = DDPStrategy(process_group_backend="gloo", start_method="fork")
+    strategy = DDPStrategy(process_group_backend="gloo", start_method="fork", timeout=TIMEOUT)
     trainer(tmp_path, [mon, report, DumpReport(mon, report, str(tmp_path))], max_steps=4, devices=2,
             strategy=strategy).fit(SlowRankOne(), loader(n=32))
     data = [json.load(open(tmp_path / f"ranks{rank}.json")) for rank in range(2)]
