@@ -26,11 +26,14 @@ from _timing import StepTimer  # noqa: E402
 OPS = ("attention", "norm", "mlp_activation", "lm_loss")
 
 
+ELEMENTWISE_UNDER_COMPILE = "inductor"  # --elementwise-under-compile
+
+
 def only(enabled: set[str]):
     """Patch the default dispatcher so only ``enabled`` ops use Triton (others return None = reference)."""
     from lightning_perf.kernels import dispatch
 
-    d = dispatch.KernelDispatcher()
+    d = dispatch.KernelDispatcher(elementwise_under_compile=ELEMENTWISE_UNDER_COMPILE)
     for op in OPS:
         if op not in enabled:
             setattr(d, op, lambda *a, **k: None)
@@ -107,7 +110,11 @@ def main():
     p.add_argument("--sets", default="torch,all,each", help="comma list of op sets to time: torch, all, each")
     p.add_argument("--tag", default="", help="suffix of the output JSON name")
     p.add_argument("--fp8", action="store_true", help="FP8 linears in the blocks (GPTConfig(fp8=True))")
+    p.add_argument("--elementwise-under-compile", default="inductor", choices=("inductor", "triton"),
+                   help="inside compiled regions, norms / activations to Inductor or to the pack's kernels")
     args = p.parse_args()
+    global ELEMENTWISE_UNDER_COMPILE
+    ELEMENTWISE_UNDER_COMPILE = args.elementwise_under_compile
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = True

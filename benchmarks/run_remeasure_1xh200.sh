@@ -16,3 +16,9 @@ if [ -n "${OLD:-}" ]; then
     PYTHONPATH=$PWD/$OLD:$PWD timeout 100 python benchmarks/bench_gpt.py --out "$OUT" --models gpt2-124m:1024:16 \
         --tag _124m_block_old --variants trainer-triton-compile 2>&1 | grep -v Warn | tail -3
 fi
+# the dispatcher's default (norms / activations left to Inductor inside compiled graphs) was chosen from
+# a profile taken while every support check broke the graph: per-block compile, each op on its own,
+# with the pack's norms / activations kept inside the graphs
+PYTHONPATH=$PWD timeout 200 python benchmarks/profile_gpt.py --out "$OUT/prof" --preset gpt2-124m --scope block \
+    --sets torch,each --profile none --elementwise-under-compile triton --tag _124m_block_triton_elementwise 2>&1 \
+    | grep -E "median" | head -8
