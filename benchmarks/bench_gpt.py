@@ -239,6 +239,9 @@ def main() -> None:
             extra = dict(extra)
             amax = extra.pop("amax", "triton")
             _f8.absmax = _ABSMAX if amax == "triton" else (lambda t: t.abs().amax().float())
+            from torch._dynamo.utils import counters
+
+            counters.clear()  # Dynamo's graph-break tally, per variant
             try:
                 times, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode, scope,
                                     extra)
@@ -246,6 +249,9 @@ def main() -> None:
             except Exception as err:  # record and go on with the next variant
                 entry["error"] = f"{type(err).__name__}: {err}"
                 entry["traceback"] = traceback.format_exc()[-3000:]
+            breaks = counters.get("graph_break", {})
+            entry["graph_breaks"] = sum(breaks.values())  # a compiled variant should show 0
+            entry["graph_break_reasons"] = sorted(breaks, key=lambda r: -breaks[r])[:3]
             entry["wall_s"] = time.time() - t0
             result["runs"].append(entry)
             gc.collect()
