@@ -21,6 +21,7 @@ copies run on the copy engines, off the SMs. This measures, for the gpt-1.3b tp2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -97,10 +98,8 @@ def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None
 
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
-            try:
+            with contextlib.suppress(Exception):  # newer torch: deprecated, every group is enabled
                 enable(group.group_name)
-            except Exception:  # newer torch: every group is enabled
-                pass
         gathered = symm_mem.empty((tokens, d), dtype=dtype, device=device)
         handle = symm_mem.rendezvous(gathered, group.group_name)
         inbox = symm_mem.empty((tokens // 2, d), dtype=dtype, device=device)
