@@ -323,6 +323,11 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             result["gpu_time"] = gpu_time_breakdown(timer.profile_events, steps=1, top=25)
     except BaseException as e:  # recorded, never fatal for the whole run
         result.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+    from torch._dynamo.utils import counters
+
+    breaks = counters.get("graph_break", {})  # this process ran one variant: the whole tally is its
+    result["graph_breaks"] = sum(breaks.values())
+    result["graph_break_reasons"] = sorted(breaks, key=lambda r: -breaks[r])[:3]
     with open(f"{out_file}.rank{rank}", "w") as f:
         json.dump(result, f)
 
