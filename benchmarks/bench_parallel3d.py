@@ -366,13 +366,19 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
 def _worker(rank: int, world: int, port: int, names: list[str], specs: dict, args: dict, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
+    from torch._dynamo.utils import counters
+
     for name in names:
+        counters.clear()  # Dynamo's graph-break tally, per variant
         try:
             result = _run_one(name, specs[name], args, world, rank, out_dir)
         except BaseException as e:  # recorded, never fatal for the whole run
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"[-2000:],
                       "traceback": traceback.format_exc()[-4000:]}
         result["variant"] = name
+        breaks = counters.get("graph_break", {})
+        result["graph_breaks"] = sum(breaks.values())
+        result["graph_break_reasons"] = sorted(breaks, key=lambda r: -breaks[r])[:3]
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(result, f)
         torch._dynamo.reset()  # each variant compiles its own graphs (no cache-limit carry-over)
