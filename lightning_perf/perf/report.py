@@ -89,10 +89,11 @@ def recommendations(s: PerfSummary, *, top: int = 3) -> list[str]:
         (low_rank, low), (high_rank, high) = min(ranks, key=lambda t: t[1]), max(ranks, key=lambda t: t[1])
         if high - low > 0.10:
             tips.append((high - low, f"Ranks wait for each other: exposed communication is {100 * high:.1f}% of the "
-                                     f"step on rank {high_rank} but {100 * low:.1f}% on rank {low_rank}, so the "
-                                     "collectives wait for the slowest rank's host. Look for pauses there: "
-                                     "automatic garbage collections (lightning_perf.callbacks.GarbageCollection), "
-                                     "data-loading stalls, host work per step (fewer FSDP units, CUDA graphs)."))
+                                     f"step on rank {high_rank} but {100 * low:.1f}% on rank {low_rank}; the rank "
+                                     "with the least is the slow one, its peers wait for it inside the collectives. "
+                                     f"Look for pauses on rank {low_rank}'s host: automatic garbage collections "
+                                     "(lightning_perf.callbacks.GarbageCollection), data-loading stalls, host work "
+                                     "per step (fewer FSDP units, CUDA graphs)."))
     if s.user_sync_sites:
         sites = ", ".join(x.split(" in ")[0] for x in s.user_sync_sites[:3])
         tips.append((min(0.5, 0.1 * len(s.user_sync_sites)),

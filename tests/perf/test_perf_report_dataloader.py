@@ -59,6 +59,7 @@ def test_uneven_exposure_across_ranks_is_reported():
     s = PerfSummary(step_time_s=1.0, exposed_comm_s=0.04, exposed_comm_per_rank=[0.04, 0.31, None, 0.05])
     (tip,) = [r for r in recommendations(s, top=10) if r.startswith("Ranks wait")]
     assert "31.0% of the step on rank 1 but 4.0% on rank 0" in tip and "GarbageCollection" in tip
+    assert "pauses on rank 0's host" in tip  # the rank the others wait for
     assert "| exposed comm per rank | 4.0% / 31.0% / n/a / 5.0% |" in render_markdown(s)
     even = PerfSummary(step_time_s=1.0, exposed_comm_per_rank=[0.04, 0.09])
     assert not [r for r in recommendations(even, top=10) if r.startswith("Ranks wait")]
