@@ -63,15 +63,16 @@ def _is_png(path: str) -> bool:
 
 
 def test_matmul_toy_is_compute_bound(tmp_path):
+    width = 512  # large enough that the matmuls dominate the profiled step's time on a busy 2-core runner
     mon = RooflineMonitor(start_step=1, **PEAKS)
-    trainer(tmp_path, [mon], max_steps=4).fit(MatmulToy(), _data((256, 256)))
+    trainer(tmp_path, [mon], max_steps=4).fit(MatmulToy(width), _data((width, width)))
     assert len(mon.results) == 1
     result = mon.results[0]
     cats = {g["name"]: g for g in result["categories"]}
     assert cats["matmul"]["bound"] == "compute"
     assert cats["matmul"]["intensity"] > 10
     # 4 matmuls forward; backward: 4 weight grads + 3 input grads (the data needs none)
-    assert cats["matmul"]["flops"] == 11 * 2 * 256**3
+    assert cats["matmul"]["flops"] == 11 * 2 * width**3
     assert result["bound"] == "compute"
     png = os.path.join(str(tmp_path), "roofline_step1.png")
     assert _is_png(png)
