@@ -35,3 +35,18 @@ class StepTimer:
         else:
             times = [b - a for a, b in zip(self.marks, self.marks[1:])]
         return times[skip:]
+
+
+def graph_breaks() -> dict[str, Any]:
+    """Dynamo's graph breaks in this process since its last ``counters.clear()``: the count and the
+    three most frequent reasons (a compiled variant should show none)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters.get("graph_break", {})
+    return {"graph_breaks": sum(breaks.values()), "graph_break_reasons": sorted(breaks, key=lambda r: -breaks[r])[:3]}
+
+
+def clear_graph_breaks() -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()

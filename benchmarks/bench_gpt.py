@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import StepTimer  # noqa: E402
+from _timing import StepTimer, clear_graph_breaks, graph_breaks  # noqa: E402
 
 from lightning_perf.kernels.ops import fp8_linear as _f8  # noqa: E402
 
@@ -239,9 +239,7 @@ def main() -> None:
             extra = dict(extra)
             amax = extra.pop("amax", "triton")
             _f8.absmax = _ABSMAX if amax == "triton" else (lambda t: t.abs().amax().float())
-            from torch._dynamo.utils import counters
-
-            counters.clear()  # Dynamo's graph-break tally, per variant
+            clear_graph_breaks()  # Dynamo's tally, per variant
             try:
                 times, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode, scope,
                                     extra)
@@ -249,9 +247,7 @@ def main() -> None:
             except Exception as err:  # record and go on with the next variant
                 entry["error"] = f"{type(err).__name__}: {err}"
                 entry["traceback"] = traceback.format_exc()[-3000:]
-            breaks = counters.get("graph_break", {})
-            entry["graph_breaks"] = sum(breaks.values())  # a compiled variant should show 0
-            entry["graph_break_reasons"] = sorted(breaks, key=lambda r: -breaks[r])[:3]
+            entry.update(graph_breaks())
             entry["wall_s"] = time.time() - t0
             result["runs"].append(entry)
             gc.collect()

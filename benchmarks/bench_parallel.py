@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import launch, read_ranks  # noqa: E402
+from _timing import graph_breaks  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
@@ -323,11 +324,7 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             result["gpu_time"] = gpu_time_breakdown(timer.profile_events, steps=1, top=25)
     except BaseException as e:  # recorded, never fatal for the whole run
         result.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
-    from torch._dynamo.utils import counters
-
-    breaks = counters.get("graph_break", {})  # this process ran one variant: the whole tally is its
-    result["graph_breaks"] = sum(breaks.values())
-    result["graph_break_reasons"] = sorted(breaks, key=lambda r: -breaks[r])[:3]
+    result.update(graph_breaks())  # this process ran only this variant: the whole tally is its own
     with open(f"{out_file}.rank{rank}", "w") as f:
         json.dump(result, f)
 

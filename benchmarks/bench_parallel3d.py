@@ -59,6 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import launch, read_ranks  # noqa: E402
+from _timing import clear_graph_breaks, graph_breaks  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
@@ -366,19 +367,15 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
 def _worker(rank: int, world: int, port: int, names: list[str], specs: dict, args: dict, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
-    from torch._dynamo.utils import counters
-
     for name in names:
-        counters.clear()  # Dynamo's graph-break tally, per variant
+        clear_graph_breaks()  # Dynamo's tally, per variant
         try:
             result = _run_one(name, specs[name], args, world, rank, out_dir)
         except BaseException as e:  # recorded, never fatal for the whole run
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"[-2000:],
                       "traceback": traceback.format_exc()[-4000:]}
         result["variant"] = name
-        breaks = counters.get("graph_break", {})
-        result["graph_breaks"] = sum(breaks.values())
-        result["graph_break_reasons"] = sorted(breaks, key=lambda r: -breaks[r])[:3]
+        result.update(graph_breaks())
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(result, f)
         torch._dynamo.reset()  # each variant compiles its own graphs (no cache-limit carry-over)

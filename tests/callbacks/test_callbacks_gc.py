@@ -13,7 +13,8 @@ from lightning_perf.callbacks import GarbageCollection
 
 
 class _Node:
-    pass
+    """An object with a ``__dict__`` and no behaviour: two of them pointing at each other form a cycle
+    that only the cyclic collector frees (a weak reference tells when it has)."""
 
 
 class CyclicLM(ToyLM):
