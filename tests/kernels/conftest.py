@@ -108,3 +108,26 @@ def model_dtype() -> tuple[torch.dtype, float]:
     every kernel takes there (the attention kernel refuses fp32 on CUDA and would fall back to SDPA),
     with tolerances widened for half precision and a different summation order."""
     return (torch.float16, 1000.0) if torch.cuda.is_available() else (torch.float32, 1.0)
+
+
+class _RelaunchingTuner:
+    """A tuner that launches every configuration twice before answering, on every call, whatever the device.
+
+    ``KernelTuner.pick`` times each configuration by launching it several times, but only on a GPU and
+    only on a key's first call; on CPU it answers at once. Kernels that write into their inputs must
+    tune on copies (the pick contract), or a key's first GPU call returns wrong numbers. Under this
+    tuner that mistake shows on CPU, on every call.
+    """
+
+    def pick(self, kernel, key, configs, launch, device):
+        for cfg in configs:
+            launch(dict(cfg))
+            launch(dict(cfg))
+        return dict(configs[0])
+
+
+@pytest.fixture
+def relaunching_tuner(monkeypatch):
+    from lightning_perf.kernels import autotune
+
+    monkeypatch.setattr(autotune._Default, "tuner", _RelaunchingTuner())

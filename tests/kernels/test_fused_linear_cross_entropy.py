@@ -51,6 +51,18 @@ def test_matches_reference(shape, reduction, dtype, atol, rtol, poison, close, d
     _check(x, w, t, close, atol, rtol, reduction=reduction)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_first_call_of_a_key_is_right_when_the_tuner_relaunches(reduction, relaunching_tuner, poison, close, device,
+                                                                 monkeypatch):
+    """The loss kernel overwrites the logits with their gradient; a tuner launching it several times on the
+    chunk itself (a key's first call on a GPU) turned the logits into gradients: loss ~ log V, wrong grads."""
+    monkeypatch.setattr(flce_module, "_CHUNK_BYTES", 8 * 300 * 4)
+    monkeypatch.setattr(flce_module, "_MIN_CHUNK_ROWS", 8)
+    monkeypatch.setattr(flce_module, "_TUNE_ROWS", 4)  # the tuner's copy is smaller than a chunk
+    x, w, t = _make((21,), 16, 300, torch.float32, device)
+    _check(x, w, t, close, 1e-5, 1e-5, reduction=reduction)
+
+
 @pytest.mark.parametrize("z_loss", [1e-4, 0.1])
 def test_z_loss_and_ignore_index(z_loss, poison, close, device):
     x, w, t = _make((29,), 16, 50, torch.float32, device, ignore_every=2)

@@ -41,6 +41,7 @@ _CHUNK_BYTES = 256 * 2**20  # one chunk of logits in the matmul dtype...
 # ...but at least this many rows: each chunk reads and writes all of dW (V x d) once in its addmm, so
 # fewer, longer chunks amortise it (H200, d=4096, V=128256: 1024-row chunks 4% slower than 2048)
 _MIN_CHUNK_ROWS = 2048
+_TUNE_ROWS = 512  # rows of logits the tuner times the loss/gradient kernel on (a copy: the kernel works in place)
 
 
 @triton.jit
@@ -97,13 +98,29 @@ def _ce_rows(logits, target, loss, scale, ignore_index: int, z_loss: float, comp
         configs = [dict(BLOCK_R=min(16, max(1, next_power_of_2(C) // 4)),
                         BLOCK_V=min(256 if V <= 1024 else 4096, next_power_of_2(V)), num_warps=4)]
 
-    def run(cfg):
-        _ce_rows_kernel[(cdiv(C, cfg["BLOCK_R"]),)](
-            logits, logits.stride(0), target, loss, scale, C, V, ignore_index, z_loss,
+    def launch(cfg, z, t, out, sc, rows):
+        _ce_rows_kernel[(cdiv(rows, cfg["BLOCK_R"]),)](
+            z, z.stride(0), t, out, sc, rows, V, ignore_index, z_loss,
             COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=per_row, **cfg)
 
+    scratch: list = []
+
+    def tune(cfg):
+        # with compute_grad the kernel overwrites the logits with their gradient, and the tuner launches
+        # every config several times: it times on a copy of the first rows (taken before any launch), never
+        # on the chunk itself, or the loss and gradients of a key's first call would come from gradients
+        if compute_grad and not scratch:
+            rows = min(C, _TUNE_ROWS)
+            scratch.extend((logits[:rows].clone(), target[:rows], torch.empty_like(loss[:rows]),
+                            scale[:rows] if per_row else scale, rows))
+        if compute_grad:
+            launch(cfg, *scratch)
+        else:
+            launch(cfg, logits, target, loss, scale, C)
+
     key = (shape_bucket(V), logits.dtype, compute_grad)
-    run(default_tuner().pick("cross_entropy_rows", key, configs, run, logits.device))
+    launch(default_tuner().pick("cross_entropy_rows", key, configs, tune, logits.device),
+           logits, target, loss, scale, C)
 
 
 def _chunk_rows(N: int, V: int, itemsize: int) -> int:
