@@ -123,6 +123,42 @@ class GPTConfig:
     def replace(self, **changes: Any) -> "GPTConfig":
         return dataclasses.replace(self, **changes)
 
+    def check_parallel_layout(
+        self, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, stages_per_rank: int = 1
+    ) -> None:
+        """Raise ``ValueError`` with the numbers when the GPT cannot be split this way.
+
+        The 3D model protocol's layout check: the strategy calls it with numbers alone, before
+        any process group starts. Tensor parallelism needs whole heads and rows on every rank;
+        pipeline parallelism needs the blocks to fill the stages evenly and an untied LM head.
+        """
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        if tp > 1:
+            for what, value in (
+                ("n_head", self.n_head),
+                ("n_kv_head", self.n_kv_head),
+                ("intermediate_size", self.intermediate_size),
+                ("padded_vocab_size", self.padded_vocab_size),
+            ):
+                if value % tp:
+                    raise ValueError(
+                        f"{what} ({value}) is not divisible by tensor_parallel_size ({tp}): "
+                        f"{value} / {tp} = {value / tp:.3g}; each tensor-parallel rank needs whole "
+                        f"{'heads' if 'head' in what else 'rows'}"
+                    )
+        stages = pp * stages_per_rank
+        if self.n_layer % stages:
+            raise ValueError(
+                f"n_layer ({self.n_layer}) is not divisible by pipeline stages: pp({pp}) * stages_per_rank"
+                f"({stages_per_rank}) = {stages}, {self.n_layer} / {stages} = {self.n_layer / stages:.3g}"
+            )
+        if stages > 1 and self.tie_embeddings:
+            raise ValueError(
+                f"{self.name!r} ties the LM head to the token embedding, which would live on both the first "
+                f"and the last of {stages} pipeline stages; build it with tie_embeddings=False "
+                f"(GPTConfig.from_name({self.name!r}, tie_embeddings=False)) to use pipeline parallelism"
+            )
+
     # ---- sizes -------------------------------------------------------------------------------
 
     def num_params(self, include_embedding: Union[bool, Literal["blocks"]] = True) -> int:

@@ -44,32 +44,9 @@ __all__ = ["gpt_tensor_parallel_plan", "gpt_pipeline_stage", "gpt_stage_layers",
 
 
 def check_gpt_layout(config: "GPTConfig", *, tp: int = 1, pp: int = 1, stages_per_rank: int = 1) -> None:
-    """Raise ``ValueError`` with the numbers when the GPT cannot be split this way."""
-    if tp > 1:
-        for what, value in (
-            ("n_head", config.n_head),
-            ("n_kv_head", config.n_kv_head),
-            ("intermediate_size", config.intermediate_size),
-            ("padded_vocab_size", config.padded_vocab_size),
-        ):
-            if value % tp:
-                raise ValueError(
-                    f"{what} ({value}) is not divisible by tensor_parallel_size ({tp}): "
-                    f"{value} / {tp} = {value / tp:.3g}; each tensor-parallel rank needs whole "
-                    f"{'heads' if 'head' in what else 'rows'}"
-                )
-    stages = pp * stages_per_rank
-    if config.n_layer % stages:
-        raise ValueError(
-            f"n_layer ({config.n_layer}) is not divisible by pipeline stages: pp({pp}) * stages_per_rank"
-            f"({stages_per_rank}) = {stages}, {config.n_layer} / {stages} = {config.n_layer / stages:.3g}"
-        )
-    if stages > 1 and config.tie_embeddings:
-        raise ValueError(
-            f"{config.name!r} ties the LM head to the token embedding, which would live on both the first "
-            f"and the last of {stages} pipeline stages; build it with tie_embeddings=False "
-            f"(GPTConfig.from_name({config.name!r}, tie_embeddings=False)) to use pipeline parallelism"
-        )
+    """Raise ``ValueError`` with the numbers when the GPT cannot be split this way
+    (:meth:`GPTConfig.check_parallel_layout`)."""
+    config.check_parallel_layout(tensor_parallel_size=tp, pipeline_parallel_size=pp, stages_per_rank=stages_per_rank)
 
 
 def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: Any = True) -> dict[str, Any]:
