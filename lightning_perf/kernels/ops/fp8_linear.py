@@ -34,6 +34,7 @@ from torch.library import wrap_triton
 
 from lightning_perf.kernels._utils import can_launch, launch_device, cdiv, is_dtensor
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
+from lightning_perf.kernels.fp8_tensor import Float8GatheredWeight
 
 __all__ = [
     "fp8_linear",
@@ -282,8 +283,6 @@ def fp8_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, inverse scale): a weight FSDP2 all-gathered in FP8 comes quantised already."""
-    from lightning_perf.parallel.fp8_all_gather import Float8GatheredWeight
-
     if isinstance(weight, Float8GatheredWeight):
         return weight._data, weight._scale.reciprocal()
     return quantize_fp8(weight, E4M3)
