@@ -71,7 +71,7 @@ def make_data(cfg, seq_len: int, batch: int, steps: int, device: torch.device):
 
 def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block", extra=None):
     from lightning_perf.models import GPT, GPTConfig
-    from lightning_perf.models.gpt.transforms import apply_compile
+    from lightning_perf.parallel.compile import apply_compile
 
     cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa",
                               **(extra or {}))

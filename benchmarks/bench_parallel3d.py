@@ -267,7 +267,7 @@ def _collective_census() -> Any:
     return census
 
 
-from lightning_perf.parallel.parallelize_3d import compile_targets as _COMPILE_TARGETS  # noqa: E402
+from lightning_perf.parallel.compile import compile_targets as _COMPILE_TARGETS  # noqa: E402
 
 
 def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir: str) -> dict[str, Any]:
@@ -298,12 +298,12 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
             return x[:-1], x[1:]
 
     L.seed_everything(0, verbose=False)
-    import lightning_perf.parallel.parallelize_3d as p3d
+    import lightning_perf.parallel.compile as pc
 
-    p3d.compile_targets = _COMPILE_TARGETS  # variants run one after another in this process
+    pc.compile_targets = _COMPILE_TARGETS  # variants run one after another in this process
     if spec.get("tp_compile_scope") == "sublayer":
-        p3d.compile_targets = lambda block, tensor_parallel: (
-            p3d.tp_sublayers(block) if tensor_parallel else [block])
+        pc.compile_targets = lambda block, tensor_parallel: (
+            pc.tp_sublayers(block) if tensor_parallel else [block])
     if torch.cuda.is_available():  # async TP switches an Inductor flag for the process: reset it
         from torch._inductor import config as inductor_config
 

@@ -48,7 +48,7 @@ def kernel_breakdown(trace_path: Path, steps: int) -> dict:
 
 def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profile_dir=None, fp8=False):
     from lightning_perf.models import GPT, GPTConfig
-    from lightning_perf.models.gpt.transforms import apply_compile
+    from lightning_perf.parallel.compile import apply_compile
 
     only(enabled)
     torch._dynamo.reset()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -30,6 +31,8 @@ __all__ = [
     "SEQUENCE_PARALLEL_MODES",
     "check_sequence_parallel",
     "residual_layout",
+    "register_batch_padding",
+    "enable_async_tp",
 ]
 
 #: ``sequence_parallel`` values: False (replicated residual stream), True (the stream and norms
@@ -348,3 +351,71 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local storage of a DTensor, the tensor itself otherwise."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def _pad_batch_for_tp(tp: int, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """Forward pre-hook of a batch-sharded TP model: a batch that does not divide by ``tp`` (the last,
+    ragged batch of a validation set, say) is padded to the next multiple, when the model says how
+    its loss ignores a target (``batch_padding_target``, e.g. the GPT's -100): the padding repeats
+    the last sequence and its targets are ignored, so the loss is the unpadded batch's; outputs
+    with a batch dimension are cut back (:func:`_strip_batch_padding`). Otherwise a ValueError."""
+    module._lp_unpadded_batch = None
+    x = args[0] if args else kwargs.get("idx")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] % tp == 0:
+        return None
+    fill = getattr(module, "batch_padding_target", None)
+    if fill is None:
+        tp_sequence_check(x.shape[1], tp, "batch", batch=x.shape[0])
+    batch = x.shape[0]
+    pad = -batch % tp
+    x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
+    args, kwargs = list(args), dict(kwargs)
+    if args:
+        args[0] = x
+    else:
+        kwargs["idx"] = x
+    in_args = len(args) > 1
+    targets = args[1] if in_args else kwargs.get("targets")
+    if isinstance(targets, torch.Tensor) and targets.dim() >= 1 and targets.shape[0] == batch:
+        targets = torch.cat([targets, targets.new_full((pad, *targets.shape[1:]), fill)])
+        if in_args:
+            args[1] = targets
+        else:
+            kwargs["targets"] = targets
+    module._lp_unpadded_batch = batch
+    return tuple(args), kwargs
+
+
+def _strip_batch_padding(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    batch = getattr(module, "_lp_unpadded_batch", None)
+    if batch is None:
+        return output
+    module._lp_unpadded_batch = None
+    if isinstance(output, torch.Tensor) and output.dim() >= 1 and output.shape[0] > batch:
+        return output[:batch]
+    return output
+
+def register_batch_padding(module: nn.Module, tp: int) -> None:
+    """Let a batch-sharded TP model (``sequence_parallel="batch"``) take a batch that does not divide by ``tp``.
+
+    An uneven batch would give the ranks shards of different sizes: it is padded (a model whose
+    loss ignores padded targets) or refused, before the first collective (see :func:`_pad_batch_for_tp`).
+    """
+    module.register_forward_pre_hook(functools.partial(_pad_batch_for_tp, tp), with_kwargs=True)
+    module.register_forward_hook(_strip_batch_padding, with_kwargs=True)
+
+
+def enable_async_tp(tp_mesh: Any, device: torch.device) -> None:
+    """Micro-pipelined TP (torch.compile + symmetric memory); CUDA only, a warning elsewhere."""
+    if device.type != "cuda":
+        warnings.warn("async_tensor_parallel needs CUDA (symmetric memory); running synchronous TP", stacklevel=2)
+        return
+    try:
+        from torch._inductor import config as inductor_config
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    except ImportError:  # pragma: no cover - torch builds without symmetric memory
+        warnings.warn("this torch build has no symmetric memory: running synchronous TP", stacklevel=2)
+        return
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+

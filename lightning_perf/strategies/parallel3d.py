@@ -45,14 +45,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_perf.parallel.parallelize_3d import (
-    Parallel3DConfig,
-    Parallelized3D,
-    allreduce_gradients,
-    check_model_config,
-    clip_grad_norm_3d,
-    parallelize_3d,
-)
+from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model_config
+from lightning_perf.parallel.gradients import allreduce_gradients, clip_grad_norm_3d
+from lightning_perf.parallel.parallelize_3d import Parallelized3D, parallelize_3d
 from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.tensor_parallel import tp_sequence_check
 from lightning_perf.parallel.validate import check_data_layout, data_shape

@@ -53,7 +53,7 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
     def build():
         torch.manual_seed(0)
         if meta:  # every rank initialises its own shards (init="meta")
-            from lightning_perf.models.gpt.transforms import apply_activation_checkpointing
+            from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
             from lightning_perf.parallel.init import materialize_local
 
             with torch.device("meta"):
@@ -74,7 +74,7 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
             for block in model.blocks.values():
                 block.compile(backend="aot_eager")
         if ac != "none":
-            from lightning_perf.models.gpt.transforms import apply_activation_checkpointing
+            from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
 
             apply_activation_checkpointing(list(model.blocks.values()), ac)
         apply_fsdp(model, mesh, reshard_after_forward=stage == 3, fp8_all_gather=gather)

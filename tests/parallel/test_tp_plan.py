@@ -87,7 +87,9 @@ def test_protocol_lookup_finds_the_outermost_implementer() -> None:
 
 
 def test_compile_scope_under_tensor_parallelism() -> None:
-    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, _compile_mode, compile_targets, tp_sublayers
+    from lightning_perf.parallel.compile import compile_targets, tp_sublayers
+    from lightning_perf.parallel.config_3d import Parallel3DConfig
+    from lightning_perf.parallel.parallelize_3d import _compile_mode
 
     model = _meta_gpt()
     block = model.blocks["0"]
@@ -95,7 +97,7 @@ def test_compile_scope_under_tensor_parallelism() -> None:
     assert compile_targets(block, tensor_parallel=True) == [block]
     assert compile_targets(block, tensor_parallel=False) == [block]
     assert tp_sublayers(block) == [block.attn, block.mlp]
-    from lightning_perf.models.gpt.transforms import apply_activation_checkpointing
+    from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
 
     apply_activation_checkpointing([block], "full")  # under TP a checkpointed block compiles its sublayers
     assert compile_targets(block, tensor_parallel=True) == [block.attn, block.mlp]
@@ -126,7 +128,7 @@ def _tp_graph_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.compile import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp
 
     graphs: list[set] = []
@@ -217,7 +219,7 @@ def _unfused_bias_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.compile import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp, unfuse_linear_biases
 
     graphs: list[set] = []
@@ -329,7 +331,7 @@ def _llama_compiled_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.compile import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp
 
     # no position table: the vocab-parallel embedding feeds block 0 directly
@@ -360,7 +362,7 @@ def _overlap_worker(rank: int, world: int, out_dir) -> dict:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.compile import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp
 
     out = {}
@@ -410,7 +412,7 @@ def _batch_shard_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.compile import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp
 
     out = {}
@@ -428,7 +430,8 @@ def _batch_shard_worker(rank: int, world: int, out_dir) -> dict:
     # a batch the TP ranks cannot share evenly (3 sequences over 2 ranks, a ragged last batch): padded
     # with a copy of the last sequence whose targets the loss ignores, outputs cut back to 3
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, parallelize_3d
+    from lightning_perf.parallel.config_3d import Parallel3DConfig
+    from lightning_perf.parallel.parallelize_3d import parallelize_3d
 
     cfg = GPTConfig.from_name("tiny", n_layer=2)
     odd = torch.randint(0, cfg.vocab_size, (3, 16), generator=torch.Generator().manual_seed(2))
@@ -486,7 +489,7 @@ def test_batch_sharded_residual_stream_matches_one_process_without_relayout_copi
 
 
 def test_sequence_parallel_values_are_checked() -> None:
-    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig
+    from lightning_perf.parallel.config_3d import Parallel3DConfig
     from lightning_perf.parallel.validate import check_data_layout
     from lightning_perf.strategies import Parallel3DStrategy
 
@@ -508,7 +511,7 @@ def test_compile_head_loss_only_where_the_head_lives() -> None:
     """The strategy compiles the last stage's head + loss once; a stage without the head is left alone,
     and the compiled loss equals the eager one."""
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.parallelize_3d import compile_head_loss
+    from lightning_perf.parallel.compile import compile_head_loss
 
     cfg = GPTConfig.from_name("tiny", n_layer=2, tie_embeddings=False)
     torch.manual_seed(0)
@@ -530,7 +533,7 @@ def _fused_qkv_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.compile import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp, unfuse_linear_biases
 
     out = {}
@@ -577,7 +580,8 @@ def test_fused_qkv_under_tensor_parallelism_matches_one_process(tmp_path) -> Non
 
 
 def test_tp_overlap_modes_map_to_inductor_options() -> None:
-    from lightning_perf.parallel.parallelize_3d import Parallel3DConfig, _hooked_compile, inductor_overlap_options
+    from lightning_perf.parallel.compile import _hooked_compile, inductor_overlap_options
+    from lightning_perf.parallel.config_3d import Parallel3DConfig
 
     assert inductor_overlap_options("none", "cuda") == {}
     reorder = inductor_overlap_options("reorder", "cpu")
@@ -605,17 +609,17 @@ def _split_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel import parallelize_3d as p3d
+    from lightning_perf.parallel import compile as pc
     from lightning_perf.parallel.tensor_parallel import apply_tp
 
     calls = {"split": 0, "whole": 0}
-    original = p3d._run_hooked_split
+    original = pc._run_hooked_split
 
     def counting(whole, split, module, *args, **kwargs):
-        calls["split" if args and p3d._splittable(args[0], 2) else "whole"] += 1
+        calls["split" if args and pc._splittable(args[0], 2) else "whole"] += 1
         return original(whole, split, module, *args, **kwargs)
 
-    p3d._run_hooked_split = counting
+    pc._run_hooked_split = counting
     out = {}
     try:
         for preset, sp in (("tiny", "batch"), ("tiny-llama", True)):
@@ -627,7 +631,7 @@ def _split_worker(rank: int, world: int, out_dir) -> dict:
             ref_loss.backward()
             apply_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel=sp, local_output=True)
             torch._dynamo.reset()
-            p3d.compile_blocks(list(model.blocks.values()), "default", backend="aot_eager", tensor_parallel=True,
+            pc.compile_blocks(list(model.blocks.values()), "default", backend="aot_eager", tensor_parallel=True,
                                tp_split=2)
             with loss_parallel():
                 loss = model(idx, idx)
@@ -636,7 +640,7 @@ def _split_worker(rank: int, world: int, out_dir) -> dict:
                                  "worst": _grad_errors(model, ref), "calls": dict(calls)}
             calls.update(split=0, whole=0)
     finally:
-        p3d._run_hooked_split = original
+        pc._run_hooked_split = original
     return out
 
 
@@ -685,7 +689,7 @@ def _fp8_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.parallelize_3d import compile_blocks
+    from lightning_perf.parallel.compile import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp
 
     out = {}

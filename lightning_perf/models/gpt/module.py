@@ -15,13 +15,8 @@ from typing_extensions import override
 from lightning_perf.models.gpt.config import GPTConfig
 from lightning_perf.models.gpt.generate import generate
 from lightning_perf.models.gpt.model import GPT
-from lightning_perf.models.gpt.transforms import (
-    AC_MODES,
-    COMPILE_MODES,
-    COMPILE_SCOPES,
-    apply_activation_checkpointing,
-    apply_compile,
-)
+from lightning_perf.parallel.activation_checkpointing import AC_MODES, apply_activation_checkpointing
+from lightning_perf.parallel.compile import COMPILE_MODES, COMPILE_SCOPES, apply_compile
 
 __all__ = ["GPTLightningModule", "cosine_with_warmup"]
 

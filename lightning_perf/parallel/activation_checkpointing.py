@@ -1,22 +1,22 @@
-"""Model transforms applied per block: activation checkpointing and torch.compile.
+"""Activation checkpointing per block: recompute a block's activations in backward.
 
-Both leave parameter names unchanged (no wrapper modules), so checkpoints, FSDP
-wrapping and tensor-parallel plans keyed by name keep working after them.
+The block's ``forward`` is replaced on the instance (no wrapper module), so parameter
+names do not change: checkpoints, FSDP wrapping and tensor-parallel plans keyed by
+name keep working after it.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["apply_activation_checkpointing", "apply_compile", "AC_MODES", "COMPILE_MODES", "COMPILE_SCOPES"]
+__all__ = ["AC_MODES", "apply_activation_checkpointing"]
 
 AC_MODES = ("none", "full", "selective")
-COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # ops whose outputs selective checkpointing keeps: recomputing them costs FLOPs, keeping them costs
 # little memory relative to the elementwise/norm activations that are recomputed instead
@@ -24,7 +24,7 @@ _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_mm.default,  # FP8 linears (GPTConfig(fp8=True))
+    torch.ops.aten._scaled_mm.default,  # FP8 linears
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
@@ -62,22 +62,3 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> None:
         original = block.forward
         block.forward = partial(_checkpointed_forward, block, original, mode)  # type: ignore[method-assign]
         block._lp_checkpointing = mode
-
-
-COMPILE_SCOPES = ("block", "model")
-
-
-def apply_compile(modules: list[nn.Module], mode: Optional[str], *, fullgraph: bool = False) -> None:
-    """``torch.compile`` each module in place (``nn.Module.compile``: names and state dict unchanged).
-
-    Pass the blocks for per-block compilation (compile time flat in depth: one graph reused by
-    every block; composes with FSDP2 wrapping per block), or ``[model]`` for one graph of the
-    whole model (fewer launches and guard checks per step: the better choice for small models
-    on one GPU, where the host, not the GPU, sets the pace).
-    """
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile={mode!r} is not one of {COMPILE_MODES}")
-    if mode is None:
-        return
-    for module in modules:
-        module.compile(mode=None if mode == "default" else mode, fullgraph=fullgraph)

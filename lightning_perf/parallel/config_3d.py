@@ -1,0 +1,147 @@
+"""The layout of 3D parallelism (pp x dp x tp) and its checks, before any process group exists.
+
+:class:`Parallel3DConfig` is checked with numbers alone at construction; :func:`check_model`
+and :func:`check_model_config` check a model against it before any collective. A model
+states what it can do through the 3D model protocol: ``pipeline_stage`` and
+``tensor_parallel_plan`` on the module, and optionally
+``check_parallel_layout(tensor_parallel_size=..., pipeline_parallel_size=..., stages_per_rank=...)``
+on its ``config``, which raises ``ValueError`` for a layout the model cannot be split into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch.nn as nn
+
+from lightning_perf.parallel.activation_checkpointing import AC_MODES
+from lightning_perf.parallel.compile import COMPILE_MODES, TP_OVERLAP_MODES
+from lightning_perf.parallel.dims import ParallelDims
+from lightning_perf.parallel.fsdp import check_blocks_per_unit
+from lightning_perf.parallel.pipeline import PipelineConfig
+from lightning_perf.parallel.tensor_parallel import check_sequence_parallel, require_protocol
+
+__all__ = ["Parallel3DConfig", "check_model", "check_model_config"]
+
+
+@dataclass(kw_only=True)
+class Parallel3DConfig:
+    """Every layout option of the 3D strategy; validated at construction."""
+
+    data_parallel_size: Union[int, str] = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    zero_stage: int = 2
+    pipeline_schedule: str = "1f1b"
+    num_microbatches: Optional[int] = None
+    stages_per_rank: int = 1
+    sequence_parallel: Union[bool, str] = True
+    async_tensor_parallel: bool = False
+    tp_overlap: str = "reorder"
+    tp_split: int = 1
+    activation_checkpointing: str = "none"
+    fsdp_prefetch: int = 1
+    fsdp_blocks_per_unit: int = 1
+    compile: Optional[str] = None
+    compile_backend: str = "inductor"
+    fp8_all_gather: bool = False
+    pipeline: Optional[PipelineConfig] = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        dp = self.data_parallel_size
+        if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
+            raise ValueError(f"data_parallel_size must be 'auto' or a positive integer, got {dp!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "stages_per_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} is not one of {AC_MODES}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile={self.compile!r} is not one of {COMPILE_MODES}")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(f"compile_backend must be a torch.compile backend name, got {self.compile_backend!r}")
+        check_sequence_parallel(self.sequence_parallel)
+        if self.tp_overlap not in TP_OVERLAP_MODES:
+            raise ValueError(f"tp_overlap={self.tp_overlap!r} is not one of {TP_OVERLAP_MODES}")
+        if isinstance(self.tp_split, bool) or self.tp_split not in (1, 2):
+            raise ValueError(f"tp_split must be 1 (off) or 2 (each compiled TP block runs two halves of its "
+                             f"batch so one half's collectives overlap the other's compute), got {self.tp_split!r}")
+        if self.fsdp_prefetch < 0:
+            raise ValueError(f"fsdp_prefetch must be >= 0, got {self.fsdp_prefetch}")
+        check_blocks_per_unit(self.fsdp_blocks_per_unit, "fsdp_blocks_per_unit")
+        if self.fsdp_blocks_per_unit > 1 and self.zero_stage == 0:
+            raise ValueError("fsdp_blocks_per_unit groups FSDP2 units over 'dp': it needs zero_stage 1-3, "
+                             f"got zero_stage=0 (fsdp_blocks_per_unit={self.fsdp_blocks_per_unit})")
+        if self.fp8_all_gather:
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "fp8_all_gather gathers whole FP8 weights over 'dp'; under tensor parallelism "
+                    f"(tensor_parallel_size={self.tensor_parallel_size}) the FP8 linears quantise each rank's "
+                    "shard instead: use tensor_parallel_size=1 or fp8_all_gather=False")
+            if self.zero_stage == 0 or self.data_parallel_size == 1:
+                raise ValueError(
+                    "fp8_all_gather changes FSDP2's parameter all-gather: it needs data parallelism with ZeRO "
+                    f"(zero_stage 1-3 and data_parallel_size > 1), got zero_stage={self.zero_stage}, "
+                    f"data_parallel_size={self.data_parallel_size!r}")
+        # the schedule is checked even without pipeline parallelism, so a typo never waits for a pp run
+        self.pipeline = PipelineConfig(
+            pp=self.pipeline_parallel_size,
+            schedule=self.pipeline_schedule,
+            num_microbatches=self.num_microbatches,
+            stages_per_rank=self.stages_per_rank,
+        )
+        if self.pipeline_parallel_size == 1 and self.stages_per_rank > 1:
+            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
+
+    def dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(
+            dp=self.data_parallel_size,  # type: ignore[arg-type]
+            tp=self.tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            world_size=world_size,
+        )
+
+
+def check_model(model: nn.Module, config: Parallel3DConfig) -> nn.Module:
+    """The protocol submodule to parallelise; raises before any collective if the layout cannot work.
+
+    Without tensor or pipeline parallelism any model works (data parallelism needs
+    nothing from it); with them, the model must implement the protocol method.
+    A model whose ``config`` has ``check_parallel_layout`` is checked against the layout too.
+    """
+    from lightning_perf.parallel.zero import find_model
+
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    # the inner network (a LightningModule's ``model``), so FSDP2's root hooks fire on its forward
+    target = find_model(model)
+    if pp > 1:
+        target = require_protocol(model, "pipeline_stage", f"pipeline parallelism (pp={pp})")
+    if tp > 1:
+        tp_target = require_protocol(
+            target if pp > 1 else model, "tensor_parallel_plan", f"tensor parallelism (tp={tp})"
+        )
+        target = target if pp > 1 else tp_target
+    check_model_config(getattr(target, "config", None), config)
+    return target
+
+
+def check_model_config(model_config: Any, config: Parallel3DConfig) -> None:
+    """Ask the model's config whether it splits into this layout (``check_parallel_layout``, if it has one).
+
+    Needs numbers only, so a strategy can call it before any process group exists
+    (a LightningModule that carries its model config before ``configure_model``).
+    A config without the method is left to the model's own protocol methods.
+    """
+    check = getattr(model_config, "check_parallel_layout", None)
+    if not callable(check):
+        return
+    pp = config.pipeline_parallel_size
+    check(
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=pp,
+        stages_per_rank=config.stages_per_rank if pp > 1 else 1,
+    )
