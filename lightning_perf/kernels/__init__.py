@@ -3,12 +3,13 @@
 Functional API (autograd-aware, ``torch.compile``-friendly through custom ops):
 ``flash_attention``, ``fused_linear_cross_entropy``, ``rms_norm``, ``layer_norm``,
 ``rotary_embedding``, ``swiglu``, ``gelu_tanh``, ``gelu_tanh_mul``; ``fp8_linear`` /
-``Float8Linear`` (FP8 tensor-core matmuls through ``torch._scaled_mm``, no Triton).
+``Float8Linear`` (FP8 tensor-core matmuls through ``torch._scaled_mm``, Triton for the casts).
 
 Submodules are imported on first use: importing this package does not import
-Triton, so CPU-only installs and other modules are unaffected. On CPU the kernels
-run only under Triton's interpreter (``TRITON_INTERPRET=1`` set before first use);
-``lightning_perf.kernels.dispatch`` falls back to the references elsewhere.
+Triton, so CPU-only installs (Triton is the ``triton`` extra) and other modules are
+unaffected. On CPU the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``
+set before first use); ``lightning_perf.kernels.dispatch`` falls back to the references
+elsewhere, and where Triton is not installed.
 """
 
 from __future__ import annotations
@@ -55,7 +56,14 @@ _WHERE = {
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        module = importlib.import_module(f"{__name__}.{_WHERE[name]}" if _WHERE[name] == "autotune" else f"{__name__}.ops.{_WHERE[name]}")
+        where = _WHERE[name]
+        try:
+            module = importlib.import_module(f"{__name__}.{where}" if where == "autotune" else f"{__name__}.ops.{where}")
+        except ModuleNotFoundError as err:
+            if err.name != "triton":
+                raise
+            raise ModuleNotFoundError(f"{__name__}.{name} needs Triton: pip install 'lightning-perf[triton]' (Linux)",
+                                      name="triton") from err
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
