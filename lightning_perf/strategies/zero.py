@@ -42,12 +42,12 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_perf.parallel import checkpoint as ckpt
-from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks, set_gradient_sync
+from lightning_perf.parallel.ddp import apply_ddp, shard_optimizer
+from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks, find_model, set_gradient_sync
 from lightning_perf.parallel.init import has_meta_tensors, materialize_from_rank0, materialize_local, take_full_state
-from lightning_perf.parallel.zero import ZeroConfig, deepspeed_config, find_model
-from lightning_perf.parallel.validate import check_data_layout, data_shape
-from lightning_perf.parallel.zero1 import apply_ddp, shard_optimizer
 from lightning_perf.parallel.optim import localize_optimizers
+from lightning_perf.parallel.validate import check_data_layout, data_shape
+from lightning_perf.parallel.zero_config import ZeroConfig
 from lightning_perf.plugins.precision import PerfPrecision
 
 __all__ = ["ZeroStrategy"]
@@ -367,7 +367,7 @@ class ZeroStrategy(ParallelStrategy):
                 f"backend='deepspeed' takes one optimizer, configure_optimizers returned {len(self.optimizers)}"
             )
         precision = self.precision_plugin
-        config = deepspeed_config(
+        config = deepspeed_engine.deepspeed_config(
             self.config,
             precision=precision.precision,
             micro_batch_size=1,
