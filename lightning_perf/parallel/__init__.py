@@ -7,7 +7,7 @@ from lightning_perf.parallel.checkpoint import consolidate, load_checkpoint, sav
 from lightning_perf.parallel.dims import ParallelDims
 from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks
 from lightning_perf.parallel.loss_scaler import DistributedLossScaler
-from lightning_perf.parallel.zero1 import apply_ddp, shard_optimizer
+from lightning_perf.parallel.ddp import apply_ddp, shard_optimizer
 
 __all__ = [
     "DistributedLossScaler",

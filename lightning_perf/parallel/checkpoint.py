@@ -83,7 +83,7 @@ def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
 
 
 def _local_optimizers(optimizers: Sequence[Optimizer]) -> list[Optimizer]:
-    from lightning_perf.parallel.zero1 import local_optimizer
+    from lightning_perf.parallel.ddp import local_optimizer
 
     return [local_optimizer(o) for o in optimizers]
 

@@ -1,4 +1,4 @@
-"""The DeepSpeed engine as a ZeRO backend: creation, atomic checkpoints (no Lightning here).
+"""The DeepSpeed engine as a ZeRO backend: its config, creation, atomic checkpoints (no Lightning here).
 
 DeepSpeed is optional (``pip install 'lightning-perf[deepspeed]'``) and imported lazily.
 It runs on CPU processes too (its CPU accelerator over an existing gloo process group),
@@ -15,9 +15,9 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_perf.parallel import checkpoint as ckpt
-from lightning_perf.parallel.zero import DEEPSPEED_EXTRA
+from lightning_perf.parallel.zero_config import DEEPSPEED_EXTRA, ZeroConfig
 
-__all__ = ["initialize", "save", "load", "TAG"]
+__all__ = ["deepspeed_config", "initialize", "save", "load", "TAG"]
 
 TAG = "zero"
 
@@ -28,6 +28,58 @@ def _deepspeed() -> Any:
     except ImportError as e:  # pragma: no cover - exercised where deepspeed is absent
         raise ImportError(f"the DeepSpeed backend needs DeepSpeed: {DEEPSPEED_EXTRA}") from e
     return deepspeed
+
+
+def deepspeed_config(
+    cfg: ZeroConfig,
+    *,
+    precision: str,
+    micro_batch_size: int,
+    world_size: int,
+    accumulate: int,
+    gradient_clip: Optional[float] = None,
+) -> dict[str, Any]:
+    """A DeepSpeed config dict for ``cfg`` (user ``deepspeed_config`` entries win)."""
+    bucket = int(cfg.bucket_size_mb * 2**20 / 4)  # elements of fp32
+    zero: dict[str, Any] = {
+        "stage": cfg.stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+    }
+    if cfg.stage == 3:
+        zero["stage3_prefetch_bucket_size"] = bucket * max(cfg.prefetch, 1)
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulate,
+        "train_batch_size": micro_batch_size * accumulate * world_size,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if precision == "bf16-mixed":
+        config["bf16"] = {"enabled": True}
+    elif precision == "16-mixed":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if gradient_clip:
+        config["gradient_clipping"] = float(gradient_clip)
+    _merge(config, cfg.deepspeed_config)
+    return config
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
 
 
 def initialize(module: nn.Module, optimizer: Optimizer, config: dict[str, Any]) -> tuple[Any, Any]:

@@ -14,7 +14,8 @@ ZeRO-2 is ``reshard_after_forward=False`` (parameters stay gathered between forw
 backward, gradients and optimizer state are sharded); ZeRO-3 is ``True`` (parameters are
 sharded at rest as well).
 
-Blocks are found with :func:`find_blocks`: our GPT's ``model.blocks`` (an
+The module to shard is found with :func:`find_model` (the network inside a
+LightningModule), its blocks with :func:`find_blocks`: our GPT's ``model.blocks`` (an
 ``nn.ModuleDict``), else the largest ``nn.ModuleList``/``nn.ModuleDict`` of identical
 module classes (Hugging Face ``model.layers`` / ``transformer.h``), or a user policy
 (a callable ``module -> bool`` or a set of module classes).
@@ -27,7 +28,7 @@ from typing import Any, Optional, Union
 
 import torch.nn as nn
 
-__all__ = ["apply_fsdp", "find_blocks", "WrapPolicy", "set_gradient_sync", "is_fsdp_module"]
+__all__ = ["apply_fsdp", "find_blocks", "find_model", "WrapPolicy", "set_gradient_sync", "is_fsdp_module"]
 
 WrapPolicy = Union[Callable[[nn.Module], bool], set, frozenset, tuple, list]
 
@@ -50,6 +51,24 @@ def _policy_matches(policy: WrapPolicy) -> Callable[[nn.Module], bool]:
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise ValueError(f"wrap_policy must be a callable module -> bool or a set of nn.Module classes, got {policy!r}")
     return lambda m: isinstance(m, classes)
+
+
+def find_model(module: nn.Module) -> nn.Module:
+    """The submodule to shard: ``module.model`` (or the one child) when it holds every parameter.
+
+    Sharding the inner network rather than a LightningModule makes FSDP2's root hooks
+    fire on the network's own forward, whatever the training step calls.
+    """
+    total = sum(1 for _ in module.parameters())
+    candidates = []
+    inner = getattr(module, "model", None)
+    if isinstance(inner, nn.Module):
+        candidates.append(inner)
+    candidates += [c for c in module.children() if c is not inner]
+    for child in candidates:
+        if total and sum(1 for _ in child.parameters()) == total:
+            return child
+    return module
 
 
 def find_blocks(module: nn.Module, policy: Optional[WrapPolicy] = None) -> list[nn.Module]:

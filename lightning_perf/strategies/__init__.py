@@ -2,10 +2,11 @@
 
 from typing import Any
 
+from lightning_perf.strategies.base import PerfParallelStrategy
 from lightning_perf.strategies.parallel3d import Parallel3DStrategy
 from lightning_perf.strategies.zero import ZeroStrategy
 
-__all__ = ["Parallel3DStrategy", "ZeroStrategy", "register_strategies", "STRATEGY_NAMES"]
+__all__ = ["PerfParallelStrategy", "Parallel3DStrategy", "ZeroStrategy", "register_strategies", "STRATEGY_NAMES"]
 
 # name -> (class, description, init arguments)
 STRATEGY_NAMES: dict[str, tuple[type, str, dict[str, Any]]] = {

@@ -2,7 +2,8 @@
 
 A thin adapter: the layout maths, the model split and the schedule live in
 ``lightning_perf.parallel`` (``parallelize_3d``); this class wires them to the
-Trainer's hooks.
+Trainer's hooks. Processes, precision, collectives and DCP checkpoints come from
+``PerfParallelStrategy``.
 
 Under pipeline parallelism the protocol model's ``forward(inputs, targets)`` runs the
 whole schedule (forward and backward of every microbatch) and returns the batch loss,
@@ -18,29 +19,17 @@ microbatch loss by ``1 / accumulate_grad_batches``. Validation runs forward only
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
+import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -51,7 +40,7 @@ from lightning_perf.parallel.parallelize_3d import Parallelized3D, parallelize_3
 from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.tensor_parallel import tp_sequence_check
 from lightning_perf.parallel.validate import check_data_layout, data_shape
-from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
+from lightning_perf.strategies.base import PerfParallelStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -59,18 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["Parallel3DStrategy"]
 
 
-def _as_perf_precision(plugin: Optional[Precision]) -> Optional[Precision]:
-    if plugin is None or isinstance(plugin, PerfPrecision):
-        return plugin
-    name = str(getattr(plugin, "precision", "32-true"))
-    if name not in PRECISIONS:
-        raise ValueError(
-            f"Parallel3DStrategy supports precision {PRECISIONS}, got {name!r} ({type(plugin).__name__})"
-        )
-    return PerfPrecision(name)
-
-
-class Parallel3DStrategy(ParallelStrategy):
+class Parallel3DStrategy(PerfParallelStrategy):
     """Pipeline x data (ZeRO) x tensor parallelism over one ("pp", "dp", "tp") device mesh.
 
     Args:
@@ -163,23 +141,12 @@ class Parallel3DStrategy(ParallelStrategy):
             compile=compile,
             compile_backend=compile_backend,
         )
-        super().__init__(**kwargs)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
         self.meta_init = meta_init
-        self._process_group_backend = process_group_backend
-        # seconds (int/float) or a timedelta: how long a collective may wait before every rank fails
-        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
-        self._device_mesh: Optional[Any] = None
         self._parallel: Optional[Parallelized3D] = None
         self._pp_grads: Optional[list[Optional[Tensor]]] = None
-        self.num_nodes = 1
 
     # ---- layout ------------------------------------------------------------------------------
-
-    @property
-    def device_mesh(self) -> Any:
-        if self._device_mesh is None:
-            raise RuntimeError("the device mesh exists only after setup_environment()")
-        return self._device_mesh
 
     @property
     def parallel(self) -> Parallelized3D:
@@ -188,68 +155,21 @@ class Parallel3DStrategy(ParallelStrategy):
         return self._parallel
 
     @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def is_distributed(self) -> bool:
-        """Lightning injects a ``DistributedSampler`` (by dp rank) when this is True."""
-        return True
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Each dp replica loads its own part of the data; tp and pp ranks of a replica load the same."""
         dp_mesh = self.device_mesh["dp"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
-    @property  # type: ignore[override]
     @override
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else PerfPrecision("32-true")
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = _as_perf_precision(plugin)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
+    def _check_world_size(self, world_size: int) -> None:
+        self.config.dims(world_size)  # raises on a bad layout, in the launching process
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self.config.dims(self.num_nodes * self.num_processes)  # raises on a bad layout, in the launching process
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.set_world_ranks()
-        dims = self.config.dims(self.world_size)  # before the process group: a bad layout never hangs
+    def _check_before_process_group(self) -> None:
+        super()._check_before_process_group()
+        dims = self.config.dims(self.world_size)
         self._check_model_config()
-        reset_seed()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self._device_mesh = dims.build_mesh(self.root_device.type)
         if (
             self.root_device.type == "cuda"
             and (dims.dp_enabled or dims.pp_enabled)
@@ -261,8 +181,16 @@ class Parallel3DStrategy(ParallelStrategy):
                 "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises CUDA streams, so data-parallel and pipeline "
                 "communication cannot overlap compute; Parallel3DStrategy does not need it (unset it)"
             )
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def _build_device_mesh(self) -> Any:
+        return self.config.dims(self.world_size).build_mesh(self.root_device.type)
+
+    @override
+    def _fp8_gather_module(self) -> Optional[nn.Module]:
+        if self.config.fp8_all_gather and self._parallel is not None:
+            return self._parallel.target
+        return None
 
     def _check_model_config(self) -> None:
         """A module carrying its model config (``GPTLightningModule.config``) is checked by numbers now."""
@@ -278,12 +206,6 @@ class Parallel3DStrategy(ParallelStrategy):
             sequence_parallel=self.config.sequence_parallel,
             pipeline=self.config.pipeline,
         )
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     @contextmanager
     @override
@@ -301,20 +223,16 @@ class Parallel3DStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         precision = self.precision_plugin
-        mp_policy = None
-        if isinstance(precision, PerfPrecision):
-            mp_policy = precision.mp_policy()
         if self.config.fp8_all_gather and self._parallel is None:  # before any collective
             from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
 
             require_fp8_linears(module)
         if self._parallel is None:  # once per strategy: fit then validate/test reuse the split model
             self._parallel = parallelize_3d(
-                module, self.config, self.device_mesh, device=self.root_device, mp_policy=mp_policy
+                module, self.config, self.device_mesh, device=self.root_device, mp_policy=precision.mp_policy()
             )
-        self._precompute_fp8_scales()
-        if isinstance(precision, PerfPrecision):
-            precision.sharded_casting = self._parallel.fsdp and precision.is_mixed
+        self._refresh_fp8_scales()
+        precision.sharded_casting = self._parallel.fsdp and precision.is_mixed
         # norm clipping must see every stage's and every shard's gradients (not one rank's)
         precision.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if self._parallel.runner is not None:
@@ -323,26 +241,12 @@ class Parallel3DStrategy(ParallelStrategy):
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             # Adam steps DTensor parameters through their local shards (same math, no dispatch cost)
             localize_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _precompute_fp8_scales(self) -> None:
-        """With ``fp8_all_gather``: the FP8 gathers' scales and shards for the current weights."""
-        if self.config.fp8_all_gather and self._parallel is not None:
-            from lightning_perf.parallel.fp8_all_gather import precompute_fp8_scales
-
-            precompute_fp8_scales(self._parallel.target)
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._precompute_fp8_scales()  # the weights just changed
-        return result
 
     def _install_pipeline_forward(self, parallel: Parallelized3D) -> None:
         """``target(inputs, targets)`` runs the schedule; names and state dict stay the model's."""
@@ -361,8 +265,7 @@ class Parallel3DStrategy(ParallelStrategy):
                               microbatches=strategy.config.pipeline.num_microbatches or 1)
             with strategy._tp_loss_context():
                 if torch.is_grad_enabled():
-                    precision = strategy.precision_plugin
-                    scale = precision.scale_loss if isinstance(precision, PerfPrecision) else None
+                    scale = strategy.precision_plugin.scale_loss
                     trainer = strategy.lightning_module.trainer if strategy.lightning_module else None
                     accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
                     return runner.train_step(inputs, targets, loss_factor=1.0 / accumulate, scale_loss=scale)
@@ -373,11 +276,6 @@ class Parallel3DStrategy(ParallelStrategy):
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_3d(params, float(clip_val), self.device_mesh["pp"].get_group())
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     def _tp_loss_context(self) -> Any:
         if self.config.tensor_parallel_size > 1:
@@ -444,92 +342,3 @@ class Parallel3DStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    # ---- collectives -------------------------------------------------------------------------
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def teardown(self) -> None:
-        assert self.cluster_environment is not None
-        assert self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-
-    # ---- checkpoints (DCP, one shard per rank, reshardable) ----------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # saved from the module itself in save_checkpoint, shard by shard
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {}
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded with the model in load_checkpoint (one DCP read reshards both)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        from lightning_perf.parallel.checkpoint import save_checkpoint
-
-        if storage_options is not None:
-            raise TypeError("Parallel3DStrategy.save_checkpoint does not take storage_options (it writes DCP shards)")
-        path = Path(self.broadcast(str(filepath)))
-        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        assert self.lightning_module is not None
-        save_checkpoint(path, self.lightning_module, self.optimizers, extra=extra)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from lightning_perf.parallel.checkpoint import load_checkpoint
-
-        path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.lightning_module is not None
-        extra = load_checkpoint(
-            path,
-            self.lightning_module,
-            self.optimizers,
-            strict=self.lightning_module.strict_loading,
-            weights_only=True if weights_only is None else weights_only,
-        )
-        self._precompute_fp8_scales()
-        return extra
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        import shutil
-
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()

@@ -1,59 +1,46 @@
 """``ZeroStrategy``: ZeRO stages 1-3 for any LightningModule, native (torch) or DeepSpeed.
 
-A thin Lightning adapter over ``lightning_perf.parallel``: process group and mesh in
-``setup_environment``, the model built on ``meta`` in ``configure_model`` (all ranks but 0
+A thin Lightning adapter over ``lightning_perf.parallel``; processes, precision,
+collectives and DCP checkpoints come from ``PerfParallelStrategy``. Here: a ("dp",) mesh
+over the world, the model built on ``meta`` in ``configure_model`` (all ranks but 0
 under ``init="rank0"``), then in ``setup``: shard (``apply_fsdp`` / DDP / DeepSpeed),
 materialise shard by shard, build the optimizer on the sharded parameters, and turn it
 into a ``ZeroRedundancyOptimizer`` at stage 1. Gradient accumulation skips the
-reduction on non-final micro-steps; checkpoints are sharded DCP directories.
+reduction on non-final micro-steps; the DeepSpeed backend writes its engine's own
+checkpoint shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_perf.parallel import checkpoint as ckpt
-from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks, set_gradient_sync
+from lightning_perf.parallel.ddp import apply_ddp, shard_optimizer
+from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks, find_model, set_gradient_sync
 from lightning_perf.parallel.init import has_meta_tensors, materialize_from_rank0, materialize_local, take_full_state
-from lightning_perf.parallel.zero import ZeroConfig, deepspeed_config, find_model
-from lightning_perf.parallel.validate import check_data_layout, data_shape
-from lightning_perf.parallel.zero1 import apply_ddp, shard_optimizer
 from lightning_perf.parallel.optim import localize_optimizers
-from lightning_perf.plugins.precision import PerfPrecision
+from lightning_perf.parallel.validate import check_data_layout, data_shape
+from lightning_perf.parallel.zero_config import ZeroConfig
+from lightning_perf.strategies.base import PerfParallelStrategy
 
 __all__ = ["ZeroStrategy"]
 
 
-class ZeroStrategy(ParallelStrategy):
+class ZeroStrategy(PerfParallelStrategy):
     """ZeRO data parallelism: ``stage`` 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
 
     Args:
@@ -134,110 +121,42 @@ class ZeroStrategy(ParallelStrategy):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
         )
-        self._process_group_backend = process_group_backend
-        # seconds (int/float) or a timedelta: how long a collective may wait before every rank fails
-        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
-        self._mesh: Optional[Any] = None
         self._sharded: Optional[nn.Module] = None  # the FSDP2 root
         self._engine: Optional[Any] = None  # the DeepSpeed engine
         self._prepared: Optional[nn.Module] = None  # the LightningModule already sharded
         self._ddp: Optional[nn.parallel.DistributedDataParallel] = None
         self._init_mode = init
-        self.num_nodes = 1
 
-    # ---- precision: always PerfPrecision (Lightning would install its generic plugin) --------
+    # ---- where ZeRO differs from the base ---------------------------------------------------------
 
-    @property
     @override
-    def precision_plugin(self) -> PerfPrecision:
-        if self._precision_plugin is None:
-            self._precision_plugin = PerfPrecision("32-true")
-        return self._precision_plugin  # type: ignore[return-value]
+    def _check_precision(self, precision: str, device_type: Optional[str] = None) -> None:
+        self.config.check_precision(precision, device_type)
 
-    @precision_plugin.setter
     @override
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        if plugin is not None and not isinstance(plugin, PerfPrecision):
-            plugin = PerfPrecision(getattr(plugin, "precision", "32-true"))
-        if plugin is not None:
-            self.config.check_precision(plugin.precision)
-        self._precision_plugin = plugin
+    def _check_before_process_group(self) -> None:
+        super()._check_before_process_group()
+        module = self.lightning_module
+        _, seq_len = data_shape(getattr(getattr(module, "_trainer", None), "datamodule", None))
+        check_data_layout(seq_len=seq_len, model_config=getattr(module, "config", None))
 
-    # ---- processes ---------------------------------------------------------------------------
-
-    @property
     @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+    def _build_device_mesh(self) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+        return init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
 
-    @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    @property
-    def is_distributed(self) -> bool:
-        return True  # Lightning then adds a DistributedSampler to the loaders
-
-    @property
-    def device_mesh(self) -> Any:
-        return self._mesh
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
+    def _fp8_gather_module(self) -> Optional[nn.Module]:
+        return self._sharded if self.config.fp8_all_gather else None
 
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:
         return self.config.backend == "deepspeed"
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
-    def setup_environment(self) -> None:
-        # every check that needs no other rank runs before the process group exists
-        self.config.check_precision(self.precision_plugin.precision, self.root_device.type)
-        module = self.lightning_module
-        _, seq_len = data_shape(getattr(getattr(module, "_trainer", None), "datamodule", None))
-        check_data_layout(seq_len=seq_len, model_config=getattr(module, "config", None))
-        self.precision_plugin.device_type = self.root_device.type
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # ---- model construction and sharding ------------------------------------------------------
 
@@ -331,7 +250,7 @@ class ZeroStrategy(ParallelStrategy):
         blocks = find_blocks(target, self.config.wrap_policy)
         apply_fsdp(
             target,
-            self._mesh,
+            self.device_mesh,
             blocks=blocks,
             reshard_after_forward=bool(self.config.reshard_after_forward),
             mp_policy=self.precision_plugin.mp_policy(),
@@ -342,14 +261,7 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.sharded_casting = self.precision_plugin.is_mixed and target is not None
         self._sharded = target
         self._materialize(target, full)
-        self._precompute_fp8_scales()
-
-    def _precompute_fp8_scales(self) -> None:
-        """With ``fp8_all_gather``: the FP8 gathers' scales for the current weights, one collective."""
-        if self.config.fp8_all_gather and self._sharded is not None:
-            from lightning_perf.parallel.fp8_all_gather import precompute_fp8_scales
-
-            precompute_fp8_scales(self._sharded)
+        self._refresh_fp8_scales()
 
     def _shard_optimizers(self) -> None:
         sharded = [shard_optimizer(o) for o in self.optimizers]
@@ -367,7 +279,7 @@ class ZeroStrategy(ParallelStrategy):
                 f"backend='deepspeed' takes one optimizer, configure_optimizers returned {len(self.optimizers)}"
             )
         precision = self.precision_plugin
-        config = deepspeed_config(
+        config = deepspeed_engine.deepspeed_config(
             self.config,
             precision=precision.precision,
             micro_batch_size=1,
@@ -381,16 +293,6 @@ class ZeroStrategy(ParallelStrategy):
         self._engine, ds_optimizer = deepspeed_engine.initialize(self.lightning_module, self.optimizers[0], config)
         self.model = self._engine
         self.optimizers = [ds_optimizer]
-
-    @override
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        self._reset_optimizers_and_schedulers()
-        super().setup_optimizers(trainer)
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     # ---- training step pieces ----------------------------------------------------------------
 
@@ -426,9 +328,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self._engine is None:
-            result = super().optimizer_step(optimizer, closure, model, **kwargs)
-            self._precompute_fp8_scales()  # the weights just changed
-            return result
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         from lightning.pytorch.trainer import call
 
         result = closure()
@@ -438,95 +338,20 @@ class ZeroStrategy(ParallelStrategy):
         self._engine.step()  # steps at accumulation boundaries, clips per the config
         return result
 
-    # ---- collectives --------------------------------------------------------------------------
+    # ---- checkpoints: the DeepSpeed engine writes its own shards ---------------------------------
 
     @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+    def _write_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        if self._engine is None:
+            return super()._write_checkpoint(path, extra)
+        from lightning_perf.parallel import deepspeed_engine
+
+        deepspeed_engine.save(self._engine, path, extra, rank=self.global_rank)
 
     @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        objs = [obj]
-        dist.broadcast_object_list(objs, src, group=_group.WORLD)
-        return objs[0]
+    def _read_checkpoint(self, path: Path, weights_only: bool) -> dict[str, Any]:
+        if self._engine is None:
+            return super()._read_checkpoint(path, weights_only)
+        from lightning_perf.parallel import deepspeed_engine
 
-    @override
-    def reduce(
-        self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
-    ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def teardown(self) -> None:
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-
-    # ---- checkpoints: sharded DCP directories ------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # saved shard by shard in save_checkpoint
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {}  # saved shard by shard in save_checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in load_checkpoint
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint.pop("state_dict", None)
-        checkpoint.pop("optimizer_states", None)
-        if self._engine is not None:
-            from lightning_perf.parallel import deepspeed_engine
-
-            deepspeed_engine.save(self._engine, path, {"lightning": checkpoint}, rank=self.global_rank)
-            return
-        ckpt.save_checkpoint(path, self.lightning_module, self.optimizers, extra={"lightning": checkpoint})
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        safe = True if weights_only is None else weights_only
-        if self._engine is not None:
-            from lightning_perf.parallel import deepspeed_engine
-
-            return deepspeed_engine.load(self._engine, path, weights_only=safe)["lightning"]
-        assert self.lightning_module is not None
-        extra = ckpt.load_checkpoint(
-            path,
-            self.lightning_module,
-            self.optimizers,
-            strict=self.lightning_module.strict_loading,
-            weights_only=safe,
-        )
-        self._precompute_fp8_scales()
-        return extra["lightning"]
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)
+        return deepspeed_engine.load(self._engine, path, weights_only=weights_only)

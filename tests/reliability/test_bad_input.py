@@ -147,8 +147,7 @@ def check_before_process_group(cfg: dict) -> str:
     def sentinel(*args: Any, **kwargs: Any) -> None:
         raise ReachedProcessGroup
 
-    with mock.patch("lightning_perf.strategies.zero._init_dist_connection", sentinel), \
-            mock.patch("lightning_perf.strategies.parallel3d._init_dist_connection", sentinel):
+    with mock.patch("lightning_perf.strategies.base._init_dist_connection", sentinel):
         strategy.setup_environment()
     raise AssertionError("setup_environment returned without creating a process group")
 

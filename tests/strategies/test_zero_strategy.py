@@ -135,7 +135,7 @@ class Probe:
     def make():
         import lightning as L
 
-        from lightning_perf.parallel.zero1 import local_optimizer
+        from lightning_perf.parallel.ddp import local_optimizer
 
         def local(t):
             return t.to_local() if hasattr(t, "to_local") else t

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_perf.parallel import zero as zero_mod
+from lightning_perf.parallel import zero_config
 from lightning_perf.plugins import PerfPrecision
 from lightning_perf.strategies import STRATEGY_NAMES, ZeroStrategy, register_strategies
 
@@ -42,7 +42,7 @@ def test_bad_options(kwargs, match) -> None:
 
 
 def test_offload_without_deepspeed_names_the_extra(monkeypatch) -> None:
-    monkeypatch.setattr(zero_mod.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(zero_config.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match=r"pip install 'lightning-perf\[deepspeed\]'"):
         ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True)
     register_strategies()

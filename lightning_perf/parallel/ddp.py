@@ -1,4 +1,4 @@
-"""ZeRO-1: DDP gradient all-reduce + an optimizer whose state is sharded over the ranks.
+"""ZeRO-1 over DDP: gradient all-reduce + an optimizer whose state is sharded over the ranks.
 
 Built from torch's engines: ``DistributedDataParallel`` (bucketed all-reduce overlapped
 with backward, optional compression through its communication hooks) and

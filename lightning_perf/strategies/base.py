@@ -1,0 +1,347 @@
+"""``PerfParallelStrategy``: a pack strategy over torch.distributed with DCP checkpoints.
+
+What every strategy of the pack shares, so that ``ZeroStrategy`` and ``Parallel3DStrategy``
+keep only what differs:
+
+- precision: always a ``PerfPrecision`` (Lightning would install its generic plugin, which
+  knows neither FSDP2's mixed-precision policy nor world-consistent fp16 loss scaling);
+- processes: one per device, started by Lightning's subprocess launcher; the process group
+  starts with a collective timeout, after every check that needs no other rank, and the
+  strategy then builds its device mesh;
+- collectives over the whole world: ``barrier``, ``broadcast``, ``reduce``;
+- checkpoints: a sharded DCP directory (``lightning_perf.parallel.checkpoint``) that every
+  rank writes and reads, model and optimizer state together, resharded on load.
+
+A strategy names where it differs by overriding the small methods below:
+``_build_device_mesh`` (required), ``_check_world_size``, ``_check_before_process_group``,
+``_check_precision``, ``_fp8_gather_module``, ``_write_checkpoint`` / ``_read_checkpoint``.
+
+Checkpoint layout: the checkpoint's ``extra`` is Lightning's checkpoint dict itself (loop
+state, callbacks, schedulers, the precision plugin's loss scaler, ...) without
+``state_dict`` and ``optimizer_states``, which are the DCP shards. Checkpoints that hold
+that dict nested as ``extra["lightning"]`` load too.
+"""
+
+from __future__ import annotations
+
+import shutil
+from abc import abstractmethod
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_perf.parallel import checkpoint as ckpt
+from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["PerfParallelStrategy"]
+
+# Lightning's checkpoint entries that the DCP shards hold instead
+_SHARDED_KEYS = ("state_dict", "optimizer_states")
+
+
+def _as_perf_precision(plugin: Precision, strategy: str) -> PerfPrecision:
+    """``plugin`` itself if a ``PerfPrecision``, else a ``PerfPrecision`` of the same precision."""
+    if isinstance(plugin, PerfPrecision):
+        return plugin
+    precision = getattr(plugin, "precision", None)
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"{strategy} does not support precision={precision!r} ({type(plugin).__name__}); the supported "
+            f"precisions are {', '.join(PRECISIONS)}: pass one of them as Trainer(precision=...) "
+            "or as a PerfPrecision plugin"
+        )
+    return PerfPrecision(precision)
+
+
+def _lightning_checkpoint(extra: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's checkpoint dict from a checkpoint's ``extra``, in either layout."""
+    nested = extra.get("lightning")
+    if len(extra) == 1 and isinstance(nested, dict):
+        return nested
+    return extra
+
+
+class PerfParallelStrategy(ParallelStrategy):
+    """The base of the pack's strategies: one process per device, PerfPrecision, DCP checkpoints.
+
+    Args:
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
+        timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
+            fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
+        The others are Lightning's ``ParallelStrategy`` arguments.
+    """
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._process_group_backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        self._device_mesh: Optional[DeviceMesh] = None
+        self.num_nodes = 1
+
+    # ---- what each strategy names ------------------------------------------------------------
+
+    @abstractmethod
+    def _build_device_mesh(self) -> "DeviceMesh":
+        """This strategy's mesh over the world (the process group exists)."""
+
+    def _check_world_size(self, world_size: int) -> None:
+        """Raise if the strategy cannot run on ``world_size`` processes (runs before any is launched)."""
+
+    def _check_before_process_group(self) -> None:
+        """Raise for a configuration that would fail in a collective: every check that needs no other rank."""
+        self._check_precision(self.precision_plugin.precision, self.root_device.type)
+
+    def _check_precision(self, precision: str, device_type: Optional[str] = None) -> None:
+        """Raise for a precision of ``PerfPrecision`` that this strategy cannot run (``device_type``: once known)."""
+
+    def _fp8_gather_module(self) -> Optional[nn.Module]:
+        """The module whose FP8 all-gathers need their scales recomputed when its weights change (None: none)."""
+        return None
+
+    def _write_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        """Every rank writes its model and optimizer shards to ``path``, rank 0 ``extra`` beside them."""
+        assert self.lightning_module is not None
+        ckpt.save_checkpoint(path, self.lightning_module, self.optimizers, extra=extra)
+
+    def _read_checkpoint(self, path: Path, weights_only: bool) -> dict[str, Any]:
+        """Every rank loads its shards from ``path`` (resharding as needed); returns the saved ``extra``."""
+        assert self.lightning_module is not None
+        return ckpt.load_checkpoint(
+            path,
+            self.lightning_module,
+            self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    # ---- precision: one rule for every strategy of the pack ------------------------------------
+
+    @property
+    @override
+    def precision_plugin(self) -> PerfPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = PerfPrecision("32-true")
+        return self._precision_plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Trainer(precision=...) arrives as Lightning's plugin of that precision
+        if plugin is not None:
+            plugin = _as_perf_precision(plugin, type(self).__name__)
+            self._check_precision(plugin.precision)
+        self._precision_plugin = plugin
+
+    # ---- processes -----------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True  # Lightning then adds a DistributedSampler to the loaders
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists only after setup_environment()")
+        return self._device_mesh
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the shards load into the sharded model
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # loaded with the model in load_checkpoint (one DCP read reshards both)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._check_world_size(self.num_nodes * self.num_processes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        self._check_before_process_group()  # a bad configuration never reaches a collective
+        self.precision_plugin.device_type = self.root_device.type
+        reset_seed()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._device_mesh = self._build_device_mesh()
+        if self.lightning_module is not None:  # LightningModule.device_mesh, for configure_model
+            self.lightning_module._device_mesh = self._device_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        self._reset_optimizers_and_schedulers()  # a later fit builds them on the sharded parameters again
+        super().setup_optimizers(trainer)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._refresh_fp8_scales()  # the weights just changed
+        return result
+
+    def _refresh_fp8_scales(self) -> None:
+        module = self._fp8_gather_module()
+        if module is not None:
+            from lightning_perf.parallel.fp8_all_gather import precompute_fp8_scales
+
+            precompute_fp8_scales(module)
+
+    # ---- collectives ---------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---- checkpoints: sharded DCP directories --------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # saved shard by shard in save_checkpoint
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}  # saved shard by shard in save_checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes DCP shards)")
+        path = Path(self.broadcast(str(filepath)))  # rank 0's path: every rank writes into one directory
+        extra = {k: v for k, v in checkpoint.items() if k not in _SHARDED_KEYS}
+        self._write_checkpoint(path, extra)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        extra = self._read_checkpoint(path, weights_only=True if weights_only is None else weights_only)
+        self._refresh_fp8_scales()  # the weights just changed
+        return _lightning_checkpoint(extra)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not self.is_global_zero:
+            return
+        path = Path(filepath)
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():  # a sharded checkpoint: the directory as a whole
+            shutil.rmtree(path)
