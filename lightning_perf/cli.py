@@ -1,55 +1,361 @@
 """The ``lightning-perf`` command: LightningCLI (fit / validate / test / predict) plus generate, prepare, consolidate.
 
-    lightning-perf fit                                   # the tiny GPT on the built-in corpus (CPU)
-    lightning-perf fit --config configs/gpt2-124m.yaml   # any recipe; flags override it
+    lightning-perf fit                                   # the gpt-tiny-cpu recipe (tiny GPT, built-in corpus, CPU)
+    lightning-perf fit --config gpt2-124m                # a recipe shipped with the package, by name
+    lightning-perf fit --config my_recipe.yaml           # or a file; flags override either
     lightning-perf generate --ckpt_path last.ckpt --prompt "def main("
     lightning-perf prepare --input my_texts/ --out_dir data/mine
     lightning-perf consolidate --ckpt_dir ckpts/step=100 --out model.pt
+
+What the CLI adds to Lightning's:
+
+- ``--config NAME`` finds the recipes in ``lightning_perf/configs/``; with no ``--config`` the
+  default recipe applies, and only then.
+- ``trainer.precision`` becomes a :class:`~lightning_perf.plugins.PerfPrecision` on the
+  single-device and DDP strategies as it already does on the pack's, so gradient clipping works
+  with the fused AdamW (Lightning's mixed-precision plugin refuses that combination).
+- Paths a recipe puts under its ``trainer.default_root_dir`` (logger ``save_dir``, checkpoint
+  ``dirpath``) follow ``--trainer.default_root_dir`` when it is overridden.
+- A mistyped option gets a short error with the closest valid names instead of the usage text.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, NoReturn, Optional
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_perf  # noqa: F401  (registers the strategy names)
 from lightning_perf.data import TokenDataModule
 from lightning_perf.models.gpt.module import GPTLightningModule
 
-__all__ = ["main", "default_config_path", "load_module"]
+__all__ = ["main", "recipe_dir", "recipe_names", "resolve_recipe", "default_config_path", "load_module"]
 
-DEFAULT_CONFIG = "gpt-tiny-cpu.yaml"
-
-
-def default_config_path() -> Optional[Path]:
-    """The embedded default recipe, ``configs/gpt-tiny-cpu.yaml`` of the source tree (editable install)."""
-    candidate = Path(__file__).resolve().parent.parent / "configs" / DEFAULT_CONFIG
-    return candidate if candidate.is_file() else None
-
-
-_DESCRIPTION = (
-    "lightning_perf: train, validate, test and predict with the GPT (LightningCLI; "
-    "`fit` defaults to configs/gpt-tiny-cpu.yaml). Also: `generate --ckpt_path ... --prompt ...`, "
-    "`prepare --input ... --out_dir ...`, `consolidate --ckpt_dir ... --out ...` (each with --help)."
-)
+DEFAULT_RECIPE = "gpt-tiny-cpu"
+_LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_OWN_SUBCOMMANDS = {
+    "generate": "sample text from a checkpoint (--ckpt_path, --prompt)",
+    "prepare": "tokenize text files into train.bin / val.bin for source: memmap (--input, --out_dir)",
+    "consolidate": "turn a sharded checkpoint directory into one model.pt (--ckpt_dir, --out)",
+}
 
 
-def _run_lightning_cli(argv: Optional[list[str]]) -> None:
-    default = default_config_path()
-    sub_kwargs = {"default_config_files": [str(default)]} if default is not None else {}
-    parser_kwargs: dict = {sub: dict(sub_kwargs) for sub in ("fit", "validate", "test", "predict")}
-    parser_kwargs["description"] = _DESCRIPTION
-    LightningCLI(
-        GPTLightningModule,
-        TokenDataModule,
-        args=argv,  # None: read sys.argv, as a console script should
-        parser_kwargs=parser_kwargs,
-        save_config_kwargs={"overwrite": True},
+def recipe_dir() -> Path:
+    """The folder of the recipes shipped inside the package."""
+    return Path(__file__).resolve().parent / "configs"
+
+
+def recipe_names() -> list[str]:
+    """Names accepted by ``--config NAME``: the shipped recipes, without ``.yaml``."""
+    return sorted(p.stem for p in recipe_dir().glob("*.yaml"))
+
+
+def resolve_recipe(value: str) -> Path:
+    """``value`` as a file if it is one, else the shipped recipe of that name; a clear error otherwise."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    name = path.name[: -len(".yaml")] if path.name.endswith(".yaml") else path.name
+    shipped = recipe_dir() / f"{name}.yaml"
+    if str(path.parent) in (".", "configs") and shipped.is_file():
+        return shipped
+    names = recipe_names()
+    close = difflib.get_close_matches(name, names, n=3)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    raise SystemExit(
+        f"lightning-perf: --config {value}: no such file and no shipped recipe of that name.{hint}\n"
+        f"Shipped recipes: {', '.join(names)}"
     )
+
+
+def default_config_path() -> Path:
+    """The recipe ``fit`` (and validate / test / predict) run when no ``--config`` is given."""
+    return recipe_dir() / f"{DEFAULT_RECIPE}.yaml"
+
+
+def _with_resolved_config(args: list[str]) -> list[str]:
+    """Resolve every ``--config`` of a Lightning subcommand; add the default recipe when there is none."""
+    if not args or args[0] not in _LIGHTNING_SUBCOMMANDS:
+        return args
+    out, given, i = [args[0]], False, 1
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            out += [arg, str(resolve_recipe(args[i + 1]))]
+            given, i = True, i + 2
+            continue
+        if arg.startswith("--config="):
+            out.append("--config=" + str(resolve_recipe(arg.split("=", 1)[1])))
+            given = True
+        else:
+            out.append(arg)
+        i += 1
+    if not given:
+        out[1:1] = ["--config", str(default_config_path())]
+    return out
+
+
+# ---- precision -------------------------------------------------------------------------------
+
+
+def _takes_generic_precision(strategy: Any) -> bool:
+    """Whether ``strategy`` (a name, an instance, or None) runs with a generic precision plugin."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, StrategyRegistry
+
+    from lightning_perf.strategies import PerfParallelStrategy
+
+    if strategy is None or strategy == "auto":
+        return True
+    if isinstance(strategy, str):
+        entry = dict.get(StrategyRegistry, strategy)  # the registry's own .get() builds an instance
+        if entry is None:
+            return False
+        cls = entry["strategy"]
+    else:
+        cls = type(strategy)
+    # DeepSpeed derives from DDP but brings its own precision plugin
+    return issubclass(cls, (SingleDeviceStrategy, DDPStrategy, PerfParallelStrategy)) and not issubclass(
+        cls, DeepSpeedStrategy
+    )
+
+
+def perf_precision_for(trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """Trainer arguments that swap ``precision=...`` for the matching ``PerfPrecision`` plugin.
+
+    Empty when nothing should change: no precision asked for, a precision plugin already given,
+    a strategy that needs its own plugin (Lightning's FSDP or DeepSpeed), or a precision that
+    ``PerfPrecision`` does not have (it then stays Lightning's to resolve).
+    """
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_perf.plugins import PerfPrecision
+    from lightning_perf.plugins.precision import PRECISIONS, normalize_precision
+
+    precision = trainer_config.get("precision")
+    plugins = trainer_config.get("plugins")
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    if precision is None or any(isinstance(p, Precision) for p in plugins):
+        return {}
+    if not _takes_generic_precision(trainer_config.get("strategy")):
+        return {}
+    precision = normalize_precision(precision)
+    if precision not in PRECISIONS:
+        return {}
+    return {"precision": None, "plugins": [*plugins, PerfPrecision(precision)]}
+
+
+# ---- paths that follow the run's root ---------------------------------------------------------
+
+
+def _rebase(path: Any, old_root: Path, new_root: Path) -> Any:
+    if path is None:
+        return None
+    p = Path(str(path))
+    try:
+        rel = p.relative_to(old_root)
+    except ValueError:
+        return path
+    return str(new_root / rel)
+
+
+def _recipe_root(config: Any) -> Optional[Path]:
+    """``trainer.default_root_dir`` as the (last) recipe file states it."""
+    import yaml
+
+    files = [Path(str(c)) for c in (config.get("config") or []) if c is not None]
+    root = None
+    for f in files:
+        try:
+            data = yaml.safe_load(Path(str(f)).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        root = (data.get("trainer") or {}).get("default_root_dir", root)
+    return None if root is None else Path(str(root))
+
+
+def _follow_root(config: Any) -> None:
+    """Move a recipe's logger / checkpoint directories with an overridden ``default_root_dir``."""
+    trainer = config.get("trainer")
+    if trainer is None or trainer.get("default_root_dir") is None:
+        return
+    old, new = _recipe_root(config), Path(str(trainer.get("default_root_dir")))
+    if old is None or old == new:
+        return
+    loggers = trainer.get("logger")
+    for entry in loggers if isinstance(loggers, list) else [loggers]:
+        args = getattr(entry, "init_args", None)
+        if args is not None and args.get("save_dir") is not None:
+            args["save_dir"] = _rebase(args["save_dir"], old, new)
+    for entry in trainer.get("callbacks") or []:
+        args = getattr(entry, "init_args", None)
+        if args is not None and args.get("dirpath") is not None:
+            args["dirpath"] = _rebase(args["dirpath"], old, new)
+
+
+def _check_strategy_name(strategy: Any) -> None:
+    """A strategy name Lightning would reject, refused here with the names that exist."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_perf.strategies import STRATEGY_NAMES
+
+    if not isinstance(strategy, str) or strategy == "auto" or strategy in StrategyRegistry:
+        return
+    ours = sorted(STRATEGY_NAMES)
+    names = list(dict.fromkeys([*ours, *StrategyRegistry.available_strategies()]))
+    close = difflib.get_close_matches(strategy, names, n=3)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    raise SystemExit(
+        f"lightning-perf: unknown strategy {strategy!r}.{hint}\n"
+        f"The pack's strategies: {', '.join(ours)}; Lightning's: auto, ddp, fsdp, deepspeed, ... "
+        "(or a class_path with init_args, e.g. lightning_perf.strategies.Parallel3DStrategy)"
+    )
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+class _ShortErrorParser(LightningArgumentParser):
+    """Errors in two or three lines: the problem, the closest option names, where to find the rest."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:  # type: ignore[override]
+        if not getattr(self, "exit_on_error", True):
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        sub = re.search(r"Subcommand '(\w+)'", str(message))
+        if sub and parser is self:
+            parser = _subcommand_parser(self, sub.group(1)) or self
+        prog = parser.prog.replace(" [options]", "")
+        lines = [f"{prog}: error: {_first_lines(message)}"]
+        hint = _did_you_mean(message, _option_names(parser))
+        if hint:
+            lines.append(hint)
+        lines.append(f"(all options: {prog} --help)")
+        sys.stderr.write("\n".join(lines) + "\n")
+        raise SystemExit(2)
+
+
+def _subcommand_parser(parser: Any, name: str) -> Any:
+    for action in getattr(parser, "_actions", []):
+        choices = getattr(action, "choices", None)
+        if isinstance(choices, dict) and name in choices:
+            return choices[name]
+    return None
+
+
+def _first_lines(message: str, limit: int = 6) -> str:
+    lines = [line for line in str(message).splitlines() if line.strip()]
+    return "\n  ".join(lines[:limit]) + ("\n  ..." if len(lines) > limit else "")
+
+
+def _option_names(parser: Any) -> list[str]:
+    names: list[str] = []
+    for action in getattr(parser, "_actions", []):
+        for opt in getattr(action, "option_strings", []):
+            if opt.startswith("--") and not opt.endswith(".help"):
+                names.append(opt[2:])
+    return names
+
+
+def _did_you_mean(message: str, known: list[str]) -> str:
+    """Close matches for the dotted keys that ``message`` names ('trainer.max_step', --trainer.stratgy)."""
+    named = re.findall(r"[\"'](\w+(?:\.\w+)+)[\"']", message) + re.findall(r"--(\w+(?:\.\w+)+)", message)
+    suggestions = []
+    for key in dict.fromkeys(named):
+        if key in known:
+            continue
+        prefix = key.rsplit(".", 1)[0] + "."
+        pool = [k for k in known if k.startswith(prefix)] or known
+        close = difflib.get_close_matches(key, pool, n=2, cutoff=0.6)
+        if close:
+            suggestions.append(f"{key} -> did you mean {' or '.join(close)}?")
+    return "\n".join(suggestions)
+
+
+# ---- the CLI ---------------------------------------------------------------------------------
+
+
+class PerfCLI(LightningCLI):
+    """LightningCLI with the pack's precision rule, root-following paths and short errors."""
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        parser = _ShortErrorParser(**kwargs)
+        parser.add_argument(
+            "-c", "--config", action=_config_action(), help="a recipe name or YAML file (see lightning-perf --help)"
+        )
+        return parser
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand)) if self.subcommand else self.config
+        if config is not None:
+            _check_strategy_name((config.get("trainer") or {}).get("strategy"))
+            _follow_root(config)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        return super().instantiate_trainer(**{**kwargs, **perf_precision_for(trainer_config)})
+
+    def after_fit(self) -> None:
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        lines = []
+        ckpt = trainer.checkpoint_callback
+        if ckpt is not None and getattr(ckpt, "dirpath", None):
+            lines.append(f"checkpoints: {ckpt.dirpath}")
+        for logger in trainer.loggers:
+            if getattr(logger, "log_dir", None):
+                lines.append(f"{type(logger).__name__}: {logger.log_dir}")
+        for cb in trainer.callbacks:
+            for f in getattr(cb, "files", None) or []:
+                lines.append(f"{type(cb).__name__}: {f}")
+        if lines:
+            print("lightning-perf: wrote\n  " + "\n  ".join(lines))
+
+
+def _config_action() -> Any:
+    from jsonargparse import ActionConfigFile
+
+    return ActionConfigFile
+
+
+_HELP = """usage: lightning-perf {{fit,validate,test,predict,generate,prepare,consolidate}} [options]
+
+lightning_perf: train, evaluate and sample the pack's GPT.
+
+Subcommands (each with --help):
+  fit          train (LightningCLI); with no --config the gpt-tiny-cpu recipe runs
+  validate     evaluate on the validation split (LightningCLI)
+  test         evaluate on the test split (LightningCLI)
+  predict      run predict_step (LightningCLI)
+{own}
+Recipes shipped with the package (--config NAME, or --config PATH for your own YAML):
+  {recipes}
+"""
+
+
+def _print_help() -> None:
+    own = "".join(f"  {name:<12} {text}\n" for name, text in _OWN_SUBCOMMANDS.items())
+    print(_HELP.format(own=own, recipes=", ".join(recipe_names())))
+
+
+def _run_lightning_cli(argv: list[str]) -> None:
+    # LightningCLI reads sys.argv (it warns when given args beside a command line)
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "lightning-perf", *argv]
+    try:
+        PerfCLI(
+            GPTLightningModule,
+            TokenDataModule,
+            parser_kwargs={"description": "lightning_perf: train, validate, test and predict with the GPT"},
+            save_config_kwargs={"overwrite": True},
+        )
+    finally:
+        sys.argv = saved
 
 
 def _generate(argv: list[str]) -> None:
@@ -113,17 +419,24 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "generate":
+    if not args or args[0] in ("-h", "--help"):
+        return _print_help()
+    if args[0] == "generate":
         return _generate(args[1:])
-    if args and args[0] == "prepare":
+    if args[0] == "prepare":
         from lightning_perf.data.prepare import main as prepare_main
 
         return prepare_main(args[1:])
-    if args and args[0] == "consolidate":
+    if args[0] == "consolidate":
         from lightning_perf.parallel.checkpoint import main as consolidate_main
 
         return consolidate_main(args[1:])
-    _run_lightning_cli(argv)
+    if args[0] not in _LIGHTNING_SUBCOMMANDS and not args[0].startswith("-"):
+        subs = [*_LIGHTNING_SUBCOMMANDS, *_OWN_SUBCOMMANDS]
+        close = difflib.get_close_matches(args[0], subs, n=1)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        raise SystemExit(f"lightning-perf: unknown subcommand {args[0]!r}.{hint} Choose one of: {', '.join(subs)}")
+    _run_lightning_cli(_with_resolved_config(args))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from lightning_perf.cli import perf_precision_for, recipe_dir, recipe_names
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,16 +64,16 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert ci == [test_cmd]
 
 
-@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+@pytest.mark.parametrize("recipe", recipe_names())
 def test_every_recipe_parses_and_builds_its_strategy(recipe, tmp_path):
-    """Each recipe in configs/ passes the CLI's type checks (``--print_config``), and its strategy,
-    when one of ours, constructs from the recipe's arguments (layout and option checks included)."""
+    """Each shipped recipe, by name, passes the CLI's type checks (``--print_config``), and its
+    strategy, when one of ours, constructs from the recipe's arguments (layout and option checks)."""
     import importlib
 
     import yaml
 
-    path = ROOT / "configs" / recipe
-    proc = _run(["fit", "--config", str(path), "--print_config"], tmp_path, timeout=300)
+    path = recipe_dir() / f"{recipe}.yaml"
+    proc = _run(["fit", "--config", recipe, "--print_config"], tmp_path, timeout=300)
     assert "model:" in proc.stdout
     recipe_args = yaml.safe_load(path.read_text())
     # the module builds from the recipe's arguments (preset + overrides validated; the GPT is built later)
@@ -85,3 +88,69 @@ def test_every_recipe_parses_and_builds_its_strategy(recipe, tmp_path):
         cls = getattr(importlib.import_module(module), name)
         built = cls(**strategy.get("init_args", {}))
         assert type(built).__name__ == name
+
+
+def _fails(args, cwd, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "lightning_perf", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    return proc.stderr
+
+
+def test_default_recipe_applies_only_without_config(tmp_path):
+    shown = yaml.safe_load(_run(["fit", "--config", "gpt2-124m", "--print_config"], tmp_path).stdout)
+    assert shown["trainer"]["default_root_dir"] == "runs/gpt2-124m"
+    assert not shown["trainer"].get("logger")  # the default recipe's CSV / TensorBoard loggers stay out
+    callbacks = [c["class_path"].rsplit(".", 1)[-1] for c in shown["trainer"].get("callbacks") or []]
+    assert callbacks == ["ModelCheckpoint"]
+    default = yaml.safe_load(_run(["fit", "--print_config"], tmp_path).stdout)
+    assert default["trainer"]["default_root_dir"] == "runs/gpt-tiny-cpu" and len(default["trainer"]["logger"]) == 2
+
+
+def test_default_recipe_follows_default_root_dir(tmp_path):
+    out = _run(["fit", "--trainer.default_root_dir", "elsewhere/run1", "--trainer.max_steps", "2",
+                "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--data.seq_len", "32",
+                "--data.batch_size", "2", "--data.builtin_max_bytes", "100000", "--trainer.enable_progress_bar",
+                "false"], tmp_path).stdout
+    assert not (tmp_path / "runs").exists()
+    run = tmp_path / "elsewhere" / "run1"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "csv" / "version_0" / "metrics.csv").is_file()
+    assert "lightning-perf: wrote" in out and "elsewhere/run1/checkpoints" in out and "perf_report.md" in out
+
+
+def test_errors_name_what_exists(tmp_path):
+    err = _fails(["fit", "--config", "gpt2-125m"], tmp_path)
+    assert "Did you mean gpt2-124m" in err and "gpt-1.3b-zero3" in err
+    err = _fails(["fit", "--trainer.strategy", "zero4"], tmp_path)
+    assert "unknown strategy 'zero4'" in err and "zero3" in err and "parallel3d" in err
+    (tmp_path / "typo.yaml").write_text("trainer:\n  max_step: 2\n")
+    err = _fails(["fit", "--config", "typo.yaml"], tmp_path)
+    assert "did you mean trainer.max_steps" in err and len(err.splitlines()) <= 8
+    err = _fails(["fit", "--trainer.stratgy", "zero3"], tmp_path)
+    assert "did you mean trainer.strategy" in err and "usage" not in err
+    err = _fails(["fitt"], tmp_path)
+    assert "Did you mean fit?" in err
+
+
+def test_help_lists_every_subcommand_and_recipe(tmp_path):
+    out = _run(["--help"], tmp_path).stdout
+    for word in ("fit", "validate", "test", "predict", "generate", "prepare", "consolidate", *recipe_names()):
+        assert word in out
+
+
+def test_precision_becomes_perf_precision_where_a_generic_plugin_runs():
+    from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
+
+    from lightning_perf.plugins import PerfPrecision
+
+    swapped = perf_precision_for({"precision": "bf16-mixed", "strategy": "auto"})
+    assert swapped["precision"] is None and isinstance(swapped["plugins"][0], PerfPrecision)
+    assert swapped["plugins"][0].precision == "bf16-mixed"
+    assert perf_precision_for({"precision": 16, "strategy": "ddp"})["plugins"][0].precision == "16-mixed"
+    assert perf_precision_for({"precision": "32-true", "strategy": SingleDeviceStrategy("cpu")})
+    assert perf_precision_for({"precision": "bf16-mixed", "strategy": "zero3"})
+    # strategies with their own plugins, precisions PerfPrecision lacks, a plugin already given: unchanged
+    assert perf_precision_for({"precision": "bf16-mixed", "strategy": FSDPStrategy()}) == {}
+    assert perf_precision_for({"precision": "bf16-mixed", "strategy": "deepspeed"}) == {}
+    assert perf_precision_for({"precision": "64-true", "strategy": "auto"}) == {}
+    assert perf_precision_for({"precision": "bf16-mixed", "plugins": [PerfPrecision("32-true")]}) == {}

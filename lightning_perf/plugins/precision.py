@@ -36,7 +36,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_perf.parallel.loss_scaler import DistributedLossScaler
 
-__all__ = ["PerfPrecision", "PRECISIONS"]
+__all__ = ["PerfPrecision", "PRECISIONS", "normalize_precision"]
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
@@ -46,6 +46,11 @@ _DTYPES = {
     "16-mixed": torch.float16,
     "bf16-true": torch.bfloat16,
 }
+
+
+def normalize_precision(precision: Any) -> Any:
+    """Lightning's short spellings (``"bf16"``, ``16``, ``"32"``, ...) as the names in :data:`PRECISIONS`."""
+    return _ALIASES.get(precision, precision)
 
 
 class _DefaultDtype:
@@ -68,7 +73,8 @@ class PerfPrecision(Precision):
         init_scale, growth_factor, backoff_factor, growth_interval: fp16 loss scaling
             (ignored by the other modes).
         reduce_dtype: gradient reduction dtype of the FSDP2 policy (fp32 by default).
-        device_type: autocast device for the DDP path; the strategies set it.
+        device_type: autocast device; by default the device of the model's parameters when the
+            strategy connects the model (the pack's strategies set their root device).
     """
 
     def __init__(
@@ -82,12 +88,13 @@ class PerfPrecision(Precision):
         reduce_dtype: torch.dtype = torch.float32,
         device_type: Optional[str] = None,
     ) -> None:
-        precision = _ALIASES.get(precision, precision)
+        precision = normalize_precision(precision)
         if precision not in PRECISIONS:
             raise ValueError(f"PerfPrecision does not support precision={precision!r}; choose one of {PRECISIONS}")
         self.precision = precision  # type: ignore[assignment]
         self.dtype = _DTYPES[precision]
         self.reduce_dtype = reduce_dtype
+        self._device_type_given = device_type is not None
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         # set by the strategy: True when FSDP2's MixedPrecisionPolicy casts (no autocast then)
         self.sharded_casting = False
@@ -128,6 +135,15 @@ class PerfPrecision(Precision):
         return self.scaler.loss_scale if self.scaler is not None else 1.0
 
     # ---- Lightning hooks ---------------------------------------------------------------------
+
+    @override
+    def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
+        # on Lightning's single-device and DDP strategies the model is on its device by now
+        if not self._device_type_given:
+            device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+            if device is not None:
+                self.device_type = device.type
+        return super().connect(model, optimizers, lr_schedulers)
 
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -277,12 +277,21 @@ class Parallel3DStrategy(PerfParallelStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_3d(params, float(clip_val), self.device_mesh["pp"].get_group())
 
-    def _tp_loss_context(self) -> Any:
-        if self.config.tensor_parallel_size > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
+    @contextmanager
+    def _tp_loss_context(self) -> Generator[None, None, None]:
+        # reentrant: a pipeline's forward enters it again inside validation_step, and torch's
+        # loss_parallel cannot nest (its exit unregisters the handlers a second time)
+        if self.config.tensor_parallel_size <= 1 or getattr(self, "_in_loss_parallel", False):
+            yield
+            return
+        from torch.distributed.tensor.parallel import loss_parallel
 
-            return loss_parallel()
-        return nullcontext()
+        self._in_loss_parallel = True
+        try:
+            with loss_parallel():
+                yield
+        finally:
+            self._in_loss_parallel = False
 
     # ---- steps -------------------------------------------------------------------------------
 

@@ -1,0 +1,104 @@
+"""Every shipped recipe runs through ``lightning-perf fit --config NAME`` on the CPU.
+
+Each recipe keeps its own precision, gradient clipping, strategy (and its layout), device count,
+callbacks, loggers and checkpointing; only what a CPU cannot hold is stood in for: the tiny
+Llama-shaped GPT, uncompiled, synthetic tokens, 3 steps, gloo, and the fused AdamW forced on so
+that clipping meets the fused optimizer as it does on a GPU. The run must finish and write only
+under the recipe's own ``trainer.default_root_dir``. A new file in ``lightning_perf/configs/`` is
+covered without editing this test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_perf.cli import recipe_dir, recipe_names
+
+STAND_IN_MODEL = {
+    "config": "tiny-llama",
+    "config_overrides": {"n_embd": 64, "vocab_size": 256, "block_size": 64},
+    "compile": None,
+    "fused_adam": True,
+}
+
+
+def _stand_in(recipe: dict) -> dict:
+    """The overrides that make ``recipe`` fit a CPU, as a second ``--config`` layered on the recipe."""
+    trainer = recipe.get("trainer") or {}
+    data = recipe.get("data") or {}
+    stand_in: dict = {
+        "trainer": {
+            "accelerator": "cpu",
+            "max_steps": 3,
+            "val_check_interval": 3,
+            "limit_val_batches": 2,
+            "num_sanity_val_steps": 1,
+            "log_every_n_steps": 1,
+            "enable_progress_bar": False,
+        },
+        "model": dict(STAND_IN_MODEL),
+        "data": {
+            "source": "synthetic",
+            "vocab_size": 256,
+            "data_dir": None,
+            "seq_len": 32,
+            # enough whole microbatches for a pipeline recipe, small otherwise
+            "batch_size": min(int(data.get("batch_size", 8)), 8 if "pipeline" not in str(trainer.get("strategy")) else 16),
+            "num_workers": 0,
+            "synthetic_train_samples": 256,
+            "synthetic_val_samples": 64,
+        },
+    }
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict):
+        args = dict(strategy.get("init_args") or {})
+        if "compile" in args:
+            args["compile"] = None
+        stand_in["trainer"]["strategy"] = {"class_path": strategy["class_path"], "init_args": args}
+    if (trainer.get("callbacks") or []) and any("ModelCheckpoint" in str(c) for c in trainer["callbacks"]):
+        # the recipe's own checkpoint callback with a step the run reaches
+        stand_in["trainer"]["callbacks"] = [
+            dict(c, init_args={**(c.get("init_args") or {}), "every_n_train_steps": 3})
+            if "ModelCheckpoint" in c.get("class_path", "") else c
+            for c in trainer["callbacks"]
+        ]
+    return stand_in
+
+
+def _tree(root: Path) -> set[Path]:
+    return {p.relative_to(root) for p in root.rglob("*") if p.is_file()}
+
+
+def test_recipes_are_shipped_in_the_package():
+    names = recipe_names()
+    assert "gpt-tiny-cpu" in names and "gpt2-124m" in names
+    assert all((recipe_dir() / f"{n}.yaml").is_file() for n in names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_runs_through_the_cli_on_cpu(name, tmp_path):
+    recipe = yaml.safe_load((recipe_dir() / f"{name}.yaml").read_text())
+    root = Path(recipe["trainer"]["default_root_dir"])
+    cwd, side = tmp_path / "run", tmp_path / "side"
+    cwd.mkdir()
+    side.mkdir()
+    stand_in = side / "cpu.yaml"
+    stand_in.write_text(yaml.safe_dump(_stand_in(recipe)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_perf", "fit", "--config", name, "--config", str(stand_in)],
+        cwd=cwd, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert "`Trainer.fit` stopped: `max_steps=3` reached" in proc.stdout + proc.stderr
+    written = _tree(cwd)
+    assert written, "the run wrote nothing"
+    outside = sorted(str(p) for p in written if root not in p.parents)
+    assert not outside, f"{name} wrote outside {root}: {outside[:10]}"
+    assert any(p.suffix == ".ckpt" or p.name == ".metadata" for p in written), sorted(map(str, written))[:20]
+    assert "lightning-perf: wrote" in proc.stdout
