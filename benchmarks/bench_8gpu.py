@@ -25,7 +25,7 @@ FP8 linears whose weights are gathered in FP8 (the MFU then counts bf16 FLOPs ag
 Lightning's FSDPStrategy on dp8 for llama-8b (selective is ours only: full checkpointing there).
 
 Reported per variant: tokens/s in all and per GPU, MFU per GPU (causal attention counted once,
-989 TFLOP/s dense bf16; ``mfu_attention_twice`` the Megatron way), peak allocated memory (max
+989 TFLOP/s dense bf16; ``mfu_attention_twice`` over the full square), peak allocated memory (max
 over ranks), exposed communication % (NCCL kernel time under no compute kernel, over the
 step; max over ranks), GPU compute-idle % (pipeline bubble + waits), and for pipelines the
 bubble theory ``(p-1) / (m+p-1)``. Variants of one model and world share one spawned group;
@@ -58,7 +58,7 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
     ("main", "llama8b_8gpu", 8, {
         "llama8b_dp8_zero3": dict(LLAMA, zero=3, ac="selective"),
         "llama8b_pp2_tp2_dp2": dict(LLAMA, pp=2, tp=2, zero=1, schedule="1f1b", m=8),
-        # 16 sequences: at 32 the vocabulary-parallel loss's fp32 logits (8 GB) ran out of memory
+        # 16 sequences: at 32 the vocabulary-parallel loss's fp32 logits (8 GB) do not fit beside the model
         "llama8b_tp8": dict(LLAMA, tp=8, ac="selective", global_batch=16, smoke_config={"n_head": 8, "n_kv_head": 8}),
         "llama8b_pp2_dp4": dict(LLAMA, pp=2, zero=2, schedule="1f1b", m=8),
     }),
@@ -79,7 +79,7 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
         "llama8b_dp8_lightning_fsdp": dict(LLAMA, strategy="lightning_fsdp", ac="full"),
     }),
     # Python's garbage collector on a fixed schedule on every rank (GarbageCollection every 10 steps):
-    # do the layouts whose exposure exceeded 10% (ZeRO-2 dp8, pp2 x dp4) owe it to one rank's pauses?
+    # how much of a layout's exposed communication comes from one rank's collector pauses
     ("gc", "gpt13b_dp8_gc", 8, {
         "gpt13b_dp8_zero2": dict(GPT13, global_batch=64, zero=2),
         "gpt13b_dp8_zero2_gc": dict(GPT13, global_batch=64, zero=2, gc=10),

@@ -81,8 +81,8 @@ class Bench:
           the events see the kernels back to back and none of the host's launch time. This is
           the number the speed-ups use: it is what the kernels cost inside a training step whose
           host runs ahead of the GPU (large matmuls queued, CUDA graphs, torch.compile).
-        - ``ms_unqueued``: the same runs timed one after the other with the GPU free, as before:
-          for a step shorter than its Python launch path this is host time, with its jitter.
+        - ``ms_unqueued``: the same runs timed one after the other with the GPU free: for a step
+          shorter than its Python launch path this is host time, with its jitter.
         - ``host_ms``: median CPU time to launch one run (nothing waited for).
         """
         reps = reps or self.reps

@@ -4,10 +4,10 @@
     NCCL_PROTO=Simple python benchmarks/bench_nccl.py --tag simple
 
 The TP and ZeRO benchmarks time their collectives inside training steps (bench_parallel3d's
-``collectives``: ~220 GB/s bus bandwidth for tp2's all-gathers on 2x H200). This measures the
-same collectives (``all_gather_into_tensor`` / ``reduce_scatter_tensor``, bf16, the message sizes
-of a gpt-1.3b tp2 step and larger) with nothing else running, so the two can be compared, and
-records the NCCL environment it ran under. Bus bandwidth = bytes of the full tensor * (n-1)/n / s.
+``collectives``). This measures the same collectives (``all_gather_into_tensor`` /
+``reduce_scatter_tensor``, bf16, the message sizes of a gpt-1.3b tp2 step and larger) with nothing
+else running, so the two can be compared, and records the NCCL environment it ran under.
+Bus bandwidth = bytes of the full tensor * (n-1)/n / s.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     python benchmarks/bench_optimizer.py --out DIR            # gpt-1.3b shards on 2 GPUs, ~1 min
     python benchmarks/bench_optimizer.py --smoke              # tiny model, CPU processes (gloo)
 
-Profiled ZeRO-3 steps of gpt-1.3b on 2x H200 spent ~13 ms per step in the optimizer's
-multi-tensor kernels (half the parameters per GPU), against ~5 ms for Lightning's FSDP (one flat
-parameter) and ~5.8 ms for the same parameter count TP-sharded. This separates the causes:
+AdamW over per-parameter DTensor shards can cost much more per step than over one flat parameter
+(Lightning's FSDP) or over plain tensors of the same size: DTensor dispatch on the host, and many
+small multi-tensor launches. This separates the causes:
 every rank shards gpt-1.3b per block with ``fully_shard`` (as the ZeRO strategy does), gives
 every parameter a gradient, then times ``optimizer.step()`` (CUDA events, median) for:
 

@@ -3,9 +3,8 @@
     python benchmarks/bench_overlap.py --out DIR     # 2 GPUs, ~1 min
 
 tp2's forward collectives are exposed: each all-gather must finish before the matmul that reads
-it. Splitting the batch in two (one half's collectives under the other half's matmuls) did not
-shorten the step, because NCCL's kernels and cuBLAS's share the SMs: with Inductor's overlap
-scheduler NCCL's kernel time per step doubled (bench_parallel3d ``tp2_compile_batch_split_schedule``).
+it. Splitting the batch in two (one half's collectives under the other half's matmuls) hides
+little, because NCCL's kernels and cuBLAS's share the SMs: an overlapped NCCL kernel runs slower.
 On two GPUs an all-gather is one copy of each rank's shard into its peer's buffer, and a
 reduce-scatter is one copy of the half the peer owns plus a local add; over symmetric memory those
 copies run on the copy engines, off the SMs. This measures, for the gpt-1.3b tp2 message size

@@ -64,7 +64,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                          "reduce_dtype": "bf16"},
     "zero2_triton_compile_bf16_reduce": {"strategy": "zero2", "kernels": "triton", "compile": "default",
                                          "reduce_dtype": "bf16"},
-    # once compute is compiled, one block of prefetch left 6-8% of the step in exposed communication
+    # once compute is compiled, one block of prefetch may not hide the all-gathers: two blocks ahead
     "zero3_triton_compile_prefetch2": {"strategy": "zero3_prefetch2", "kernels": "triton", "compile": "default"},
     # FP8 linears in the blocks (GPTConfig(fp8=True)); everything else as the bf16 variants
     "zero3_triton_compile_fp8": {"strategy": "zero3", "kernels": "triton", "compile": "default", "fp8": True},

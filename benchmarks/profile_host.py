@@ -2,16 +2,16 @@
 
     python benchmarks/profile_host.py --out DIR [--preset gpt2-124m --seq-len 1024 --batch 16]
 
-The FP8 steps measured host-bound: the host took as long to issue a step as the GPU took to run it
-(gpt2-124m through the Trainer; ZeRO with FP8 on two GPUs). For bf16 and fp8 (same plain loop, bf16
-autocast, fused AdamW, whole-model torch.compile) this records:
+A small model's FP8 step can be host-bound: the host needs as long to issue the step as the GPU
+needs to run it, since FP8 adds casts and scale computations per linear. For bf16 and fp8 (same
+plain loop, bf16 autocast, fused AdamW, whole-model torch.compile) this records:
 
 - the host time to issue one step (no synchronisation inside: with the GPU behind, it is the
   issue cost) against the GPU step time;
 - one profiled step's host operators by self CPU time (the top 30);
 - microbenchmarks of the FP8 pieces called eagerly on gpt2-124m-sized operands: host microseconds
-  per call of ``cast_transpose_fp8`` (the custom op, tuner lookup and Triton launch), of the Triton
-  launch alone, of ``torch._scaled_mm`` and of ``fp8_linear`` forward.
+  per call of ``cast_transpose_fp8`` (the op's dispatch and its Triton launch), of the kernel's
+  direct launch alone, of ``torch._scaled_mm`` and of ``fp8_linear`` forward.
 """
 
 from __future__ import annotations

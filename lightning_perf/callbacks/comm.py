@@ -26,8 +26,8 @@ class CommOverlapMonitor(Callback):
     communication intervals (NCCL kernels on GPU; gloo's work on CPU) and compute
     intervals (every other kernel; the main thread's aten ops on CPU); exposed
     communication = |comm| - |comm and compute| as a share of the step (interval maths in
-    ``lightning_perf.perf.intervals``); per collective kind the bus bandwidth as
-    nccl-tests defines it, against the link the GPU should use (NVLink, PCIe, or
+    ``lightning_perf.perf.intervals``); per collective kind the bus bandwidth (see
+    ``lightning_perf.perf.comm``), against the link the GPU should use (NVLink, PCIe, or
     InfiniBand across nodes). Warns above ``exposed_threshold`` exposed, or when a link
     delivers under ``bandwidth_fraction`` of its expected bandwidth (GPU only).
 

@@ -44,7 +44,7 @@ class GarbageCollection(Callback):
 
     CPython starts a collection when allocations cross its thresholds; a full collection walks every
     tracked object, and a training process holds hundreds of thousands of them once models are
-    compiled (580k for the tiny GPT compiled on CPU, where one full collection took ~300 ms). Under
+    compiled, so one full collection can pause the host for hundreds of milliseconds. Under
     data parallelism each rank pauses at its own moment and the others wait for it inside the next
     collective: the pause shows up as one rank's "exposed communication" and as lost throughput on
     all of them. With this callback the automatic collector is off during ``fit``; every rank

@@ -34,7 +34,7 @@ class MFUMonitor(Callback):
     (``OpCounter``: ``FlopCounterMode``'s formulas with causal attention counted once;
     model FLOPs = 3 x forward, so recomputation is never counted). When the module (or its
     ``config``) also has ``flops_per_token_full_attention``, ``perf/mfu_full_attention`` gives
-    the figure under the PaLM / nanoGPT convention, for comparison. HFU is reported when the
+    the figure with attention counted over the full square, for comparison. HFU is reported when the
     module has ``hardware_flops_per_token(seq_len)`` or with ``count_backward=True``, which
     also counts one backward (recomputation included).
 
@@ -220,7 +220,7 @@ class MFUMonitor(Callback):
                 if value is not None:
                     values[f"perf/{key}"] = value
             if result.mfu is not None and self._full_attention_ratio is not None:
-                # the PaLM / nanoGPT / torchtitan convention (attention over the full square), to compare
+                # attention counted over the full square (the other common convention), to compare
                 values["perf/mfu_full_attention"] = result.mfu * self._full_attention_ratio
             log_scalars(pl_module, values, prog_bar=("perf/tokens_per_sec", "perf/mfu") if self.prog_bar else ())
 

@@ -156,10 +156,9 @@ class KernelDispatcher:
 
     attention_selector: AttentionSelector = field(default_factory=AttentionSelector)
     #: inside a ``torch.compile`` trace, norms and activations are left to Inductor ("inductor"), which
-    #: fuses them with the neighbouring residual adds and casts; our kernels are opaque custom ops there
-    #: and cost a host round trip each (gpt2-124m per-block compile on an H200: 42.1 ms/step with
-    #: Inductor's, 55.4 ms with ours, measured while each kernel's support check still broke the graph
-    #: on a GPU; benchmarks/run_remeasure_1xh200.sh re-times it). "triton" keeps ours inside compiled graphs too.
+    #: fuses them with the neighbouring residual adds and casts; our kernels are opaque custom ops there,
+    #: which it cannot fuse across, and each costs a dispatch on the host. "triton" keeps ours inside
+    #: compiled graphs too.
     elementwise_under_compile: str = "inductor"
 
     def __post_init__(self) -> None:

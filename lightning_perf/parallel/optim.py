@@ -2,10 +2,9 @@
 
 Adam / AdamW over FSDP2 or tensor-parallel parameters send every list they build (parameters,
 gradients, both moments) through DTensor's dispatch, which plans the sharding of the fused
-``_fused_adamw_`` / ``_foreach_*`` ops again on every step. Measured on 2x H200 with gpt-1.3b
-sharded per block over 2 GPUs (388 parameters, ``benchmarks/bench_optimizer.py``): a fused
-AdamW step took 16.6 ms, of which 5.2 ms of kernels; the host needed 11.9 ms to issue it while
-the GPU waited. The same step over plain tensors took 6.4 ms.
+``_fused_adamw_`` / ``_foreach_*`` ops again on every step. With hundreds of parameters that
+host work takes longer than the kernels themselves, so the GPU waits for the host
+(``benchmarks/bench_optimizer.py`` times both paths).
 
 Adam's update is elementwise, so when a parameter, its gradient and its state share one
 placement on one mesh (no pending ``Partial`` reduction), updating the local shards is the same

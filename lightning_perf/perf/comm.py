@@ -1,6 +1,6 @@
-"""Collectives in a profiler trace: exposed time, and bus bandwidth as nccl-tests defines it.
+"""Collectives in a profiler trace: exposed time, and bus bandwidth.
 
-nccl-tests (doc/PERFORMANCE.md): ``algbw = S / t`` with S the collective's data size
+Bandwidths: ``algbw = S / t`` with S the collective's data size
 (the full buffer: all-reduce's buffer, all-gather's output, reduce-scatter's input), and
 ``busbw = algbw * factor`` where factor is ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for
 all-gather, reduce-scatter and all-to-all, and 1 for broadcast, reduce and send/recv.

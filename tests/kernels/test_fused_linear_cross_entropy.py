@@ -55,7 +55,7 @@ def test_matches_reference(shape, reduction, dtype, atol, rtol, poison, close, d
 def test_first_call_of_a_key_is_right_when_the_tuner_relaunches(reduction, relaunching_tuner, poison, close, device,
                                                                  monkeypatch):
     """The loss kernel overwrites the logits with their gradient; a tuner launching it several times on the
-    chunk itself (a key's first call on a GPU) turned the logits into gradients: loss ~ log V, wrong grads."""
+    chunk itself (a key's first call on a GPU) would turn the logits into gradients: loss ~ log V, wrong grads."""
     monkeypatch.setattr(flce_module, "_CHUNK_BYTES", 8 * 300 * 4)
     monkeypatch.setattr(flce_module, "_MIN_CHUNK_ROWS", 8)
     monkeypatch.setattr(flce_module, "_TUNE_ROWS", 4)  # the tuner's copy is smaller than a chunk

@@ -101,7 +101,7 @@ def test_loss_matches_hand_written_reference(name):
 
 
 def test_preset_parameter_counts():
-    # GPT-2 small with the vocabulary padded to 50304, tied head: 124.4M (nanoGPT's count)
+    # GPT-2 small with the vocabulary padded to 50304, tied head: 124.4M
     cfg = GPTConfig.from_name("gpt2-124m")
     assert cfg.padded_vocab_size == 50304
     with torch.device("meta"):

@@ -347,8 +347,8 @@ def _llama_compiled_worker(rank: int, world: int, out_dir) -> dict:
 
 def test_compiled_tp_blocks_fed_by_the_embedding_match_one_process(tmp_path) -> None:
     """Llama-style tp2 + sequence parallel, blocks compiled with their hooks: the first block's input
-    is the vocab-parallel embedding's ``to_local()`` view, which as a raw graph input got a wrong
-    gradient (the embedding's) or crashed DTensor's backward; every gradient equals one process's."""
+    is the vocab-parallel embedding's ``to_local()`` view, which as a raw graph input gets a wrong
+    gradient (the embedding's) or crashes DTensor's backward; every gradient equals one process's."""
     from tests._spawn import spawn
 
     for r in spawn(_llama_compiled_worker, 2, tmp_path, init_group=True):

@@ -15,10 +15,10 @@ activation saved for backward is one byte per element instead of two.
 Matmul operands must have both dimensions of each FP8 matrix divisible by 16 (the rows of x
 become the inner dimension of dW); a call that breaks this, a device without FP8 tensor cores
 (CUDA before compute capability 8.9) or a DTensor argument runs the plain ``F.linear``
-(:func:`fp8_linear_tensor_parallel` takes tensor-parallel DTensors shard by shard). Under
-``torch.compile`` the amax reductions fuse into the kernels producing x and g (norms, activations);
-x and g are then cast by :func:`cast_transpose_fp8`, which also writes the transposed copies the
-weight gradient needs.
+(:func:`fp8_linear_tensor_parallel` takes tensor-parallel DTensors shard by shard). Each amax is
+one streaming Triton pass (:func:`absmax`, in eager mode and under ``torch.compile``); x and g are
+then cast by :func:`cast_transpose_fp8`, which also writes the transposed copies the weight
+gradient needs.
 """
 
 from __future__ import annotations
@@ -59,12 +59,11 @@ def _scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---- amax(|t|) ---------------------------------------------------------------------------------
-# Every FP8 cast needs the amax of its whole operand first. Under torch.compile Inductor fuses that
-# reduction into the producer (GELU, the LayerNorm backward), and those fused kernels ran at ~1/3 of
-# the copy bandwidth on an H200 (a gpt-1.3b FP8 step spent 30 ms in them); this kernel streams the
-# operand once at full bandwidth and folds each program's maximum into one word with an atomic max
-# on the bits: |x| as int32 orders like the float (NaN above inf), so a NaN anywhere gives NaN, as
-# ``torch.amax`` does.
+# Every FP8 cast needs the amax of its whole operand first. Under torch.compile Inductor would fuse
+# that reduction into the producer (GELU, the LayerNorm backward), and those fused kernels run far
+# below the copy bandwidth; this kernel streams the operand once at full bandwidth and folds each
+# program's maximum into one word with an atomic max on the bits: |x| as int32 orders like the float
+# (NaN above inf), so a NaN anywhere gives NaN, as ``torch.amax`` does.
 
 
 @triton.jit
@@ -154,10 +153,8 @@ def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, stride_xm, FMAX: tl.constexpr,
     x = tl.load(X + rm64[:, None] * stride_xm + rn64[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(Q + rm64[:, None] * N + rn64[None, :], _scaled_fp8(x, scale, FMAX, ROUND_TO_2_BITS, Q), mask=mask)
     # the transposed tile is loaded again (from L2) in transposed order rather than transposed on chip:
-    # on an H200 (Triton 3.6) an in-kernel tl.trans of a tile from an fp32 source wrote q^T wrongly in
-    # 56 of 64 (shape, configuration) cases (benchmarks/debug_cast_transpose.py); this form was exact
-    # in all of them, and as fast for bf16 sources. (Transposing the FP8 tile as bytes instead was
-    # exact in bench_cast_transpose.py's launches but failed the GPU bitwise test for fp32 sources.)
+    # with Triton 3.6 an in-kernel tl.trans of a tile from an fp32 source (or of the FP8 tile as bytes)
+    # can write q^T wrongly, while this form is exact and as fast for bf16 sources
     mask_t = (rn[:, None] < N) & (rm[None, :] < M)
     xt = tl.load(X + rm64[None, :] * stride_xm + rn64[:, None], mask=mask_t, other=0.0).to(tl.float32)
     tl.store(QT + rn64[:, None] * M + rm64[None, :], _scaled_fp8(xt, scale, FMAX, ROUND_TO_2_BITS, QT), mask=mask_t)
@@ -230,7 +227,8 @@ _cast_transpose_tuned = triton.autotune(
 @torch.library.triton_op("lightning_perf::fp8_cast_transpose", mutates_args=())
 def _cast_transpose_op(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     # a triton_op: torch.compile traces this function and launches the kernel from its generated code
-    # (the custom op it replaces cost ~120 us of host time per call, which made FP8 steps host-bound)
+    # (an opaque custom op adds a Python dispatch and a tuner lookup per call: enough host time to make
+    # FP8 steps host-bound)
     if not _cast_transpose_ok(t):
         return cast_transpose_fp8_reference(t, scale, dtype)
     M, N = t.shape

@@ -196,7 +196,7 @@ class GPTConfig:
         the LM head (every parameter does a multiply-add per token forward, twice that
         backward) and ``6 * L * d * T`` is the attention score and value matmuls
         (``2 * 2 * d * T`` forward per layer over the full square, halved for the causal
-        mask, times three for backward). PaLM, nanoGPT and torchtitan use
+        mask, times three for backward). The other common convention counts
         ``12 * L * d * T`` (the full square); see :meth:`flops_per_token_full_attention`.
         """
         T = self.block_size if seq_len is None else seq_len
@@ -221,7 +221,7 @@ class GPTConfig:
         return model
 
     def flops_per_token_full_attention(self, seq_len: Optional[int] = None) -> int:
-        """The PaLM / nanoGPT / torchtitan convention: attention counted over the full square."""
+        """Model FLOPs per token with attention counted over the full square (the other common convention)."""
         T = self.block_size if seq_len is None else seq_len
         return 6 * self.num_params(include_embedding=False) + 12 * self.n_layer * self.n_embd * T
 
@@ -252,7 +252,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-350m": dict(_GPT2, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "gpt2-774m": dict(_GPT2, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
     "gpt2-1.5b": dict(_GPT2, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
-    # the nanoGPT-shaped 1.3B of PERFORMANCE.md's baselines
+    # GPT-2 style at 1.3B parameters: the benchmarks' mid-size model
     "gpt-1.3b": dict(_GPT2, block_size=2048, n_layer=24, n_head=16, n_embd=2048),
     # Llama 3.2 1B / 3B and Llama 3.1 8B shapes (head untied here)
     "llama-1b": dict(_LLAMA3, block_size=4096, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192),

@@ -148,7 +148,7 @@ class GPTLightningModule(L.LightningModule):
         return self.config.hardware_flops_per_token(seq_len, self.hparams.activation_checkpointing)
 
     def flops_per_token_full_attention(self, seq_len: Optional[int] = None) -> int:
-        """The PaLM / nanoGPT / torchtitan convention (attention over the full square), for comparison."""
+        """Model FLOPs per token with attention counted over the full square, for comparison (see GPTConfig)."""
         return self.config.flops_per_token_full_attention(seq_len)
 
     @property

@@ -4,7 +4,7 @@
 itself knows nothing of parallelism. The strategy (``Parallel3DStrategy``) calls the
 two protocol methods and composes them with FSDP2 in ``lightning_perf.parallel``.
 
-Tensor parallelism (Megatron style, with sequence parallelism by default)::
+Tensor parallelism (column-parallel then row-parallel linears, with sequence parallelism by default)::
 
     tok_emb   vocab-parallel embedding          -> (B, T/tp, d)   [sequence sharded]
     pos_emb   rows (positions) sharded          -> (T/tp, d)
@@ -23,7 +23,7 @@ Pipeline parallelism: stage ``i`` of ``n`` keeps a contiguous run of blocks unde
 original ``blocks.<k>`` names (so checkpoints reshard across layouts); the first stage
 owns the embeddings, the last the final norm, head and loss. The head is not free: at
 gpt-1.3b (V=50k, d=2048) its matmul is worth ~1.9 blocks, so an even split of 24 blocks
-makes the last stage ~15% slower than the first and every 1F1B step waits on it.
+gives the last stage ~15% more matmul work than the first, and every 1F1B step waits on it.
 :func:`gpt_stage_layers` therefore balances matmul FLOPs (blocks + head) over the
 stages: gpt-1.3b on 2 stages gets 13 + 11 blocks. A tied head would live on
 both the first and the last stage; that is refused for ``n > 1`` (untie it with
