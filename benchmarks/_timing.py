@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from lightning.pytorch import Callback
 
 
 class StepTimer:
@@ -50,3 +52,142 @@ def clear_graph_breaks() -> None:
     from torch._dynamo.utils import counters
 
     counters.clear()
+
+
+class WallClockWindow(Callback):
+    """A Lightning callback: wall-clock time over the steps after ``warmup``, as the user pays it.
+
+    The window opens at the start of step ``warmup`` and closes at the end of the last step, with a
+    device synchronisation at both ends only; everything between (the loop, logging, callbacks,
+    garbage collection, data) counts. Per-step CUDA event times and host timestamps, Python
+    garbage collections, Dynamo recompilations, one validation pass and one checkpoint save are
+    recorded beside it. Configured by ``BENCH_WINDOW_WARMUP`` and written as JSON to
+    ``BENCH_WINDOW_OUT`` (environment variables, so a recipe run needs no extra arguments).
+    """
+
+    def __init__(self, warmup: Optional[int] = None, out: Optional[str] = None) -> None:
+        import os
+
+        super().__init__()
+        self.warmup = int(warmup if warmup is not None else os.environ.get("BENCH_WINDOW_WARMUP", 10))
+        self.out = out or os.environ.get("BENCH_WINDOW_OUT")
+        self.result: dict[str, Any] = {}
+        self._host: list[float] = []
+        self._events: list[Any] = []
+        self._gc: list[tuple[int, float]] = []
+        self._gc_t0: Optional[float] = None
+        self._step = -1
+        self._t0 = self._t1 = None
+        self._tokens = 0
+        self._val_s: list[float] = []
+
+    def _sync(self, trainer: Any) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _gc_cb(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self._gc.append((self._step, time.perf_counter() - self._gc_t0, info.get("generation")))
+            self._gc_t0 = None
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        import gc
+
+        gc.callbacks.append(self._gc_cb)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._step = trainer.global_step
+        if self._step == self.warmup:
+            from torch._dynamo.utils import counters
+
+            self._sync(trainer)
+            self._graphs0 = int(counters["stats"].get("unique_graphs", 0))
+            self._breaks0 = sum(counters.get("graph_break", {}).values())
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            self._t0 = time.perf_counter()
+        if self._t0 is not None:
+            self._host.append(time.perf_counter())
+            if torch.cuda.is_available():
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                self._events.append(e)
+            x = batch[0] if isinstance(batch, (list, tuple)) else batch
+            self._tokens += int(x.numel()) * max(1, int(getattr(trainer, "world_size", 1)))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._t0 is not None and trainer.global_step >= trainer.max_steps:
+            self._close(trainer)
+
+    def _close(self, trainer: Any) -> None:
+        if self._t1 is not None:
+            return
+        from torch._dynamo.utils import counters
+
+        if torch.cuda.is_available():
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self._events.append(e)
+        self._sync(trainer)
+        self._t1 = time.perf_counter()
+        self._host.append(self._t1)
+        steps = len(self._host) - 1
+        wall = self._t1 - self._t0
+        device = [a.elapsed_time(b) / 1e3 for a, b in zip(self._events, self._events[1:])]
+        host = [b - a for a, b in zip(self._host, self._host[1:])]
+        times = device or host
+        ordered = sorted(times)
+        in_window = [(s, d, g) for s, d, g in self._gc if s >= self.warmup]
+        self.result.update(
+            steps_timed=steps,
+            wall_s=wall,
+            tokens=self._tokens,
+            tokens_per_s=self._tokens / wall,
+            step_ms_mean=1e3 * wall / steps,
+            step_ms_median=1e3 * statistics.median(times),
+            step_ms_p90=1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            step_ms_max=1e3 * ordered[-1],
+            slowest_steps=sorted(
+                ({"step": self.warmup + i, "ms": round(1e3 * t, 2)} for i, t in enumerate(times)),
+                key=lambda r: -r["ms"],
+            )[:5],
+            gc_in_window=[{"step": s, "ms": round(1e3 * d, 2), "generation": g} for s, d, g in in_window],
+            recompiles_in_window=int(counters["stats"].get("unique_graphs", 0)) - self._graphs0,
+            graph_breaks_in_window=sum(counters.get("graph_break", {}).values()) - self._breaks0,
+            peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+        )
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking:
+            return
+        self._sync(trainer)
+        self._v0 = time.perf_counter()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking:
+            return
+        self._sync(trainer)
+        self._val_s.append(time.perf_counter() - self._v0)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        import gc
+        import json
+        import tempfile
+
+        self._close(trainer)
+        if self._gc_cb in gc.callbacks:
+            gc.callbacks.remove(self._gc_cb)
+        self.result["validation_s"] = self._val_s
+        with tempfile.TemporaryDirectory() as tmp:
+            self._sync(trainer)
+            t = time.perf_counter()
+            trainer.save_checkpoint(f"{tmp}/bench.ckpt")
+            self._sync(trainer)
+            self.result["checkpoint_save_s"] = time.perf_counter() - t
+        self.result["precision_plugin"] = type(trainer.precision_plugin).__name__
+        self.result["strategy"] = type(trainer.strategy).__name__
+        if self.out and trainer.is_global_zero:
+            with open(self.out, "w") as f:
+                json.dump(self.result, f, indent=2)
