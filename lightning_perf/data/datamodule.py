@@ -5,7 +5,8 @@ loader (``loader.py``) hold the logic. Three sources:
 
 - ``"builtin"``: the Python standard library's sources, byte-tokenized (vocab 260);
 - ``"memmap"``: ``train.bin`` / ``val.bin`` token files in ``data_dir`` (see ``prepare``);
-- ``"synthetic"``: uniform random tokens of any ``vocab_size`` (benchmarks).
+- ``"synthetic"``: uniform random tokens of ``vocab_size``, or of the model's vocabulary
+  (benchmarks).
 
 Batches are ``(inputs, targets)``, int64 tensors of shape ``(batch_size, seq_len)``.
 """
@@ -29,6 +30,10 @@ from lightning_perf.data.tokenizer import ByteTokenizer
 __all__ = ["SOURCES", "TokenDataModule"]
 
 SOURCES = ("builtin", "memmap", "synthetic")
+_SYNTHETIC_VOCAB_HINT = (
+    "source='synthetic' has no vocab_size: pass vocab_size, or attach the data module to a model with a"
+    " config.vocab_size (e.g. trainer.fit(model, data)), whose vocabulary setup() then uses"
+)
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -43,7 +48,8 @@ class TokenDataModule(L.LightningDataModule):
     Args:
         source: ``"builtin"``, ``"memmap"`` or ``"synthetic"``.
         data_dir: directory with ``train.bin``/``val.bin`` (+ ``.json``), for ``"memmap"``.
-        vocab_size: for ``"synthetic"``, the range of the tokens (required). For the
+        vocab_size: for ``"synthetic"``, the range of the tokens; ``None`` takes the
+            ``config.vocab_size`` of the Trainer's LightningModule at ``setup``. For the
             others, optional: the model's vocabulary, checked to be >= the data's.
             The :attr:`vocab_size` property reports what the model needs.
         seq_len: tokens per sample (each sample reads ``seq_len + 1``).
@@ -58,6 +64,7 @@ class TokenDataModule(L.LightningDataModule):
     Example::
 
         data = TokenDataModule(source="synthetic", vocab_size=320, seq_len=64, batch_size=8)
+        data = TokenDataModule(source="synthetic", seq_len=64)  # the model's vocabulary, at setup
         data = TokenDataModule(source="builtin", seq_len=128, batch_size=8)
     """
 
@@ -92,8 +99,6 @@ class TokenDataModule(L.LightningDataModule):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-        if source == "synthetic" and vocab_size is None:
-            raise ValueError("source='synthetic' needs vocab_size (the range of the random tokens)")
         if source == "builtin" and vocab_size is not None and vocab_size < ByteTokenizer.vocab_size:
             raise ValueError(
                 f"vocab_size={vocab_size} is smaller than the byte tokenizer's {ByteTokenizer.vocab_size}"
@@ -105,6 +110,7 @@ class TokenDataModule(L.LightningDataModule):
         self.source = source
         self.data_dir = None if data_dir is None else Path(data_dir)
         self.requested_vocab_size = vocab_size
+        self._model_vocab_for_synthetic: int | None = None  # set by setup() when vocab_size is None
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -119,10 +125,16 @@ class TokenDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ vocab
     def data_vocab_size(self) -> int:
-        """Largest token id + 1 that the data can contain (reads the memmap metadata)."""
+        """Largest token id + 1 that the data can contain (reads the memmap metadata).
+
+        For ``"synthetic"`` without ``vocab_size`` this is known once ``setup`` has taken
+        the model's vocabulary; before that it raises ``ValueError``.
+        """
         if self.source == "synthetic":
-            assert self.requested_vocab_size is not None
-            return self.requested_vocab_size
+            vocab = self.requested_vocab_size or self._model_vocab_for_synthetic
+            if vocab is None:
+                raise ValueError(_SYNTHETIC_VOCAB_HINT + "; setup() has not run with such a model yet")
+            return vocab
         if self.source == "builtin":
             return ByteTokenizer.vocab_size
         assert self.data_dir is not None
@@ -131,7 +143,7 @@ class TokenDataModule(L.LightningDataModule):
     @property
     def vocab_size(self) -> int:
         """The vocabulary the model needs: ``vocab_size`` if given (validated to cover
-        the data), else the data's own."""
+        the data), else the data's own (see :meth:`data_vocab_size`)."""
         data_vocab = self.data_vocab_size()
         if self.requested_vocab_size is None:
             return data_vocab
@@ -142,9 +154,21 @@ class TokenDataModule(L.LightningDataModule):
             )
         return self.requested_vocab_size
 
+    def _model_vocab_size(self) -> int | None:
+        """``config.vocab_size`` of the attached Trainer's LightningModule, if there is one."""
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+        return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, stage: str) -> None:
+        synthetic_unresolved = self.requested_vocab_size is None and self._model_vocab_for_synthetic is None
+        if self.source == "synthetic" and synthetic_unresolved:
+            model_vocab = self._model_vocab_size()
+            if model_vocab is None:
+                raise ValueError(_SYNTHETIC_VOCAB_HINT + "; no Trainer with such a model is attached")
+            self._model_vocab_for_synthetic = model_vocab
         vocab = self.vocab_size  # validates files / vocabulary before anything is built
         self._check_against_model(vocab)
         if self.train_dataset is not None:
@@ -170,10 +194,10 @@ class TokenDataModule(L.LightningDataModule):
                 )
 
     def _check_against_model(self, vocab: int) -> None:
-        module = self.trainer.lightning_module if self.trainer is not None else None
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         config = getattr(module, "config", None)
-        model_vocab = getattr(config, "vocab_size", None)
-        if isinstance(model_vocab, int) and model_vocab < self.data_vocab_size():
+        model_vocab = self._model_vocab_size()
+        if model_vocab is not None and model_vocab < self.data_vocab_size():
             raise ValueError(
                 f"the model's vocab_size ({model_vocab}) is smaller than the {self.source} data's"
                 f" ({self.data_vocab_size()}): build the model with vocab_size >= {self.data_vocab_size()}"
