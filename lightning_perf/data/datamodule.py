@@ -18,13 +18,14 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_perf.data.builtin import DEFAULT_MAX_BYTES, build_stdlib_corpus
 from lightning_perf.data.datasets import SyntheticTokenDataset, TokenWindowDataset
 from lightning_perf.data.loader import ResumableDataLoader, ResumableSampler
-from lightning_perf.data.memmap import MemmapTokenDataset, read_meta
+from lightning_perf.data.memmap import MemmapTokenDataset, read_meta, read_token_file, scan_max_token_id
 from lightning_perf.data.tokenizer import ByteTokenizer
 
 __all__ = ["SOURCES", "TokenDataModule"]
@@ -44,6 +45,11 @@ class TokenDataModule(L.LightningDataModule):
     so a run resumed mid-epoch continues with the next unseen batch. Under a
     distributed strategy the data is split by the strategy's data-parallel rank
     (``strategy.distributed_sampler_kwargs``), not by the global rank.
+
+    ``setup`` checks the data against the model before building anything: the model's
+    vocabulary must cover the data's, ``seq_len`` must fit its ``block_size``, and for
+    ``"memmap"`` the largest id of each token file (``max_token_id`` in its metadata, or
+    one scan of the file when the metadata lacks it) must lie below both vocabularies.
 
     Args:
         source: ``"builtin"``, ``"memmap"`` or ``"synthetic"``.
@@ -111,6 +117,7 @@ class TokenDataModule(L.LightningDataModule):
         self.data_dir = None if data_dir is None else Path(data_dir)
         self.requested_vocab_size = vocab_size
         self._model_vocab_for_synthetic: int | None = None  # set by setup() when vocab_size is None
+        self._max_token_ids: dict[str, int | None] = {}  # per memmap split, once known
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -170,6 +177,8 @@ class TokenDataModule(L.LightningDataModule):
                 raise ValueError(_SYNTHETIC_VOCAB_HINT + "; no Trainer with such a model is attached")
             self._model_vocab_for_synthetic = model_vocab
         vocab = self.vocab_size  # validates files / vocabulary before anything is built
+        if self.source == "memmap":
+            self._check_token_ids(self._model_vocab_size())
         self._check_against_model(vocab)
         if self.train_dataset is not None:
             return
@@ -191,6 +200,35 @@ class TokenDataModule(L.LightningDataModule):
                 raise ValueError(
                     f"the {split} split of the {self.source} data ({ds!r}) has fewer than seq_len + 1 ="
                     f" {self.seq_len + 1} tokens: lower seq_len or provide more data"
+                )
+
+    def _check_token_ids(self, model_vocab: int | None) -> None:
+        """Largest id of each token file below its metadata's vocabulary and the model's,
+        so a bad file fails here and not when its first bad sample is read."""
+        assert self.data_dir is not None
+        for split in ("train", "val"):
+            bin_path, meta_path = self.data_dir / f"{split}.bin", self.data_dir / f"{split}.json"
+            if split not in self._max_token_ids:
+                meta = read_meta(self.data_dir / split)  # a recorded max_token_id is checked here
+                max_id = meta.max_token_id
+                if max_id is None and meta.num_tokens:
+                    max_id = scan_max_token_id(read_token_file(self.data_dir / split)[0])
+                    assert max_id is not None
+                    if max_id >= meta.vocab_size:
+                        raise ValueError(
+                            f"{bin_path} holds token id {max_id} but {meta_path} says vocab_size is"
+                            f" {meta.vocab_size}: the file is corrupted or its metadata is wrong"
+                        )
+                    rank_zero_warn(
+                        f"{meta_path} records no max_token_id, so {bin_path} was scanned for its"
+                        f" largest id ({max_id}); re-run `lightning-perf prepare` to record it and skip the scan"
+                    )
+                self._max_token_ids[split] = max_id
+            max_id = self._max_token_ids[split]
+            if max_id is not None and model_vocab is not None and max_id >= model_vocab:
+                raise ValueError(
+                    f"{bin_path} holds token id {max_id} but the model's vocab_size is {model_vocab}:"
+                    f" build the model with vocab_size >= {max_id + 1}"
                 )
 
     def _check_against_model(self, vocab: int) -> None:
