@@ -113,7 +113,7 @@ def check_model(model: nn.Module, config: Parallel3DConfig) -> nn.Module:
     nothing from it); with them, the model must implement the protocol method.
     A model whose ``config`` has ``check_parallel_layout`` is checked against the layout too.
     """
-    from lightning_perf.parallel.zero import find_model
+    from lightning_perf.parallel.fsdp import find_model
 
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     # the inner network (a LightningModule's ``model``), so FSDP2's root hooks fire on its forward
