@@ -5,7 +5,8 @@ loader (``loader.py``) hold the logic. Three sources:
 
 - ``"builtin"``: the Python standard library's sources, byte-tokenized (vocab 260);
 - ``"memmap"``: ``train.bin`` / ``val.bin`` token files in ``data_dir`` (see ``prepare``);
-- ``"synthetic"``: uniform random tokens of any ``vocab_size`` (benchmarks).
+- ``"synthetic"``: uniform random tokens of ``vocab_size``, or of the model's vocabulary
+  (benchmarks).
 
 Batches are ``(inputs, targets)``, int64 tensors of shape ``(batch_size, seq_len)``.
 """
@@ -17,18 +18,23 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_perf.data.builtin import DEFAULT_MAX_BYTES, build_stdlib_corpus
 from lightning_perf.data.datasets import SyntheticTokenDataset, TokenWindowDataset
 from lightning_perf.data.loader import ResumableDataLoader, ResumableSampler
-from lightning_perf.data.memmap import MemmapTokenDataset, read_meta
+from lightning_perf.data.memmap import MemmapTokenDataset, read_meta, read_token_file, scan_max_token_id
 from lightning_perf.data.tokenizer import ByteTokenizer
 
 __all__ = ["SOURCES", "TokenDataModule"]
 
 SOURCES = ("builtin", "memmap", "synthetic")
+_SYNTHETIC_VOCAB_HINT = (
+    "source='synthetic' has no vocab_size: pass vocab_size, or attach the data module to a model with a"
+    " config.vocab_size (e.g. trainer.fit(model, data)), whose vocabulary setup() then uses"
+)
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -40,10 +46,16 @@ class TokenDataModule(L.LightningDataModule):
     distributed strategy the data is split by the strategy's data-parallel rank
     (``strategy.distributed_sampler_kwargs``), not by the global rank.
 
+    ``setup`` checks the data against the model before building anything: the model's
+    vocabulary must cover the data's, ``seq_len`` must fit its ``block_size``, and for
+    ``"memmap"`` the largest id of each token file (``max_token_id`` in its metadata, or
+    one scan of the file when the metadata lacks it) must lie below both vocabularies.
+
     Args:
         source: ``"builtin"``, ``"memmap"`` or ``"synthetic"``.
         data_dir: directory with ``train.bin``/``val.bin`` (+ ``.json``), for ``"memmap"``.
-        vocab_size: for ``"synthetic"``, the range of the tokens (required). For the
+        vocab_size: for ``"synthetic"``, the range of the tokens; ``None`` takes the
+            ``config.vocab_size`` of the Trainer's LightningModule at ``setup``. For the
             others, optional: the model's vocabulary, checked to be >= the data's.
             The :attr:`vocab_size` property reports what the model needs.
         seq_len: tokens per sample (each sample reads ``seq_len + 1``).
@@ -58,6 +70,7 @@ class TokenDataModule(L.LightningDataModule):
     Example::
 
         data = TokenDataModule(source="synthetic", vocab_size=320, seq_len=64, batch_size=8)
+        data = TokenDataModule(source="synthetic", seq_len=64)  # the model's vocabulary, at setup
         data = TokenDataModule(source="builtin", seq_len=128, batch_size=8)
     """
 
@@ -92,8 +105,6 @@ class TokenDataModule(L.LightningDataModule):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-        if source == "synthetic" and vocab_size is None:
-            raise ValueError("source='synthetic' needs vocab_size (the range of the random tokens)")
         if source == "builtin" and vocab_size is not None and vocab_size < ByteTokenizer.vocab_size:
             raise ValueError(
                 f"vocab_size={vocab_size} is smaller than the byte tokenizer's {ByteTokenizer.vocab_size}"
@@ -105,6 +116,8 @@ class TokenDataModule(L.LightningDataModule):
         self.source = source
         self.data_dir = None if data_dir is None else Path(data_dir)
         self.requested_vocab_size = vocab_size
+        self._model_vocab_for_synthetic: int | None = None  # set by setup() when vocab_size is None
+        self._max_token_ids: dict[str, int | None] = {}  # per memmap split, once known
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -119,10 +132,16 @@ class TokenDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ vocab
     def data_vocab_size(self) -> int:
-        """Largest token id + 1 that the data can contain (reads the memmap metadata)."""
+        """Largest token id + 1 that the data can contain (reads the memmap metadata).
+
+        For ``"synthetic"`` without ``vocab_size`` this is known once ``setup`` has taken
+        the model's vocabulary; before that it raises ``ValueError``.
+        """
         if self.source == "synthetic":
-            assert self.requested_vocab_size is not None
-            return self.requested_vocab_size
+            vocab = self.requested_vocab_size or self._model_vocab_for_synthetic
+            if vocab is None:
+                raise ValueError(_SYNTHETIC_VOCAB_HINT + "; setup() has not run with such a model yet")
+            return vocab
         if self.source == "builtin":
             return ByteTokenizer.vocab_size
         assert self.data_dir is not None
@@ -131,7 +150,7 @@ class TokenDataModule(L.LightningDataModule):
     @property
     def vocab_size(self) -> int:
         """The vocabulary the model needs: ``vocab_size`` if given (validated to cover
-        the data), else the data's own."""
+        the data), else the data's own (see :meth:`data_vocab_size`)."""
         data_vocab = self.data_vocab_size()
         if self.requested_vocab_size is None:
             return data_vocab
@@ -142,10 +161,24 @@ class TokenDataModule(L.LightningDataModule):
             )
         return self.requested_vocab_size
 
+    def _model_vocab_size(self) -> int | None:
+        """``config.vocab_size`` of the attached Trainer's LightningModule, if there is one."""
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+        return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, stage: str) -> None:
+        synthetic_unresolved = self.requested_vocab_size is None and self._model_vocab_for_synthetic is None
+        if self.source == "synthetic" and synthetic_unresolved:
+            model_vocab = self._model_vocab_size()
+            if model_vocab is None:
+                raise ValueError(_SYNTHETIC_VOCAB_HINT + "; no Trainer with such a model is attached")
+            self._model_vocab_for_synthetic = model_vocab
         vocab = self.vocab_size  # validates files / vocabulary before anything is built
+        if self.source == "memmap":
+            self._check_token_ids(self._model_vocab_size())
         self._check_against_model(vocab)
         if self.train_dataset is not None:
             return
@@ -169,11 +202,40 @@ class TokenDataModule(L.LightningDataModule):
                     f" {self.seq_len + 1} tokens: lower seq_len or provide more data"
                 )
 
+    def _check_token_ids(self, model_vocab: int | None) -> None:
+        """Largest id of each token file below its metadata's vocabulary and the model's,
+        so a bad file fails here and not when its first bad sample is read."""
+        assert self.data_dir is not None
+        for split in ("train", "val"):
+            bin_path, meta_path = self.data_dir / f"{split}.bin", self.data_dir / f"{split}.json"
+            if split not in self._max_token_ids:
+                meta = read_meta(self.data_dir / split)  # a recorded max_token_id is checked here
+                max_id = meta.max_token_id
+                if max_id is None and meta.num_tokens:
+                    max_id = scan_max_token_id(read_token_file(self.data_dir / split)[0])
+                    assert max_id is not None
+                    if max_id >= meta.vocab_size:
+                        raise ValueError(
+                            f"{bin_path} holds token id {max_id} but {meta_path} says vocab_size is"
+                            f" {meta.vocab_size}: the file is corrupted or its metadata is wrong"
+                        )
+                    rank_zero_warn(
+                        f"{meta_path} records no max_token_id, so {bin_path} was scanned for its"
+                        f" largest id ({max_id}); re-run `lightning-perf prepare` to record it and skip the scan"
+                    )
+                self._max_token_ids[split] = max_id
+            max_id = self._max_token_ids[split]
+            if max_id is not None and model_vocab is not None and max_id >= model_vocab:
+                raise ValueError(
+                    f"{bin_path} holds token id {max_id} but the model's vocab_size is {model_vocab}:"
+                    f" build the model with vocab_size >= {max_id + 1}"
+                )
+
     def _check_against_model(self, vocab: int) -> None:
-        module = self.trainer.lightning_module if self.trainer is not None else None
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         config = getattr(module, "config", None)
-        model_vocab = getattr(config, "vocab_size", None)
-        if isinstance(model_vocab, int) and model_vocab < self.data_vocab_size():
+        model_vocab = self._model_vocab_size()
+        if model_vocab is not None and model_vocab < self.data_vocab_size():
             raise ValueError(
                 f"the model's vocab_size ({model_vocab}) is smaller than the {self.source} data's"
                 f" ({self.data_vocab_size()}): build the model with vocab_size >= {self.data_vocab_size()}"

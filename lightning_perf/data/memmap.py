@@ -2,7 +2,11 @@
 sidecar describing it::
 
     {"magic": "lightning_perf.tokens", "version": 1, "dtype": "uint16",
-     "num_tokens": 1234567, "vocab_size": 260, "tokenizer": "byte"}
+     "num_tokens": 1234567, "vocab_size": 260, "tokenizer": "byte", "max_token_id": 257}
+
+``max_token_id`` (the largest id in the file, ``null`` when it is empty) lets a reader
+check the ids against a vocabulary without reading the file. It is optional: a sidecar
+without it is still read, and :func:`scan_max_token_id` computes it from the file.
 
 A dataset directory holds ``train.bin`` / ``train.json`` and ``val.bin`` /
 ``val.json`` (written by :func:`lightning_perf.data.prepare`). Files are opened with
@@ -20,12 +24,21 @@ import numpy as np
 
 from lightning_perf.data.datasets import TokenWindowDataset
 
-__all__ = ["MAGIC", "MemmapTokenDataset", "TokenFileMeta", "dtype_for_vocab", "read_token_file", "write_token_file"]
+__all__ = [
+    "MAGIC",
+    "MemmapTokenDataset",
+    "TokenFileMeta",
+    "dtype_for_vocab",
+    "read_token_file",
+    "scan_max_token_id",
+    "write_token_file",
+]
 
 MAGIC = "lightning_perf.tokens"
 VERSION = 1
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 PREPARE_HINT = "create it with `lightning-perf prepare --input <text files or dirs> --out_dir <dir>`"
+SCAN_CHUNK_TOKENS = 64 * 2**20  # 128 / 256 MB of uint16 / uint32 per step of a scan
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -45,6 +58,7 @@ class TokenFileMeta:
     tokenizer: str = "byte"
     magic: str = MAGIC
     version: int = VERSION
+    max_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.magic != MAGIC:
@@ -57,6 +71,16 @@ class TokenFileMeta:
             raise ValueError(f"num_tokens ({self.num_tokens}) must be >= 0 and vocab_size ({self.vocab_size}) >= 1")
         if self.vocab_size > np.iinfo(_DTYPES[self.dtype]).max + 1:
             raise ValueError(f"vocab_size {self.vocab_size} does not fit dtype {self.dtype}")
+        if self.max_token_id is not None:
+            if not isinstance(self.max_token_id, int) or isinstance(self.max_token_id, bool) or self.max_token_id < 0:
+                raise ValueError(f"max_token_id must be null or an integer >= 0, got {self.max_token_id!r}")
+            if self.num_tokens == 0:
+                raise ValueError(f"max_token_id is {self.max_token_id} but the file holds no tokens")
+            if self.max_token_id >= self.vocab_size:
+                raise ValueError(
+                    f"max_token_id is {self.max_token_id} but vocab_size is {self.vocab_size}:"
+                    " the file holds token ids outside its vocabulary"
+                )
 
     @property
     def itemsize(self) -> int:
@@ -74,7 +98,8 @@ def read_meta(path: str | os.PathLike) -> TokenFileMeta:
     """Read and validate the sidecar of token file ``path`` (``x``, ``x.bin`` or ``x.json``).
 
     Raises ``FileNotFoundError`` naming the missing file and how to create it, and
-    ``ValueError`` naming the file for a malformed or inconsistent sidecar.
+    ``ValueError`` naming the file for a malformed or inconsistent sidecar (a size that
+    does not match ``num_tokens``, a ``max_token_id`` not below ``vocab_size``).
     """
     bin_path, meta_path = _paths(path)
     for p in (bin_path, meta_path):
@@ -105,16 +130,30 @@ def read_token_file(path: str | os.PathLike) -> tuple[np.ndarray, TokenFileMeta]
     return np.memmap(bin_path, dtype=_DTYPES[meta.dtype], mode="r", shape=(meta.num_tokens,)), meta
 
 
+def scan_max_token_id(tokens: np.ndarray, chunk_tokens: int = SCAN_CHUNK_TOKENS) -> int | None:
+    """Largest id in ``tokens`` (``None`` when empty), read ``chunk_tokens`` at a time so
+    a memory-mapped file of any size is scanned in bounded memory."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if len(tokens) == 0:
+        return None
+    return max(int(tokens[i : i + chunk_tokens].max()) for i in range(0, len(tokens), chunk_tokens))
+
+
 def write_token_file(
     path: str | os.PathLike, tokens: np.ndarray, *, vocab_size: int, tokenizer: str = "byte", dtype: str | None = None
 ) -> TokenFileMeta:
     """Write ``tokens`` to ``path.bin`` + ``path.json`` (``dtype`` defaults to the
-    smallest that holds ``vocab_size``). Ids must lie in ``[0, vocab_size)``."""
+    smallest that holds ``vocab_size``; the sidecar records ``max_token_id``). Ids must
+    lie in ``[0, vocab_size)``."""
     tokens = np.asarray(tokens).reshape(-1)
     dtype = dtype or dtype_for_vocab(vocab_size)
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         raise ValueError(f"token ids span [{int(tokens.min())}, {int(tokens.max())}] but vocab_size is {vocab_size}")
-    meta = TokenFileMeta(dtype=dtype, num_tokens=int(tokens.size), vocab_size=vocab_size, tokenizer=tokenizer)
+    max_id = int(tokens.max()) if tokens.size else None
+    meta = TokenFileMeta(
+        dtype=dtype, num_tokens=int(tokens.size), vocab_size=vocab_size, tokenizer=tokenizer, max_token_id=max_id
+    )
     bin_path, meta_path = _paths(path)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = bin_path.with_name(bin_path.name + ".tmp")

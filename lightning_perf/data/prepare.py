@@ -82,7 +82,8 @@ def prepare(
         tokenizer: ``"byte"`` (the only one built in).
 
     Returns:
-        ``{"train": TokenFileMeta, "val": TokenFileMeta}``, as written to the sidecars.
+        ``{"train": TokenFileMeta, "val": TokenFileMeta}``, as written to the sidecars
+        (with ``max_token_id``, the largest id each file holds).
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -104,26 +105,33 @@ def prepare(
     dtype = dtype_for_vocab(tok.vocab_size)
     val_start = total - max(1, math.ceil(total * val_fraction))  # used when splitting the stream
     counts = {"train": 0, "val": 0}
+    max_ids: dict[str, int | None] = {"train": None, "val": None}
     tmp = {split: out / f"{split}.bin.tmp" for split in counts}
     with open(tmp["train"], "wb") as f_train, open(tmp["val"], "wb") as f_val:
         files = {"train": f_train, "val": f_val}
+
+        def write(split: str, ids: np.ndarray) -> None:
+            if ids.size:
+                ids.tofile(files[split])
+                counts[split] += ids.size
+                top, prev = int(ids.max()), max_ids[split]
+                max_ids[split] = top if prev is None else max(prev, top)
+
         pos = 0
         for doc, _ in docs:
             ids = tok.encode(doc.read_bytes(), bos=True, eos=True, as_numpy=True).astype(dtype)
             if by_document:
-                split = "val" if doc in val_docs else "train"
-                ids.tofile(files[split])
-                counts[split] += ids.size
+                write("val" if doc in val_docs else "train", ids)
             else:
                 cut = min(max(val_start - pos, 0), ids.size)
-                ids[:cut].tofile(f_train)
-                ids[cut:].tofile(f_val)
-                counts["train"] += cut
-                counts["val"] += ids.size - cut
+                write("train", ids[:cut])
+                write("val", ids[cut:])
             pos += ids.size
     metas = {}
     for split, n in counts.items():
-        meta = TokenFileMeta(dtype=dtype, num_tokens=n, vocab_size=tok.vocab_size, tokenizer=tok.name)
+        meta = TokenFileMeta(
+            dtype=dtype, num_tokens=n, vocab_size=tok.vocab_size, tokenizer=tok.name, max_token_id=max_ids[split]
+        )
         os.replace(tmp[split], out / f"{split}.bin")
         (out / f"{split}.json").write_text(json.dumps(asdict(meta), indent=2) + "\n")
         metas[split] = meta

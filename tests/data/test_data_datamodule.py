@@ -161,7 +161,6 @@ def test_lightning_keeps_our_loader(monkeypatch):
     [
         (dict(source="hdf5"), ValueError, "unknown data source 'hdf5'; choose one of builtin, memmap, synthetic"),
         (dict(source="memmap"), ValueError, "needs data_dir"),
-        (dict(source="synthetic"), ValueError, "needs vocab_size"),
         (dict(source="builtin", vocab_size=256), ValueError, "vocab_size=256 is smaller than the byte tokenizer's 260"),
         (dict(source="builtin", seq_len=0), ValueError, "seq_len must be an integer >= 1, got 0"),
         (dict(source="builtin", batch_size=-2), ValueError, "batch_size"),
@@ -192,6 +191,55 @@ def test_errors_at_setup():
     data.trainer = _fake_trainer(1, 0, module=model)
     with pytest.raises(ValueError, match="seq_len=128 is longer than the model's block_size=64"):
         data.setup("fit")
+
+
+def test_synthetic_without_vocab_size_needs_a_model_at_setup():
+    data = TokenDataModule(source="synthetic", seq_len=4, batch_size=2, synthetic_train_samples=10)
+    hint = r"source='synthetic' has no vocab_size: pass vocab_size, or attach .* config\.vocab_size"
+    with pytest.raises(ValueError, match=hint + ".*setup\(\) has not run"):
+        _ = data.vocab_size
+    with pytest.raises(ValueError, match=hint + ".*no Trainer with such a model is attached"):
+        data.setup("fit")
+    for module in (None, SimpleNamespace(), SimpleNamespace(config=SimpleNamespace(block_size=8))):
+        data.trainer = _fake_trainer(1, 0, module=module)
+        with pytest.raises(ValueError, match=hint):
+            data.setup("fit")
+    assert data.train_dataset is None
+    data.trainer = _fake_trainer(1, 0, module=SimpleNamespace(config=SimpleNamespace(vocab_size=37, block_size=8)))
+    data.setup("fit")
+    assert data.vocab_size == data.data_vocab_size() == data.train_dataset.vocab_size == 37
+    assert int(torch.cat([x for x, _ in data.train_dataloader()]).max()) < 37
+    # an explicit vocab_size is still checked against the model's
+    data = TokenDataModule(source="synthetic", vocab_size=300, seq_len=4, batch_size=2, synthetic_train_samples=10)
+    data.trainer = _fake_trainer(1, 0, module=SimpleNamespace(config=SimpleNamespace(vocab_size=260, block_size=8)))
+    with pytest.raises(ValueError, match=r"model's vocab_size \(260\) is smaller than the synthetic data's \(300\)"):
+        data.setup("fit")
+
+
+def test_synthetic_takes_the_vocabulary_of_the_model_in_a_trainer():
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_perf.models.gpt.module import GPTLightningModule
+
+    class Batches(Callback):
+        def __init__(self):
+            self.inputs = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.inputs.append(batch[0].clone())
+
+    model = GPTLightningModule("tiny-llama", vocab_size=97, block_size=16, warmup_steps=1)
+    data = TokenDataModule(source="synthetic", seq_len=16, batch_size=4, synthetic_train_samples=32,
+                           synthetic_val_samples=4)
+    seen = Batches()
+    L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+              enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1,
+              callbacks=[seen]).fit(model, data)
+    assert data.requested_vocab_size is None and data.vocab_size == model.config.vocab_size == 97
+    assert data.train_dataset.vocab_size == data.val_dataset.vocab_size == 97
+    ids = torch.cat(seen.inputs)
+    assert len(seen.inputs) == 2 and ids.shape == (8, 16)
+    assert 0 <= int(ids.min()) and int(ids.max()) < 97
 
 
 def test_loader_rejects_a_foreign_state():

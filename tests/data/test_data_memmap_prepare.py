@@ -1,9 +1,11 @@
-"""Token files: prepare round trip, validation of corrupted / missing files."""
+"""Token files: prepare round trip, validation of corrupted / missing files, token ids
+checked against the vocabularies at setup."""
 
 from __future__ import annotations
 
 import json
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from lightning_perf.data import (
     read_token_file,
     write_token_file,
 )
+from lightning_perf.data.memmap import read_meta, scan_max_token_id
 from lightning_perf.data.prepare import main as prepare_main
 
 DOCS = {
@@ -84,6 +87,30 @@ def test_prepare_single_file_splits_the_stream(tmp_path):
     assert joined[0] == 256 and joined[-1] == 257
 
 
+def test_prepare_records_the_largest_token_id(text_dir, tmp_path):
+    (tmp_path / "one.txt").write_text("a single file, split as a stream: " * 40)
+    for inputs, out in (([text_dir], tmp_path / "docs"), ([tmp_path / "one.txt"], tmp_path / "stream")):
+        metas = prepare(inputs, out, val_fraction=0.1)
+        for split in ("train", "val"):
+            tokens, meta = read_token_file(out / split)
+            assert meta.max_token_id == metas[split].max_token_id == int(np.max(tokens))
+            assert json.loads((out / f"{split}.json").read_text())["max_token_id"] == meta.max_token_id
+    # streamed: the training part has no <eos>, so its largest id is <bos> (256)
+    assert read_meta(tmp_path / "stream" / "train").max_token_id == ByteTokenizer().bos_id
+    assert read_meta(tmp_path / "stream" / "val").max_token_id == ByteTokenizer().eos_id
+
+
+def test_scan_max_token_id_in_chunks(tmp_path):
+    ids = np.arange(1000) % 100
+    ids[777] = 3000
+    write_token_file(tmp_path / "t", ids, vocab_size=3001)
+    tokens, meta = read_token_file(tmp_path / "t")
+    assert meta.max_token_id == 3000
+    assert scan_max_token_id(tokens) == scan_max_token_id(tokens, chunk_tokens=7) == 3000
+    assert scan_max_token_id(np.zeros(0, dtype=np.uint16)) is None
+    assert write_token_file(tmp_path / "empty", np.zeros(0), vocab_size=10).max_token_id is None
+
+
 def test_prepare_bad_input(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="nope"):
         prepare([tmp_path / "nope"], tmp_path / "out")
@@ -125,11 +152,99 @@ def test_wrong_size_file_is_refused_with_its_name(tmp_path):
 def test_ids_beyond_the_vocabulary_are_refused_per_sample(tmp_path):
     write_token_file(tmp_path / "train", np.arange(100) % 50, vocab_size=260)
     meta = json.loads((tmp_path / "train.json").read_text())
-    (tmp_path / "train.json").write_text(json.dumps({**meta, "vocab_size": 40}))  # metadata lies
+    assert meta["max_token_id"] == 49
+    # metadata that lies about the vocabulary and records no max_token_id (an older sidecar)
+    del meta["max_token_id"]
+    (tmp_path / "train.json").write_text(json.dumps({**meta, "vocab_size": 40}))
     ds = MemmapTokenDataset(tmp_path / "train", seq_len=9)
     assert ds[3][0].tolist() == list(range(27, 36))
     with pytest.raises(ValueError, match=r"train\.bin: sample 5 \(tokens 45\.\.54\) holds id 49 >= vocab_size 40"):
         ds[5]
+    # with max_token_id recorded, the same lie is refused when the metadata is read
+    (tmp_path / "train.json").write_text(json.dumps({**meta, "vocab_size": 40, "max_token_id": 49}))
+    with pytest.raises(ValueError, match=r"train\.json: .*max_token_id is 49 but vocab_size is 40"):
+        MemmapTokenDataset(tmp_path / "train", seq_len=9)
+
+
+def _hand_written(data_dir, train_ids, *, vocab_size=260, record_max=True):
+    """train/val token files written without ``write_token_file``'s checks, as another tool might."""
+    for split, ids in (("train", np.asarray(train_ids)), ("val", np.arange(64) % vocab_size)):
+        ids.astype(np.uint16).tofile(data_dir / f"{split}.bin")
+        meta = {"magic": "lightning_perf.tokens", "version": 1, "dtype": "uint16", "num_tokens": int(ids.size),
+                "vocab_size": vocab_size, "tokenizer": "byte"}
+        if record_max:
+            meta["max_token_id"] = int(ids.max())
+        (data_dir / f"{split}.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("record_max", [True, False], ids=["recorded", "old-metadata"])
+def test_ids_beyond_the_metadata_vocabulary_fail_at_setup(tmp_path, record_max):
+    ids = np.arange(5000) % 200
+    ids[4321] = 300  # one bad id deep in the file
+    _hand_written(tmp_path, ids, record_max=record_max)
+    data = TokenDataModule(source="memmap", data_dir=str(tmp_path), seq_len=16, batch_size=2)
+    with pytest.raises(ValueError) as err:
+        data.setup("fit")
+    msg = str(err.value)
+    assert "token id 300" in msg or "max_token_id is 300" in msg
+    assert "vocab_size is 260" in msg and str(tmp_path / ("train.json" if record_max else "train.bin")) in msg
+    assert data.train_dataset is None
+
+
+@pytest.mark.parametrize("record_max", [True, False], ids=["recorded", "old-metadata"])
+def test_ids_beyond_the_model_vocabulary_fail_before_training(tmp_path, record_max):
+    """Metadata consistent with the file (vocab 320) but the model's vocabulary is 260: refused
+    in setup, before the first step, naming the file and the id."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_perf.models import GPTLightningModule
+
+    class Steps(Callback):
+        def __init__(self):
+            self.count = 0
+
+        def on_train_batch_start(self, *args):
+            self.count += 1
+
+    ids = np.arange(5000) % 200
+    ids[4321] = 300
+    _hand_written(tmp_path, ids, vocab_size=320, record_max=record_max)
+    model = GPTLightningModule("tiny", block_size=16)
+    data = TokenDataModule(source="memmap", data_dir=str(tmp_path), seq_len=16, batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, callbacks=[steps := Steps()])
+    match = rf"{tmp_path / 'train.bin'} holds token id 300 but the model's vocab_size is 260"
+    if record_max:
+        with pytest.raises(ValueError, match=match):
+            trainer.fit(model, data)
+    else:
+        with pytest.warns(UserWarning, match=r"records no max_token_id.*re-run `lightning-perf prepare`"):
+            with pytest.raises(ValueError, match=match):
+                trainer.fit(model, data)
+    assert steps.count == 0 and data.train_dataset is None
+
+
+def test_old_metadata_without_max_token_id_still_loads(tmp_path):
+    for split in ("train", "val"):
+        write_token_file(tmp_path / split, np.arange(500) % 250, vocab_size=260)
+        meta = json.loads((tmp_path / f"{split}.json").read_text())
+        del meta["max_token_id"]
+        (tmp_path / f"{split}.json").write_text(json.dumps(meta))
+    assert read_meta(tmp_path / "train").max_token_id is None
+    assert read_token_file(tmp_path / "val")[0].tolist() == (np.arange(500) % 250).tolist()
+    data = TokenDataModule(source="memmap", data_dir=str(tmp_path), seq_len=16, batch_size=2)
+    with pytest.warns(UserWarning, match="records no max_token_id") as record:
+        data.setup("fit")
+    messages = [str(w.message) for w in record]
+    for split in ("train", "val"):
+        assert any(f"{split}.json records no max_token_id" in m and "largest id (249)" in m for m in messages)
+    assert data.vocab_size == 260 and len(data.train_dataset) == 499 // 16
+    x, _ = next(iter(data.train_dataloader()))
+    assert x.shape == (2, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data.setup("validate")  # scanned once per data module
 
 
 @pytest.mark.parametrize(
@@ -139,6 +254,8 @@ def test_ids_beyond_the_vocabulary_are_refused_per_sample(tmp_path):
         ({"dtype": "float32"}, "dtype"),
         ({"version": 99}, "version"),
         ({"vocab_size": 70000}, "does not fit"),
+        ({"max_token_id": 260}, "max_token_id is 260 but vocab_size is 260"),
+        ({"max_token_id": -1}, "max_token_id must be null or an integer >= 0"),
     ],
 )
 def test_bad_metadata_is_refused(tmp_path, patch, match):
