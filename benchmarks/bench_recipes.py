@@ -57,7 +57,7 @@ def _smoke_overrides() -> list[str]:
             "--model.compile", "null", "--data.seq_len", "64", "--data.batch_size", "4"]
 
 
-def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool) -> None:
+def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
     """Child process: the recipe through ``lightning_perf.cli.main`` with the window callback added."""
     from lightning_perf.cli import main
 
@@ -77,10 +77,10 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool) -> No
     ]
     if smoke:
         args += _smoke_overrides()
-    main(args)
+    main(args + extra)
 
 
-def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool) -> None:
+def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
     """Child process: the plain loop over the equivalent GPT (see the module docstring)."""
     import torch
 
@@ -158,9 +158,10 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool) -> Non
     }, indent=2))
 
 
-def _child(kind: str, name: str, args: argparse.Namespace, out: Path) -> dict:
+def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str = "") -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--recipes", name,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out.parent)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out.parent),
+           f"--child_args={extra}"]
     if args.smoke:
         cmd.append("--smoke")
     t = time.perf_counter()
@@ -185,13 +186,17 @@ def main() -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--child", choices=("recipe", "plain"))
+    p.add_argument("--child_args", default="", help=argparse.SUPPRESS)
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                   help="also run each recipe with these CLI overrides, e.g. 'block=--model.compile_scope block'")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.child:
         name = args.recipes
         target = out_dir / f"_{args.child}-{name}.json"
-        (run_recipe if args.child == "recipe" else run_plain)(name, args.steps, args.warmup, target, args.smoke)
+        (run_recipe if args.child == "recipe" else run_plain)(name, args.steps, args.warmup, target, args.smoke,
+                                                               args.child_args.split())
         return
 
     import torch
@@ -212,6 +217,18 @@ def main() -> None:
             target.unlink(missing_ok=True)
             print(f"[{name}] {side}: " + json.dumps({k: row[side].get(k) for k in
                   ("tokens_per_s", "step_ms_mean", "step_ms_median", "step_ms_p90", "peak_mem_gb")}), flush=True)
+        for spec in args.variant:
+            label, _, extra = spec.partition("=")
+            target = out_dir / f"_recipe-{name}.json"
+            target.unlink(missing_ok=True)
+            result = _child("recipe", name, args, target, extra)
+            target.unlink(missing_ok=True)
+            result["args"] = extra
+            if "tokens_per_s" in result and "tokens_per_s" in row["plain"]:
+                result["vs_plain"] = result["tokens_per_s"] / row["plain"]["tokens_per_s"]
+            row.setdefault("variants", {})[label] = result
+            print(f"[{name}] variant {label}: " + json.dumps({k: result.get(k) for k in
+                  ("tokens_per_s", "vs_plain", "step_ms_median", "step_ms_p90", "peak_mem_gb")}), flush=True)
         if "tokens_per_s" in row["plain"] and "tokens_per_s" in row["recipe"]:
             row["recipe_vs_plain"] = row["recipe"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
             if kind in PEAK_BF16 and not args.smoke:

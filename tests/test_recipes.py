@@ -44,7 +44,6 @@ def _stand_in(recipe: dict) -> dict:
         "model": dict(STAND_IN_MODEL),
         "data": {
             "source": "synthetic",
-            "vocab_size": 256,
             "data_dir": None,
             "seq_len": 32,
             # enough whole microbatches for a pipeline recipe, small otherwise
