@@ -52,6 +52,13 @@ def _model_config(recipe: dict):
     return GPTLightningModule(**recipe.get("model", {})).config
 
 
+def _plain_config(recipe: dict):
+    """The recipe's model as a plain GPT: PyTorch kernels, SDPA attention, no FP8, separate q/k/v."""
+    cfg = _model_config(recipe)
+    plain = {"kernels": "torch", "attention": "sdpa", "fp8": False, "fused_qkv": False}
+    return dataclasses.replace(cfg, **{k: v for k, v in plain.items() if hasattr(cfg, k)})
+
+
 def _smoke_overrides() -> list[str]:
     return ["--trainer.accelerator", "cpu", "--model.config", "tiny-llama", "--model.config_overrides", "null",
             "--model.compile", "null", "--data.seq_len", "64", "--data.batch_size", "4"]
@@ -89,13 +96,11 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
 
     recipe = _recipe(name)
     trainer_args, data, model_args = recipe.get("trainer") or {}, recipe.get("data") or {}, recipe.get("model") or {}
-    cfg = _model_config(recipe)
+    cfg = _plain_config(recipe)
     seq_len, batch = int(data.get("seq_len", 1024)), int(data.get("batch_size", 8))
     compile_mode = "default"
     if smoke:
         cfg, seq_len, batch, compile_mode = GPTConfig.from_name("tiny-llama"), 64, 4, None
-    plain = {"kernels": "torch", "attention": "sdpa", "fp8": False, "fused_qkv": False}
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in plain.items() if hasattr(cfg, k)})
     device = torch.device("cpu" if smoke else "cuda")
     torch.manual_seed(1234)
     with torch.device(device):
@@ -185,6 +190,7 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--budget_s", type=float, default=None, help="start no further run after this many seconds")
     p.add_argument("--child", choices=("recipe", "plain"))
     p.add_argument("--child_args", default="", help=argparse.SUPPRESS)
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
@@ -203,22 +209,56 @@ def main() -> None:
 
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
     kind = next((k for k in PEAK_BF16 if k in device_name.lower()), "cpu")
-    rows = []
+    rows: list = []
+    plain_cache: dict = {}
+    started = time.perf_counter()
+    stamp = datetime.date.today().strftime("%Y%m%d")
+    path = out_dir / f"bench_recipes_{kind}_{stamp}{'_' + args.tag if args.tag else ''}.json"
+
+    def over_budget() -> bool:
+        return args.budget_s is not None and time.perf_counter() - started > args.budget_s
+
+    def write() -> None:
+        path.write_text(json.dumps({
+            "benchmark": "bench_recipes",
+            "device": device_name,
+            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "headline": "tokens / wall-clock seconds over the timed window (mean)",
+            "rows": rows,
+        }, indent=2))
+
     for name in [n for n in args.recipes.split(",") if n]:
         recipe = _recipe(name)
         cfg = _model_config(recipe)
         data = recipe.get("data") or {}
         seq_len = 64 if args.smoke else int(data.get("seq_len", 1024))
         row: dict = {"recipe": name}
+        rows.append(row)
+        plain_key = json.dumps([dataclasses.asdict(_plain_config(recipe)), data.get("seq_len"), data.get("batch_size"),
+                                (recipe.get("trainer") or {}).get("gradient_clip_val")], default=str)
         for side in ("plain", "recipe"):
+            if over_budget():
+                row[side] = {"error": "skipped: --budget_s reached"}
+                continue
+            if side == "plain" and plain_key in plain_cache:
+                row[side] = dict(plain_cache[plain_key], same_as=plain_cache[plain_key]["recipe"])
+                continue
             target = out_dir / f"_{side}-{name}.json"
             target.unlink(missing_ok=True)
             row[side] = _child(side, name, args, target)
+            if side == "plain" and "tokens_per_s" in row[side]:
+                plain_cache[plain_key] = dict(row[side], recipe=name)
             target.unlink(missing_ok=True)
             print(f"[{name}] {side}: " + json.dumps({k: row[side].get(k) for k in
                   ("tokens_per_s", "step_ms_mean", "step_ms_median", "step_ms_p90", "peak_mem_gb")}), flush=True)
+        write()
         for spec in args.variant:
             label, _, extra = spec.partition("=")
+            if over_budget():
+                break
             target = out_dir / f"_recipe-{name}.json"
             target.unlink(missing_ok=True)
             result = _child("recipe", name, args, target, extra)
@@ -236,20 +276,8 @@ def main() -> None:
                 row["mfu_recipe"] = fpt * row["recipe"]["tokens_per_s"] / PEAK_BF16[kind]
                 row["mfu_plain"] = fpt * row["plain"]["tokens_per_s"] / PEAK_BF16[kind]
             print(f"[{name}] recipe / plain = {row['recipe_vs_plain']:.3f}", flush=True)
-        rows.append(row)
-    result = {
-        "benchmark": "bench_recipes",
-        "device": device_name,
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "headline": "tokens / wall-clock seconds over the timed window (mean)",
-        "rows": rows,
-    }
-    stamp = datetime.date.today().strftime("%Y%m%d")
-    path = out_dir / f"bench_recipes_{kind}_{stamp}{'_' + args.tag if args.tag else ''}.json"
-    path.write_text(json.dumps(result, indent=2))
+        write()
+    write()
     print(f"wrote {path}")
 
 
