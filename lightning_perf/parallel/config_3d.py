@@ -18,7 +18,7 @@ import torch.nn as nn
 from lightning_perf.parallel.activation_checkpointing import AC_MODES
 from lightning_perf.parallel.compile import COMPILE_MODES, TP_OVERLAP_MODES
 from lightning_perf.parallel.dims import ParallelDims
-from lightning_perf.parallel.fsdp import check_blocks_per_unit
+from lightning_perf.parallel.fsdp import check_blocks_per_unit, find_model
 from lightning_perf.parallel.pipeline import PipelineConfig
 from lightning_perf.parallel.tensor_parallel import check_sequence_parallel, require_protocol
 
@@ -113,8 +113,6 @@ def check_model(model: nn.Module, config: Parallel3DConfig) -> nn.Module:
     nothing from it); with them, the model must implement the protocol method.
     A model whose ``config`` has ``check_parallel_layout`` is checked against the layout too.
     """
-    from lightning_perf.parallel.fsdp import find_model
-
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     # the inner network (a LightningModule's ``model``), so FSDP2's root hooks fire on its forward
     target = find_model(model)

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map_only
 from lightning_perf.kernels.fp8_tensor import Float8GatheredWeight
 
 __all__ = ["Float8AllGatherWeight", "Float8GatheredWeight", "enable_fp8_all_gather", "precompute_fp8_scales",
-           "fp8_all_gather_weights", "plain_state_dict", "require_fp8_linears"]
+           "fp8_all_gather_weights", "plain_state_dict", "require_fp8_linears", "require_fp8_config"]
 
 E4M3 = torch.float8_e4m3fn
 _FMAX = float(torch.finfo(E4M3).max)
@@ -182,6 +182,17 @@ def require_fp8_linears(module: nn.Module) -> None:
         raise ValueError(
             f"fp8_all_gather=True, but {type(module).__name__} has no FP8 linear layers to gather in FP8 "
             "(Float8Linear outside tensor parallelism, e.g. GPTConfig(fp8=True))")
+
+
+def require_fp8_config(module: nn.Module) -> None:
+    """:func:`require_fp8_linears` for a module that builds its GPT in ``configure_model``: by its config."""
+    from lightning_perf.models.gpt.config import GPTConfig
+
+    config = getattr(module, "config", None)
+    if isinstance(config, GPTConfig) and not config.fp8:
+        raise ValueError(
+            f"fp8_all_gather=True, but {type(module).__name__}'s GPTConfig has fp8=False, so its model has no "
+            "FP8 linear layers to gather in FP8: build it with GPTConfig(fp8=True) or set fp8_all_gather=False")
 
 
 def enable_fp8_all_gather(module: nn.Module) -> list[str]:

@@ -150,8 +150,9 @@ def require_protocol(root: nn.Module, method: str, why: str) -> nn.Module:
     if found is None:
         raise ValueError(
             f"{why} needs the model to implement `{_PROTOCOL_HINT.get(method, method)}`; "
-            f"no submodule of {type(root).__name__} defines `{method}`. Implement it (see "
-            f"examples/user_model_3d.py) or use data parallelism / ZeRO only (tensor and pipeline sizes 1)."
+            f"no submodule of {type(root).__name__} defines `{method}`. Implement it (the 3D model protocol: "
+            f"help(lightning_perf.strategies.Parallel3DStrategy)) or use data parallelism / ZeRO only "
+            f"(tensor and pipeline sizes 1)."
         )
     return found
 

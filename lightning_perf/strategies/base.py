@@ -5,16 +5,19 @@ keep only what differs:
 
 - precision: always a ``PerfPrecision`` (Lightning would install its generic plugin, which
   knows neither FSDP2's mixed-precision policy nor world-consistent fp16 loss scaling);
-- processes: one per device, started by Lightning's subprocess launcher; the process group
-  starts with a collective timeout, after every check that needs no other rank, and the
-  strategy then builds its device mesh;
+- processes: one per device, started by Lightning's subprocess launcher once the strategy's
+  checks of the model, the data module and the options pass in the launching process
+  (``_check_before_launch``, so a bad input raises there, once); each process repeats them
+  before its process group starts (with a collective timeout) and the strategy then builds
+  its device mesh;
 - collectives over the whole world: ``barrier``, ``broadcast``, ``reduce``;
 - checkpoints: a sharded DCP directory (``lightning_perf.parallel.checkpoint``) that every
   rank writes and reads, model and optimizer state together, resharded on load.
 
 A strategy names where it differs by overriding the small methods below:
-``_build_device_mesh`` (required), ``_check_world_size``, ``_check_before_process_group``,
-``_check_precision``, ``_fp8_gather_module``, ``_write_checkpoint`` / ``_read_checkpoint``.
+``_build_device_mesh`` (required), ``_check_world_size``, ``_check_before_launch``,
+``_check_before_process_group``, ``_check_precision``, ``_fp8_gather_module``,
+``_write_checkpoint`` / ``_read_checkpoint``.
 
 Checkpoint layout: the checkpoint's ``extra`` is Lightning's checkpoint dict itself (loop
 state, callbacks, schedulers, the precision plugin's loss scaler, ...) without
@@ -47,6 +50,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -78,6 +82,48 @@ def _as_perf_precision(plugin: Precision, strategy: str) -> PerfPrecision:
             "or as a PerfPrecision plugin"
         )
     return PerfPrecision(precision)
+
+
+def builds_in_configure_model(module: Any) -> bool:
+    """Whether ``module`` may build (part of) its network in ``configure_model``, after the launch.
+
+    Such a module is not yet the network it trains when the processes start: checks that look
+    at its submodules wait for ``setup``, checks of its numbers (``module.config``) need not.
+    """
+    from lightning.pytorch import LightningModule
+
+    if not isinstance(module, LightningModule):
+        return False
+    # Lightning still calls the deprecated configure_sharded_model in its place
+    return is_overridden("configure_model", module) or is_overridden("configure_sharded_model", module)
+
+
+def _find_instance(cls: type, args: tuple, kwargs: dict[str, Any]) -> Any:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, cls):
+            return value
+    return None
+
+
+class _CheckingLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, running the strategy's checks before it starts any process.
+
+    A bad model or layout then raises once, in the launching process, instead of once per rank.
+    """
+
+    def __init__(self, strategy: "PerfParallelStrategy", *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        from lightning.pytorch import LightningDataModule, LightningModule
+
+        # fit/validate/test/predict set the module before launching; the data module is an argument
+        module = self._strategy.lightning_module or _find_instance(LightningModule, args, kwargs)
+        datamodule = _find_instance(LightningDataModule, args, kwargs)
+        self._strategy._check_before_launch(module, datamodule)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 def _lightning_checkpoint(extra: dict[str, Any]) -> dict[str, Any]:
@@ -129,9 +175,19 @@ class PerfParallelStrategy(ParallelStrategy):
     def _check_world_size(self, world_size: int) -> None:
         """Raise if the strategy cannot run on ``world_size`` processes (runs before any is launched)."""
 
+    def _check_before_launch(self, module: Optional["pl.LightningModule"], datamodule: Any) -> None:
+        """Raise for a model, data module or option this strategy cannot run: every check that needs no process.
+
+        Runs in the launching process before any other process starts, and again in every
+        process before its process group (where no launcher ran: torchrun, SLURM). ``module`` is
+        as constructed: see :func:`builds_in_configure_model` for what can be checked in it.
+        """
+        self._check_precision(self.precision_plugin.precision, self.root_device.type)
+
     def _check_before_process_group(self) -> None:
         """Raise for a configuration that would fail in a collective: every check that needs no other rank."""
-        self._check_precision(self.precision_plugin.precision, self.root_device.type)
+        module = self.lightning_module
+        self._check_before_launch(module, getattr(getattr(module, "_trainer", None), "datamodule", None))
 
     def _check_precision(self, precision: str, device_type: Optional[str] = None) -> None:
         """Raise for a precision of ``PerfPrecision`` that this strategy cannot run (``device_type``: once known)."""
@@ -216,7 +272,7 @@ class PerfParallelStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self._check_world_size(self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _CheckingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:

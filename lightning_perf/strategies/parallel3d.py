@@ -34,13 +34,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model_config
+from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model, check_model_config
 from lightning_perf.parallel.gradients import allreduce_gradients, clip_grad_norm_3d
 from lightning_perf.parallel.parallelize_3d import Parallelized3D, parallelize_3d
 from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.tensor_parallel import tp_sequence_check
 from lightning_perf.parallel.validate import check_data_layout, data_shape
-from lightning_perf.strategies.base import PerfParallelStrategy
+from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -93,6 +93,26 @@ class Parallel3DStrategy(PerfParallelStrategy):
         compile_backend: the ``torch.compile`` backend (``"aot_eager"`` isolates inductor).
         timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
             fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
+
+    The 3D model protocol: data parallelism and ZeRO need nothing from the model; tensor and
+    pipeline parallelism need methods on the network (the LightningModule or a submodule, such
+    as its ``model``):
+
+    - ``tensor_parallel_plan(self, tp_mesh) -> dict``: a ``parallelize_module`` plan (for
+      ``tensor_parallel_size > 1``);
+    - ``pipeline_stage(self, stage_idx, num_stages) -> nn.Module``: this stage's part, the first
+      stage owning the embedding and the last the final norm, head and loss (for
+      ``pipeline_parallel_size > 1``);
+    - optionally, on the model's ``config``, ``check_parallel_layout(tensor_parallel_size=...,
+      pipeline_parallel_size=..., stages_per_rank=...)``, raising ``ValueError`` for a layout the
+      model cannot be split into;
+    - with ``meta_init=True``, ``init_weights()`` (else each submodule's ``reset_parameters()``)
+      to initialise the local shards.
+
+    The pack's GPT (``lightning_perf.models.GPT``) implements it. The model and the layout are
+    checked in the launching process, before any other process or a process group starts; a
+    module that builds its network in ``configure_model`` has its ``config`` checked there and
+    the protocol methods in ``setup``.
     """
 
     strategy_name = "parallel3d"
@@ -166,10 +186,34 @@ class Parallel3DStrategy(PerfParallelStrategy):
         self.config.dims(world_size)  # raises on a bad layout, in the launching process
 
     @override
+    def _check_before_launch(self, module: Optional["pl.LightningModule"], datamodule: Any) -> None:
+        super()._check_before_launch(module, datamodule)
+        if module is None:
+            return
+        built = not builds_in_configure_model(module)
+        if built:  # the network it will split: the protocol methods, as setup() checks them
+            check_model(module, self.config)
+        # a module that builds its network later still carries its numbers (GPTLightningModule.config)
+        check_model_config(getattr(module, "config", None), self.config)
+        if self.config.fp8_all_gather:
+            from lightning_perf.parallel.fp8_all_gather import require_fp8_config, require_fp8_linears
+
+            require_fp8_linears(module) if built else require_fp8_config(module)
+        # the data module's numbers too (a batch the pipeline cannot split would fail in a collective)
+        batch_size, seq_len = data_shape(datamodule)
+        check_data_layout(
+            batch_size=batch_size,
+            seq_len=seq_len,
+            model_config=getattr(module, "config", None),
+            tp=self.config.tensor_parallel_size,
+            sequence_parallel=self.config.sequence_parallel,
+            pipeline=self.config.pipeline,
+        )
+
+    @override
     def _check_before_process_group(self) -> None:
         super()._check_before_process_group()
         dims = self.config.dims(self.world_size)
-        self._check_model_config()
         if (
             self.root_device.type == "cuda"
             and (dims.dp_enabled or dims.pp_enabled)
@@ -191,21 +235,6 @@ class Parallel3DStrategy(PerfParallelStrategy):
         if self.config.fp8_all_gather and self._parallel is not None:
             return self._parallel.target
         return None
-
-    def _check_model_config(self) -> None:
-        """A module carrying its model config (``GPTLightningModule.config``) is checked by numbers now."""
-        module = self.lightning_module
-        check_model_config(getattr(module, "config", None), self.config)
-        # the data module's numbers too (a batch the pipeline cannot split would fail in a collective)
-        batch_size, seq_len = data_shape(getattr(getattr(module, "_trainer", None), "datamodule", None))
-        check_data_layout(
-            batch_size=batch_size,
-            seq_len=seq_len,
-            model_config=getattr(module, "config", None),
-            tp=self.config.tensor_parallel_size,
-            sequence_parallel=self.config.sequence_parallel,
-            pipeline=self.config.pipeline,
-        )
 
     @contextmanager
     @override

@@ -35,9 +35,17 @@ from lightning_perf.parallel.init import has_meta_tensors, materialize_from_rank
 from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.validate import check_data_layout, data_shape
 from lightning_perf.parallel.zero_config import ZeroConfig
-from lightning_perf.strategies.base import PerfParallelStrategy
+from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model
 
 __all__ = ["ZeroStrategy"]
+
+
+def _require_parameters(module: nn.Module) -> None:
+    if not any(p.numel() for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} has no parameters (0 elements): build the model in __init__ or "
+            "configure_model() before training with a ZeRO strategy"
+        )
 
 
 class ZeroStrategy(PerfParallelStrategy):
@@ -137,10 +145,18 @@ class ZeroStrategy(PerfParallelStrategy):
         self.config.check_precision(precision, device_type)
 
     @override
-    def _check_before_process_group(self) -> None:
-        super()._check_before_process_group()
-        module = self.lightning_module
-        _, seq_len = data_shape(getattr(getattr(module, "_trainer", None), "datamodule", None))
+    def _check_before_launch(self, module: Optional["pl.LightningModule"], datamodule: Any) -> None:
+        super()._check_before_launch(module, datamodule)
+        if module is None:
+            return
+        built = not builds_in_configure_model(module)
+        if built:
+            _require_parameters(module)
+        if self.config.fp8_all_gather:
+            from lightning_perf.parallel.fp8_all_gather import require_fp8_config, require_fp8_linears
+
+            require_fp8_linears(module) if built else require_fp8_config(module)
+        _, seq_len = data_shape(datamodule)
         check_data_layout(seq_len=seq_len, model_config=getattr(module, "config", None))
 
     @override
@@ -174,12 +190,7 @@ class ZeroStrategy(PerfParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        n_params = sum(p.numel() for p in module.parameters())
-        if n_params == 0:
-            raise ValueError(
-                f"{type(module).__name__} has no parameters (0 elements): build the model in __init__ or "
-                "configure_model() before training with a ZeRO strategy"
-            )
+        _require_parameters(module)  # configure_model() has run now
         if self.config.fp8_all_gather:  # before the first collective (the init broadcast)
             from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
 

@@ -83,10 +83,10 @@ def test_user_model_without_protocol_gets_data_parallel_only() -> None:
 def test_module_config_is_checked_before_the_process_group() -> None:
     from lightning_perf.models.gpt.module import GPTLightningModule
 
-    strategy = Parallel3DStrategy(tensor_parallel_size=4)
-    strategy._lightning_module = GPTLightningModule(GPTConfig.from_name("tiny-llama", n_head=8, n_kv_head=2))
+    cpus = [torch.device("cpu")] * 4
+    strategy = Parallel3DStrategy(tensor_parallel_size=4, parallel_devices=cpus)
+    bad = GPTLightningModule(GPTConfig.from_name("tiny-llama", n_head=8, n_kv_head=2))
     with pytest.raises(ValueError, match=r"n_kv_head \(2\) is not divisible by tensor_parallel_size \(4\)"):
-        strategy._check_model_config()
-    ok = Parallel3DStrategy(tensor_parallel_size=2)
-    ok._lightning_module = GPTLightningModule("tiny-llama")  # 4 heads, 2 kv heads: fine for tp=2
-    ok._check_model_config()
+        strategy._check_before_launch(bad, None)
+    ok = Parallel3DStrategy(tensor_parallel_size=2, parallel_devices=cpus[:2])
+    ok._check_before_launch(GPTLightningModule("tiny-llama"), None)  # 4 heads, 2 kv heads: fine for tp=2

@@ -82,6 +82,17 @@ def test_registration_is_idempotent() -> None:
     assert trainer.strategy.config.reshard_after_forward is False
 
 
+def test_an_unknown_name_gets_lightnings_error_and_the_pack_names_are_registered() -> None:
+    # docs/strategies.md quotes this error: Lightning lists none of the registered names in it
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    register_strategies()
+    assert set(STRATEGY_NAMES) == {"zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "parallel3d"}
+    assert set(STRATEGY_NAMES) <= set(StrategyRegistry.available_strategies())
+    with pytest.raises(ValueError, match=r"You selected an invalid strategy name: `strategy='zero4'`"):
+        L.Trainer(strategy="zero4", accelerator="cpu", devices=1, logger=False)
+
+
 def test_model_without_parameters_fails_before_any_collective() -> None:
     class Empty(L.LightningModule):
         def training_step(self, batch, batch_idx):
