@@ -174,18 +174,21 @@ class WallClockWindow(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         import gc
         import json
+        import os
         import tempfile
 
         self._close(trainer)
         if self._gc_cb in gc.callbacks:
             gc.callbacks.remove(self._gc_cb)
         self.result["validation_s"] = self._val_s
-        with tempfile.TemporaryDirectory() as tmp:
-            self._sync(trainer)
-            t = time.perf_counter()
-            trainer.save_checkpoint(f"{tmp}/bench.ckpt")
-            self._sync(trainer)
-            self.result["checkpoint_save_s"] = time.perf_counter() - t
+        self.result["checkpoint_save_s"] = None
+        if os.environ.get("BENCH_WINDOW_CHECKPOINT", "1") != "0":
+            with tempfile.TemporaryDirectory() as tmp:
+                self._sync(trainer)
+                t = time.perf_counter()
+                trainer.save_checkpoint(f"{tmp}/bench.ckpt")
+                self._sync(trainer)
+                self.result["checkpoint_save_s"] = time.perf_counter() - t
         self.result["precision_plugin"] = type(trainer.precision_plugin).__name__
         self.result["strategy"] = type(trainer.strategy).__name__
         if self.out and trainer.is_global_zero:

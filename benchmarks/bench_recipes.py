@@ -190,6 +190,7 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--no_checkpoint", action="store_true", help="skip timing one checkpoint save")
     p.add_argument("--budget_s", type=float, default=None, help="start no further run after this many seconds")
     p.add_argument("--child", choices=("recipe", "plain"))
     p.add_argument("--child_args", default="", help=argparse.SUPPRESS)
@@ -198,6 +199,8 @@ def main() -> None:
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.no_checkpoint:
+        os.environ["BENCH_WINDOW_CHECKPOINT"] = "0"
     if args.child:
         name = args.recipes
         target = out_dir / f"_{args.child}-{name}.json"
@@ -235,7 +238,7 @@ def main() -> None:
         cfg = _model_config(recipe)
         data = recipe.get("data") or {}
         seq_len = 64 if args.smoke else int(data.get("seq_len", 1024))
-        row: dict = {"recipe": name}
+        row: dict = {"name": name}
         rows.append(row)
         plain_key = json.dumps([dataclasses.asdict(_plain_config(recipe)), data.get("seq_len"), data.get("batch_size"),
                                 (recipe.get("trainer") or {}).get("gradient_clip_val")], default=str)

@@ -50,8 +50,9 @@ class GarbageCollection(Callback):
     all of them. With this callback the automatic collector is off during ``fit``; every rank
     collects at the same global steps (so the ranks pause together, and briefly), and everything
     alive when training starts is moved out of the collector's reach (``gc.freeze``), once at the
-    start and again at the first scheduled collection (after compilation and the first optimizer
-    step have created their long-lived objects). The collector's previous state is restored when
+    start and again after the first step (one full collection, then a freeze of what compilation,
+    kernel tuning and the first optimizer step created: a pause paid inside the warm-up, not
+    later). The collector's previous state is restored when
     ``fit`` ends, also after an exception.
 
     Reference cycles made during training are freed at the next scheduled collection rather than at
@@ -64,7 +65,7 @@ class GarbageCollection(Callback):
         every_n_steps: global steps between collections (>= 1).
         generation: the generation collected on schedule: 0, 1 (default: young objects only, fast)
             or 2 (everything not frozen).
-        freeze: move the objects alive at the start (and at the first collection) to the
+        freeze: move the objects alive at the start (and after the first step) to the
             permanent generation, so later collections skip them (skipped when the program froze
             objects itself: the end of fit could not thaw ours alone).
     """
@@ -84,6 +85,7 @@ class GarbageCollection(Callback):
         self._was_enabled: Optional[bool] = None
         self._froze = False
         self._refrozen = False
+        self.refrozen_at: Optional[int] = None  # the step after which compilation's objects were frozen
 
     @property
     def pauses_ms(self) -> list[float]:
@@ -127,15 +129,22 @@ class GarbageCollection(Callback):
         if self._was_enabled is None:
             return
         step = trainer.global_step
-        if step < 1 or step % self.every_n_steps or (self.collected_at and self.collected_at[-1] == step):
-            return  # (with gradient accumulation global_step holds for several batches: collect once)
-        if self._froze and not self._refrozen:
-            gc.collect()  # everything made by compilation and the first steps: freeze it too
+        if step >= 1 and self._froze and not self._refrozen:
+            # compilation, kernel tuning and the first optimizer step are done: one full collection,
+            # then freeze what they left, so no scheduled collection walks those objects again
+            gc.collect()
             gc.freeze()
-            self._refrozen = True
-        else:
-            gc.collect(self.generation)
+            self._refrozen, self.refrozen_at = True, step
+        if step < 1 or step % self.every_n_steps or (self.collected_at and self.collected_at[-1] == step):
+            self._log_pauses(pl_module)
+            return  # (with gradient accumulation global_step holds for several batches: collect once)
+        gc.collect(self.generation)
         self.collected_at.append(step)
+        self._log_pauses(pl_module)
+
+    def _log_pauses(self, pl_module: LightningModule) -> None:
+        if len(self._on_gc.pauses) == self._logged:
+            return
         pauses = self.pauses_ms
         log_scalars(pl_module, {"perf/gc_ms": sum(pauses[self._logged:])})
         self._logged = len(pauses)

@@ -59,13 +59,14 @@ def test_collects_on_schedule_with_the_collector_off_and_restores_it(tmp_path):
     model = CyclicLM()
     trainer(tmp_path, [cb, probe], max_steps=10).fit(model, loader())
     assert probe.enabled == [False] * 10
-    assert cb.collected_at == [3, 6, 9]
-    # a step's cycle lives until the next scheduled collection, then it is gone
-    assert probe.alive[0] == [True] and probe.alive[1] == [True, True]
-    assert probe.alive[2] == [False, False, False]  # step 3 collected steps 1-3
+    assert cb.collected_at == [3, 6, 9] and cb.refrozen_at == 1
+    # the first step's cycle goes in the one full collection after it (before the freeze); later
+    # ones live until the next scheduled collection
+    assert probe.alive[0] == [False] and probe.alive[1] == [False, True]
+    assert probe.alive[2] == [False, False, False]  # step 3 collected steps 2-3
     assert probe.alive[4] == [False] * 3 + [True, True]
     assert probe.alive[5] == [False] * 6  # step 6 (a generation-1 collection) freed steps 4-6
-    assert len(cb.pauses_ms) >= 4 and all(ms >= 0 for ms in cb.pauses_ms)  # start + three scheduled
+    assert len(cb.pauses_ms) >= 5 and all(ms >= 0 for ms in cb.pauses_ms)  # start, step 1, three scheduled
     assert gc.isenabled() and gc.get_freeze_count() == 0 and cb._on_gc not in gc.callbacks
     gc.collect()
     assert not any(r() is not None for r in model.cycles)  # the last step's cycle: collectable after fit
@@ -121,3 +122,22 @@ def test_objects_frozen_by_the_program_stay_frozen(tmp_path):
         assert cb.collected_at == [2, 4] and 0 < gc.get_freeze_count() <= frozen  # not thawed, none added
     finally:
         gc.unfreeze()
+
+
+def test_objects_made_by_the_first_step_are_frozen_after_it(tmp_path):
+    counts, before = [], []
+
+    class Count(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            before.append(gc.get_freeze_count())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            counts.append(gc.get_freeze_count())
+            pl_module.made = getattr(pl_module, "made", []) + [[object() for _ in range(1000)]]
+
+    cb = GarbageCollection(every_n_steps=50)
+    trainer(tmp_path, [cb, Count()], max_steps=3).fit(ToyLM(), loader())
+    assert cb.refrozen_at == 1 and cb.collected_at == []
+    # the start froze what existed; after step 1 what the step made is frozen too, and nothing later
+    assert 0 < before[0] < counts[0] and counts[2] <= counts[1] <= counts[0]
+    assert gc.get_freeze_count() == 0  # thawed at the end
