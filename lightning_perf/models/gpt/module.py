@@ -246,6 +246,16 @@ class GPTLightningModule(L.LightningModule):
         ]
 
     @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer.step(closure=optimizer_closure)
+        # Lightning zeroes gradients inside the next step's closure, after its forward: freed here,
+        # a parameter-sized set of fp32 gradients does not sit beside that forward's activations.
+        # A DeepSpeed engine owns its gradients and zeroes them itself.
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "_engine", None) is None and type(strategy).__name__ != "DeepSpeedStrategy":
+            optimizer.zero_grad(set_to_none=True)
+
+    @override
     def configure_optimizers(self) -> Any:
         params = list(self.parameters())
         if not params:
