@@ -158,6 +158,10 @@ class WallClockWindow(Callback):
             graph_breaks_in_window=sum(counters.get("graph_break", {}).values()) - self._breaks0,
             peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
         )
+        import os
+
+        if os.environ.get("BENCH_GC_CENSUS") == "1":
+            self.result["gc_census"] = gc_census()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.sanity_checking:
@@ -194,3 +198,38 @@ class WallClockWindow(Callback):
         if self.out and trainer.is_global_zero:
             with open(self.out, "w") as f:
                 json.dump(self.result, f, indent=2)
+
+
+def gc_census(limit: int = 15) -> dict[str, Any]:
+    """The objects Python's collector tracks outside the frozen set, by type, function name and the
+    types that refer to the most common ones; then one timed collection of them."""
+    import collections
+    import gc
+
+    objs = gc.get_objects()
+    types = collections.Counter(type(o).__name__ for o in objs)
+    funcs = collections.Counter(f"{getattr(o, '__module__', '?')}.{getattr(o, '__qualname__', '?')}"
+                                for o in objs if type(o).__name__ == "function")
+    referrers: dict[str, Any] = {}
+    for name, _ in types.most_common(4):
+        sample = [o for o in objs if type(o).__name__ == name][:200]
+        counts: collections.Counter = collections.Counter()
+        for o in sample:
+            for r in gc.get_referrers(o):
+                if r is objs or r is sample:
+                    continue
+                label = type(r).__name__
+                if label == "function":
+                    label += ":" + getattr(r, "__qualname__", "?")
+                elif label == "dict":
+                    owner = next((x for x in gc.get_referrers(r) if hasattr(x, "__dict__") and x.__dict__ is r), None)
+                    label += ":" + (type(owner).__qualname__ if owner is not None else "?")
+                counts[label] += 1
+        referrers[name] = counts.most_common(6)
+    n = len(objs)
+    del objs
+    t = time.perf_counter()
+    freed = gc.collect(1)
+    pause = time.perf_counter() - t
+    return {"tracked": n, "collected": freed, "collect_ms": 1e3 * pause, "types": types.most_common(limit),
+            "functions": funcs.most_common(limit), "referrers": referrers}

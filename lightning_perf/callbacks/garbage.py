@@ -103,7 +103,8 @@ class GarbageCollection(Callback):
         # froze: with a permanent generation already in use, leave it alone
         if self.freeze and gc.get_freeze_count() == 0:
             gc.freeze()
-            self._froze, self._refrozen = True, False
+            self._froze = True
+        self._refrozen = False
         gc.disable()
 
     def _stop(self) -> None:
@@ -129,11 +130,13 @@ class GarbageCollection(Callback):
         if self._was_enabled is None:
             return
         step = trainer.global_step
-        if step >= 1 and self._froze and not self._refrozen:
-            # compilation, kernel tuning and the first optimizer step are done: one full collection,
-            # then freeze what they left, so no scheduled collection walks those objects again
+        if step >= 1 and not self._refrozen:
+            # compilation, kernel tuning and the first optimizer step are done: one full collection
+            # moves what they left to the oldest generation (and a freeze, when ours, out of reach),
+            # so no scheduled young-generation collection walks those objects again
             gc.collect()
-            gc.freeze()
+            if self._froze:
+                gc.freeze()
             self._refrozen, self.refrozen_at = True, step
         if step < 1 or step % self.every_n_steps or (self.collected_at and self.collected_at[-1] == step):
             self._log_pauses(pl_module)
