@@ -138,13 +138,16 @@ def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mo
 
 def summarise(times, cfg, seq_len, batch, ceiling):
     med = statistics.median(times)
-    tok_s = batch * seq_len / med
+    # every interval between step starts is in ``times``, so their sum is the window's wall time
+    tok_s = batch * seq_len * len(times) / sum(times)
     fpt = cfg.flops_per_token(seq_len)
     return {
         "step_ms_median": med * 1e3,
         "step_ms_min": min(times) * 1e3,
         "step_ms_max": max(times) * 1e3,
         "tokens_per_s": tok_s,
+        "tokens_per_s_median_step": batch * seq_len / med,
+        "step_ms_mean": sum(times) / len(times) * 1e3,
         "mfu_causal_989": fpt * tok_s / PEAK_BF16,
         "mfu_full_attention_989": cfg.flops_per_token_full_attention(seq_len) * tok_s / PEAK_BF16,
         "mfu_vs_measured_ceiling": (fpt * tok_s / ceiling) if ceiling else None,
