@@ -101,3 +101,12 @@ def test_recipe_runs_through_the_cli_on_cpu(name, tmp_path):
     assert not outside, f"{name} wrote outside {root}: {outside[:10]}"
     assert any(p.suffix == ".ckpt" or p.name == ".metadata" for p in written), sorted(map(str, written))[:20]
     assert "lightning-perf: wrote" in proc.stdout
+
+
+def test_the_wheel_carries_the_recipes():
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {p.relative_to(root / "lightning_perf") for g in data["lightning_perf"] for p in (root / "lightning_perf").glob(g)}
+    assert {Path("configs") / f"{n}.yaml" for n in recipe_names()} <= shipped
