@@ -10,7 +10,7 @@ whole schedule (forward and backward of every microbatch) and returns the batch 
 detached and broadcast from the last stage, so a LightningModule whose
 ``training_step`` does ``loss = self.model(x, y)`` works unchanged. Lightning's
 closure calls ``optimizer.zero_grad()`` *after* ``training_step`` and before
-``backward`` (LIGHTNING-NOTES item 2), so the gradients the schedule made are set
+``backward``, so the gradients the schedule made are set
 aside in ``training_step`` and put back in ``backward``, which skips autograd but
 still fires the precision and callback hooks. Gradient accumulation scales each
 microbatch loss by ``1 / accumulate_grad_batches``. Validation runs forward only.
@@ -219,7 +219,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
             and (dims.dp_enabled or dims.pp_enabled)
             and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
         ):
-            # Megatron's TP setting serialises every stream: FSDP's all-gather/reduce-scatter and the
+            # one hardware queue serialises every stream: FSDP's all-gather/reduce-scatter and the
             # pipeline's send/recv then wait behind compute kernels instead of overlapping them
             rank_zero_warn(
                 "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises CUDA streams, so data-parallel and pipeline "
