@@ -15,8 +15,8 @@ recompilations inside the window, peak memory and MFU against the bf16 datasheet
     python benchmarks/bench_recipes.py --recipes gpt2-124m --steps 60     # one recipe
     python benchmarks/bench_recipes.py --smoke                            # CPU: the code paths only
 
-Multi-GPU recipes (devices > 1) run the same way when given by name on a machine with that many
-GPUs; their baseline is then the recipe with Lightning's FSDPStrategy (``--baseline fsdp``).
+Single-GPU recipes only: a recipe with ``devices`` > 1 is refused (its baseline would be Lightning's
+FSDPStrategy over the same GPUs, which this script does not build yet).
 """
 
 from __future__ import annotations
@@ -233,7 +233,12 @@ def main() -> None:
             "rows": rows,
         }, indent=2))
 
-    for name in [n for n in args.recipes.split(",") if n]:
+    names = [n for n in args.recipes.split(",") if n]
+    for name in names:
+        devices = (_recipe(name).get("trainer") or {}).get("devices", 1)
+        if devices not in (1, "1", None) and not args.smoke:
+            raise SystemExit(f"{name} asks for devices={devices}: bench_recipes.py measures single-GPU recipes only")
+    for name in names:
         recipe = _recipe(name)
         cfg = _model_config(recipe)
         data = recipe.get("data") or {}
