@@ -102,7 +102,9 @@ def test_default_recipe_applies_only_without_config(tmp_path):
     assert shown["trainer"]["default_root_dir"] == "runs/gpt2-124m"
     assert not shown["trainer"].get("logger")  # the default recipe's CSV / TensorBoard loggers stay out
     callbacks = [c["class_path"].rsplit(".", 1)[-1] for c in shown["trainer"].get("callbacks") or []]
-    assert callbacks == ["ModelCheckpoint"]
+    recipe = yaml.safe_load((recipe_dir() / "gpt2-124m.yaml").read_text())
+    assert callbacks == [c["class_path"].rsplit(".", 1)[-1] for c in recipe["trainer"]["callbacks"]]
+    assert "MFUMonitor" not in callbacks  # the default recipe's callbacks stay out
     default = yaml.safe_load(_run(["fit", "--print_config"], tmp_path).stdout)
     assert default["trainer"]["default_root_dir"] == "runs/gpt-tiny-cpu" and len(default["trainer"]["logger"]) == 2
 

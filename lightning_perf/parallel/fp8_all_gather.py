@@ -185,13 +185,13 @@ def require_fp8_linears(module: nn.Module) -> None:
 
 
 def require_fp8_config(module: nn.Module) -> None:
-    """:func:`require_fp8_linears` for a module that builds its GPT in ``configure_model``: by its config."""
-    from lightning_perf.models.gpt.config import GPTConfig
-
+    """:func:`require_fp8_linears` for a module that builds its model in ``configure_model``: by its
+    ``config.fp8`` (a GPTConfig or any config with that field; parallel/ does not import models/)."""
     config = getattr(module, "config", None)
-    if isinstance(config, GPTConfig) and not config.fp8:
+    fp8 = getattr(config, "fp8", None)
+    if fp8 is not None and not fp8:
         raise ValueError(
-            f"fp8_all_gather=True, but {type(module).__name__}'s GPTConfig has fp8=False, so its model has no "
+            f"fp8_all_gather=True, but {type(module).__name__}'s {type(config).__name__} has fp8=False, so its model has no "
             "FP8 linear layers to gather in FP8: build it with GPTConfig(fp8=True) or set fp8_all_gather=False")
 
 
