@@ -115,7 +115,9 @@ class WallClockWindow(Callback):
                 e.record()
                 self._events.append(e)
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
-            self._tokens += int(x.numel()) * max(1, int(getattr(trainer, "world_size", 1)))
+            # every data-parallel replica sees its own batch; tensor / pipeline ranks share one
+            replicas = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
+            self._tokens += int(x.numel()) * max(1, int(replicas))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._t0 is not None and trainer.global_step >= trainer.max_steps:
