@@ -184,6 +184,14 @@ class PerfParallelStrategy(ParallelStrategy):
         """
         self._check_precision(self.precision_plugin.precision, self.root_device.type)
 
+    def _check_fp8_all_gather(self, module: "pl.LightningModule") -> None:
+        """With ``fp8_all_gather``, the model must have FP8 linears (or, built later, an FP8 config)."""
+        if not getattr(self.config, "fp8_all_gather", False):
+            return
+        from lightning_perf.parallel.fp8_all_gather import require_fp8_config, require_fp8_linears
+
+        require_fp8_config(module) if builds_in_configure_model(module) else require_fp8_linears(module)
+
     def _check_before_process_group(self) -> None:
         """Raise for a configuration that would fail in a collective: every check that needs no other rank."""
         module = self.lightning_module

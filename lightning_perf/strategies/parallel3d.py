@@ -190,15 +190,11 @@ class Parallel3DStrategy(PerfParallelStrategy):
         super()._check_before_launch(module, datamodule)
         if module is None:
             return
-        built = not builds_in_configure_model(module)
-        if built:  # the network it will split: the protocol methods, as setup() checks them
+        if not builds_in_configure_model(module):  # the network it will split: the protocol methods, as setup() checks them
             check_model(module, self.config)
         # a module that builds its network later still carries its numbers (GPTLightningModule.config)
         check_model_config(getattr(module, "config", None), self.config)
-        if self.config.fp8_all_gather:
-            from lightning_perf.parallel.fp8_all_gather import require_fp8_config, require_fp8_linears
-
-            require_fp8_linears(module) if built else require_fp8_config(module)
+        self._check_fp8_all_gather(module)
         # the data module's numbers too (a batch the pipeline cannot split would fail in a collective)
         batch_size, seq_len = data_shape(datamodule)
         check_data_layout(

@@ -149,13 +149,9 @@ class ZeroStrategy(PerfParallelStrategy):
         super()._check_before_launch(module, datamodule)
         if module is None:
             return
-        built = not builds_in_configure_model(module)
-        if built:
+        if not builds_in_configure_model(module):
             _require_parameters(module)
-        if self.config.fp8_all_gather:
-            from lightning_perf.parallel.fp8_all_gather import require_fp8_config, require_fp8_linears
-
-            require_fp8_linears(module) if built else require_fp8_config(module)
+        self._check_fp8_all_gather(module)
         _, seq_len = data_shape(datamodule)
         check_data_layout(seq_len=seq_len, model_config=getattr(module, "config", None))
 
