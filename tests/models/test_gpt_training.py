@@ -84,3 +84,35 @@ def test_vocab_smaller_than_the_tokenizer_is_refused():
                         enable_checkpointing=False, limit_val_batches=0)
     with pytest.raises(ValueError, match=r"model's vocab_size \(200\) is smaller than the builtin data's \(260\)"):
         trainer.fit(model, data)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gradients_freed_after_each_step_train_like_lightnings_order(accumulate):
+    """Gradients are freed right after the optimizer step (not after the next forward), and training,
+    with gradient accumulation and clipping, ends at the parameters of Lightning's own zero_grad order."""
+    from lightning.pytorch import LightningModule
+
+    batches = [(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))) for _ in range(4 * accumulate)]
+    seen = []
+
+    class GradsAtBatchStart(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx % accumulate == 0:
+                seen.append(all(p.grad is None for p in pl_module.parameters()))
+
+    class LightningOrder(GPTLightningModule):
+        optimizer_step = LightningModule.optimizer_step
+        optimizer_zero_grad = LightningModule.optimizer_zero_grad
+
+    def fit(cls, callbacks):
+        torch.manual_seed(0)
+        m = cls("tiny-llama", vocab_size=64, learning_rate=1e-2, warmup_steps=0, lr_decay_steps=1000, fused_adam=False)
+        L.Trainer(accelerator="cpu", max_steps=4, accumulate_grad_batches=accumulate, gradient_clip_val=1.0,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, callbacks=callbacks).fit(m, torch.utils.data.DataLoader(batches, batch_size=None))
+        return m
+
+    ours, reference = fit(GPTLightningModule, [GradsAtBatchStart()]), fit(LightningOrder, [])
+    assert seen == [True] * 4
+    for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

@@ -245,15 +245,26 @@ class GPTLightningModule(L.LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
 
+    def _zeroes_after_step(self) -> bool:
+        """Whether gradients are freed right after the optimizer step (not under a DeepSpeed engine,
+        which owns its gradients and zeroes them itself)."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return getattr(strategy, "_engine", None) is None and not isinstance(strategy, DeepSpeedStrategy)
+
     @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         optimizer.step(closure=optimizer_closure)
         # Lightning zeroes gradients inside the next step's closure, after its forward: freed here,
-        # a parameter-sized set of fp32 gradients does not sit beside that forward's activations.
-        # A DeepSpeed engine owns its gradients and zeroes them itself.
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if getattr(strategy, "_engine", None) is None and type(strategy).__name__ != "DeepSpeedStrategy":
+        # a parameter-sized set of fp32 gradients does not sit beside that forward's activations
+        if self._zeroes_after_step():
             optimizer.zero_grad(set_to_none=True)
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if not self._zeroes_after_step():  # otherwise already done after the previous step
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     @override
     def configure_optimizers(self) -> Any:
