@@ -54,6 +54,18 @@ def clear_graph_breaks() -> None:
     counters.clear()
 
 
+def window_stats(wall_s: float, step_times: list[float], tokens: int) -> dict[str, Any]:
+    """The headline (tokens over the window's wall time, and its mean step) with the median, p90 and
+    slowest step beside it."""
+    ordered = sorted(step_times)
+    steps = len(ordered)
+    return {
+        "steps_timed": steps, "wall_s": wall_s, "tokens": tokens, "tokens_per_s": tokens / wall_s,
+        "step_ms_mean": 1e3 * wall_s / steps, "step_ms_median": 1e3 * statistics.median(ordered),
+        "step_ms_p90": 1e3 * ordered[min(steps - 1, int(0.9 * steps))], "step_ms_max": 1e3 * ordered[-1],
+    }
+
+
 class WallClockWindow(Callback):
     """A Lightning callback: wall-clock time over the steps after ``warmup``, as the user pays it.
 
@@ -140,17 +152,9 @@ class WallClockWindow(Callback):
         device = [a.elapsed_time(b) / 1e3 for a, b in zip(self._events, self._events[1:])]
         host = [b - a for a, b in zip(self._host, self._host[1:])]
         times = device or host
-        ordered = sorted(times)
         in_window = [(s, d, g) for s, d, g in self._gc if s >= self.warmup]
         self.result.update(
-            steps_timed=steps,
-            wall_s=wall,
-            tokens=self._tokens,
-            tokens_per_s=self._tokens / wall,
-            step_ms_mean=1e3 * wall / steps,
-            step_ms_median=1e3 * statistics.median(times),
-            step_ms_p90=1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            step_ms_max=1e3 * ordered[-1],
+            window_stats(wall, times, self._tokens),
             slowest_steps=sorted(
                 ({"step": self.warmup + i, "ms": round(1e3 * t, 2)} for i, t in enumerate(times)),
                 key=lambda r: -r["ms"],
@@ -203,8 +207,8 @@ class WallClockWindow(Callback):
 
 
 def gc_census(limit: int = 15) -> dict[str, Any]:
-    """The objects Python's collector tracks outside the frozen set, by type, function name and the
-    types that refer to the most common ones; then one timed collection of them."""
+    """The objects Python's collector tracks outside the frozen set, by type and function name; then
+    one timed collection of them."""
     import collections
     import gc
 
@@ -212,26 +216,10 @@ def gc_census(limit: int = 15) -> dict[str, Any]:
     types = collections.Counter(type(o).__name__ for o in objs)
     funcs = collections.Counter(f"{getattr(o, '__module__', '?')}.{getattr(o, '__qualname__', '?')}"
                                 for o in objs if type(o).__name__ == "function")
-    referrers: dict[str, Any] = {}
-    for name, _ in types.most_common(4):
-        sample = [o for o in objs if type(o).__name__ == name][:200]
-        counts: collections.Counter = collections.Counter()
-        for o in sample:
-            for r in gc.get_referrers(o):
-                if r is objs or r is sample:
-                    continue
-                label = type(r).__name__
-                if label == "function":
-                    label += ":" + getattr(r, "__qualname__", "?")
-                elif label == "dict":
-                    owner = next((x for x in gc.get_referrers(r) if hasattr(x, "__dict__") and x.__dict__ is r), None)
-                    label += ":" + (type(owner).__qualname__ if owner is not None else "?")
-                counts[label] += 1
-        referrers[name] = counts.most_common(6)
     n = len(objs)
     del objs
     t = time.perf_counter()
     freed = gc.collect(1)
     pause = time.perf_counter() - t
     return {"tracked": n, "collected": freed, "collect_ms": 1e3 * pause, "types": types.most_common(limit),
-            "functions": funcs.most_common(limit), "referrers": referrers}
+            "functions": funcs.most_common(limit)}

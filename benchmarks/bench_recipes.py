@@ -35,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from _timing import window_stats  # noqa: E402
+
 PEAK_BF16 = {"h100": 989e12, "h200": 989e12}  # dense bf16 datasheet, SXM parts
 
 
@@ -151,13 +153,8 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
     t1 = time.perf_counter()
     host.append(t1)
     times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])] or [b - a for a, b in zip(host, host[1:])]
-    ordered = sorted(times)
-    tokens = batch * seq_len * steps
     out.write_text(json.dumps({
-        "steps_timed": steps, "wall_s": t1 - t0, "tokens": tokens, "tokens_per_s": tokens / (t1 - t0),
-        "step_ms_mean": 1e3 * (t1 - t0) / steps, "step_ms_median": 1e3 * ordered[len(ordered) // 2],
-        "step_ms_p90": 1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-        "step_ms_max": 1e3 * ordered[-1],
+        **window_stats(t1 - t0, times, batch * seq_len * steps),
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
         "model": {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "kernels", "attention")},
     }, indent=2))
