@@ -46,8 +46,7 @@ def _stand_in(recipe: dict) -> dict:
             "source": "synthetic",
             "data_dir": None,
             "seq_len": 32,
-            # enough whole microbatches for a pipeline recipe, small otherwise
-            "batch_size": min(int(data.get("batch_size", 8)), 8 if "pipeline" not in str(trainer.get("strategy")) else 16),
+            "batch_size": int(data.get("batch_size", 8)),  # the recipe's own: whole pipeline microbatches
             "num_workers": 0,
             "synthetic_train_samples": 256,
             "synthetic_val_samples": 64,
