@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_perf  # noqa: F401  (registers the strategy names)
@@ -285,7 +286,7 @@ class PerfCLI(LightningCLI):
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         parser = _ShortErrorParser(**kwargs)
         parser.add_argument(
-            "-c", "--config", action=_config_action(), help="a recipe name or YAML file (see lightning-perf --help)"
+            "-c", "--config", action=ActionConfigFile, help="a recipe name or YAML file (see lightning-perf --help)"
         )
         return parser
 
@@ -315,12 +316,6 @@ class PerfCLI(LightningCLI):
                 lines.append(f"{type(cb).__name__}: {f}")
         if lines:
             print("lightning-perf: wrote\n  " + "\n  ".join(lines))
-
-
-def _config_action() -> Any:
-    from jsonargparse import ActionConfigFile
-
-    return ActionConfigFile
 
 
 _HELP = """usage: lightning-perf {{fit,validate,test,predict,generate,prepare,consolidate}} [options]
