@@ -1,11 +1,14 @@
-"""FP8 linears (``GPTConfig(fp8=True)``) against bf16, same run, one GPU; plus the LM-head loss chunking.
+"""FP8 linears (``GPTConfig(fp8=...)``, torchao.float8) against bf16, same run, one GPU; plus the LM-head
+loss chunking.
 
-Three parts, each written to one JSON:
+Parts, all written to one JSON:
 1. ``linears``: one linear's forward + backward at the gpt-1.3b shapes (16384 tokens), compiled,
-   ``fp8_linear`` against ``F.linear`` under bf16 autocast (the baseline's matmul).
-2. ``convergence``: the same model trained from the same seed on the built-in corpus (real text, bytes)
-   in bf16 and with fp8 linears; loss every step, so the curves can be compared point by point.
-3. ``flce_chunks``: ``fused_linear_cross_entropy`` forward + backward at gpt-1.3b's head
+   torchao's tensorwise and rowwise FP8 linears against ``F.linear`` under bf16 autocast.
+2. ``step``: a plain training loop (bf16 autocast, whole-model compile, fused AdamW) per model variant
+   (``--step-variants``); tokens / wall time over the timed steps, peak memory, one profiled step.
+3. ``convergence``: the same model trained from the same seed on the built-in corpus (real text, bytes)
+   in bf16 and with FP8 linears; loss every step, so the curves can be compared point by point.
+4. ``flce_chunks``: ``fused_linear_cross_entropy`` forward + backward at gpt-1.3b's head
    (16384 x 2048, vocabulary 50304) for several chunk sizes against torch.compile of the reference:
    the time each chunking costs and its extra memory.
 
@@ -33,44 +36,65 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
+    """Seconds per call: wall time over ``iters`` calls after ``warmup``, the device drained at both ends."""
     for _ in range(warmup):
         fn()
     if cuda:
         torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        for s, e in zip(starts, ends):
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
-    times = []
+    t0 = time.perf_counter()
     for _ in range(iters):
-        t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
 
 
-def bench_linears(device, M: int, shapes, iters: int) -> list[dict]:
-    from lightning_perf.kernels.ops.fp8_linear import fp8_linear
+def _fp8_linear(recipe: str, K: int, N: int, device) -> torch.nn.Module:
+    from lightning_perf.kernels.float8 import convert_to_fp8
 
+    holder = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device=device))
+    if recipe == "ours-tensorwise":
+        _swap_to_ours(holder)
+    else:
+        convert_to_fp8(holder, recipe)
+    return holder[0]
+
+
+def _swap_to_ours(model: torch.nn.Module) -> int:
+    """The earlier in-house FP8 linear (Triton casts), for the same-run comparison with torchao."""
+    from lightning_perf.kernels.ops.fp8_linear import Float8Linear as Ours
+
+    n = 0
+    for name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if type(child) is torch.nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0 \
+                    and not (name == "" and child_name == "lm_head"):
+                child.__class__ = Ours
+                n += 1
+    return n
+
+
+LINEAR_VARIANTS = ("bf16", "tensorwise", "rowwise", "ours-tensorwise")
+
+
+def bench_linears(device, M: int, shapes, iters: int, variants=LINEAR_VARIANTS) -> list[dict]:
     cuda = device.type == "cuda"
     rows = []
     for K, N in shapes:
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16 if cuda else torch.float32, requires_grad=True)
-        w = torch.randn(N, K, device=device, dtype=torch.float32, requires_grad=True)
         g = torch.randn(M, N, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
         row = {"M": M, "K": K, "N": N, "flop_fwd_bwd": 6 * M * K * N}
-        for name, fn in (("bf16", F.linear), ("fp8", lambda a, b: fp8_linear(a, b))):
-            step_fn = torch.compile(fn) if cuda else fn
+        for name in variants:
+            torch.manual_seed(0)
+            layer = torch.nn.Linear(K, N, bias=False, device=device) if name == "bf16" else \
+                _fp8_linear(name, K, N, device)
+            step_fn = torch.compile(layer) if cuda else layer
 
             def step():
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                    y = step_fn(x, w)
+                    y = step_fn(x)
                 y.backward(g)
-                x.grad = w.grad = None
+                x.grad = layer.weight.grad = None
 
             try:
                 t = _time(step, iters, 3, cuda)
@@ -78,35 +102,28 @@ def bench_linears(device, M: int, shapes, iters: int) -> list[dict]:
                 row[f"{name}_tflops"] = row["flop_fwd_bwd"] / t / 1e12
             except Exception as err:
                 row[f"{name}_error"] = f"{type(err).__name__}: {err}"
-        if "bf16_ms" in row and "fp8_ms" in row:
-            row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+        for name in variants:
+            if name != "bf16" and "bf16_ms" in row and f"{name}_ms" in row:
+                row[f"{name}_speedup"] = row["bf16_ms"] / row[f"{name}_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
-CONV_RUNS = {
-    # name: (fp8 linears, the Triton cast-and-transpose kernel (False: its PyTorch reference))
-    "bf16": (False, True),
-    "fp8": (True, True),
-    "fp8-reference-cast": (True, False),
-}
+CONV_RUNS = {"bf16": False, "tensorwise": "tensorwise", "rowwise": "rowwise"}  # name: GPTConfig.fp8
 
 
 def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int, lr: float,
-                      runs=("bf16", "fp8")) -> dict:
+                      runs=("bf16", "tensorwise")) -> dict:
     from lightning_perf.data import TokenDataModule
-    from lightning_perf.kernels.ops import fp8_linear as f8
     from lightning_perf.models import GPT, GPTConfig
 
     cuda = device.type == "cuda"
     dm = TokenDataModule(source="builtin", seq_len=seq_len, batch_size=batch, num_workers=0)
     dm.setup("fit")
     out = {"preset": preset, "seq_len": seq_len, "batch": batch, "steps": steps, "lr": lr}
-    kernel_ok = f8._cast_transpose_ok
     for key in runs:
-        fp8, use_kernel = CONV_RUNS[key]
-        f8._cast_transpose_ok = kernel_ok if use_kernel else (lambda t: False)
+        fp8 = CONV_RUNS[key]
         torch._dynamo.reset()
         torch.manual_seed(0)
         cfg = GPTConfig.from_name(preset, vocab_size=dm.vocab_size, block_size=seq_len, fp8=fp8)
@@ -146,8 +163,7 @@ def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int,
                     "val_loss": statistics.fmean(val) if val else None, "wall_s": time.time() - t0}
         print(json.dumps({key: {k: v for k, v in out[key].items() if k != "losses"}}), flush=True)
         model = compiled = opt = None  # free before the next variant
-    f8._cast_transpose_ok = kernel_ok
-    for a, b in (("bf16", "fp8"), ("fp8", "fp8-reference-cast")):
+    for a, b in (("bf16", "tensorwise"), ("bf16", "rowwise")):
         if a in out and b in out:
             x, y = out[a]["losses"], out[b]["losses"]
             out[f"max_abs_diff_{a}_vs_{b}"] = max(abs(p - q) for p, q in zip(x, y))
@@ -200,42 +216,36 @@ def bench_flce_chunks(device, N: int, d: int, V: int, chunks, iters: int) -> lis
     return rows
 
 
-_ND = {"triton.prefer_nd_tiling": True}
-_CD = {"coordinate_descent_tuning": True}
 STEP_VARIANTS = {
-    # name: (GPTConfig overrides, fp8_linear's forward fast accumulation[, Inductor options])
-    "bf16": ({}, True),
-    "fp8": ({"fp8": True}, True),
-    "fp8-exact-forward-accum": ({"fp8": True}, False),
-    "fp8-fused-qkv": ({"fp8": True, "fused_qkv": True}, True),
-    "bf16-fused-qkv": ({"fused_qkv": True}, True),
-    "bf16-nd-tiling": ({}, True, _ND),
-    "fp8-fused-qkv-nd-tiling": ({"fp8": True, "fused_qkv": True}, True, _ND),
-    "bf16-coordinate-descent": ({}, True, _CD),
-    "fp8-fused-qkv-coordinate-descent": ({"fp8": True, "fused_qkv": True}, True, _CD),
-    "fp8-fused-qkv-nd-tiling-coordinate-descent": ({"fp8": True, "fused_qkv": True}, True, {**_ND, **_CD}),
+    # name: (GPTConfig overrides, swap the blocks' linears to the earlier in-house FP8 linear)
+    "bf16": ({}, False),
+    "bf16-fused-qkv": ({"fused_qkv": True}, False),
+    "ours-tensorwise": ({}, True),
+    "tensorwise": ({"fp8": "tensorwise"}, False),
+    "tensorwise-fused-qkv": ({"fp8": "tensorwise", "fused_qkv": True}, False),
+    "rowwise": ({"fp8": "rowwise"}, False),
+    "rowwise-fused-qkv": ({"fp8": "rowwise", "fused_qkv": True}, False),
 }
 
 
 def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: int, warmup: int,
                profile_dir: Path) -> list[dict]:
     """A plain loop (bf16 autocast, whole-model compile, fused AdamW) per variant; one profiled step each."""
-    from lightning_perf.kernels.ops import fp8_linear as f8
     from lightning_perf.models import GPT, GPTConfig
     from lightning_perf.perf.gpu_time import gpu_time_breakdown
 
     cuda = device.type == "cuda"
     rows = []
     for name in variants:
-        overrides, fast, *rest = STEP_VARIANTS[name]
-        options = rest[0] if rest else None
-        f8.fp8_linear.__kwdefaults__["fast_accum"] = fast
+        overrides, ours = STEP_VARIANTS[name]
         torch._dynamo.reset()
         torch.manual_seed(0)
         cfg = GPTConfig.from_name(preset, block_size=seq_len, **overrides)
         with torch.device(device):
             model = GPT(cfg)
-        compiled = torch.compile(model, options=options) if cuda else model
+        if ours:
+            _swap_to_ours(model.blocks)
+        compiled = torch.compile(model) if cuda else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
         x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
         y = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
@@ -251,8 +261,7 @@ def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: i
             torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
         sec = _time(step, steps, warmup, cuda)
-        row = {"variant": name, "config": overrides, "fast_accum_forward": fast, "inductor_options": options,
-               "step_ms": sec * 1e3,
+        row = {"variant": name, "config": overrides, "step_ms_wall_mean": sec * 1e3, "steps": steps,
                "tokens_per_s": batch * seq_len / sec, "wall_s": time.time() - t0,
                "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
         if cuda:
@@ -272,7 +281,6 @@ def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: i
         model = compiled = opt = None  # free before the next variant
         if cuda:
             torch.cuda.empty_cache()
-    f8.fp8_linear.__kwdefaults__["fast_accum"] = True
     baseline = next((r for r in rows if r["variant"] == "bf16"), None)
     for r in rows:
         if baseline:
@@ -286,10 +294,12 @@ def main() -> None:
     p.add_argument("--parts", default="linears,step,convergence,flce_chunks")
     p.add_argument("--conv-preset", default="gpt2-124m")
     p.add_argument("--conv-steps", type=int, default=400)
-    p.add_argument("--conv-runs", default="bf16,fp8", help=f"comma list of {sorted(CONV_RUNS)}")
+    p.add_argument("--conv-runs", default="bf16,tensorwise,rowwise", help=f"comma list of {sorted(CONV_RUNS)}")
     p.add_argument("--step-preset", default="gpt-1.3b:2048:8")
-    p.add_argument("--step-variants", default="bf16,fp8,fp8-exact-forward-accum,fp8-fused-qkv")
-    p.add_argument("--linear-fast-accum", default="1", help="comma list of forward fast-accum settings: 1,0")
+    p.add_argument("--step-variants", default="bf16,ours-tensorwise,tensorwise,tensorwise-fused-qkv,rowwise-fused-qkv",
+                   help=f"comma list of {sorted(STEP_VARIANTS)}")
+    p.add_argument("--step-steps", type=int, default=15)
+    p.add_argument("--linear-variants", default=",".join(LINEAR_VARIANTS))
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -306,19 +316,13 @@ def main() -> None:
         conv = (args.conv_preset, 512, 32, args.conv_steps, 1e-3)
         flce_shape, chunks = (16384, 2048, 50304), [2048, 4096, 8192, 16384]
         preset, T, B = args.step_preset.split(":")
-        step = (preset, int(T), int(B), 15, 5)
+        step = (preset, int(T), int(B), args.step_steps, 5)
     parts = args.parts.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from lightning_perf.kernels.ops import fp8_linear as f8
 
     def linears():
-        rows = []
-        for fast in args.linear_fast_accum.split(","):
-            f8.fp8_linear.__kwdefaults__["fast_accum"] = fast == "1"
-            rows += [dict(r, fast_accum_forward=fast == "1") for r in bench_linears(device, M, shapes, iters)]
-        f8.fp8_linear.__kwdefaults__["fast_accum"] = True
-        return rows
+        return bench_linears(device, M, shapes, iters, args.linear_variants.split(","))
 
     for part, fn in (("linears", linears),
                      ("step", lambda: bench_step(device, step[0], step[1], step[2], args.step_variants.split(","),

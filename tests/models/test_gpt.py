@@ -273,25 +273,26 @@ def test_fused_qkv_same_loss_and_gradients(name):
         GPTConfig.from_name(name, fused_qkv="yes")
 
 
-@pytest.mark.parametrize("name,fused_qkv", [("tiny", False), ("tiny-llama", False), ("tiny", True)])
-def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv):
-    """``GPTConfig(fp8=True)``: the blocks' projections are FP8 linears (same parameters and state dict);
-    every projection gives exactly what its dequantised-operand reference gives, the loss stays within
-    FP8 error of the exact model, and a few AdamW steps lower it as much."""
-    from lightning_perf.kernels import Float8Linear
-    from lightning_perf.kernels.ops import fp8_linear as f8
+@pytest.mark.parametrize("name,fused_qkv,recipe", [("tiny", False, "tensorwise"), ("tiny-llama", False, "tensorwise"),
+                                                   ("tiny", True, "tensorwise"), ("tiny-llama", True, "rowwise")])
+def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv, recipe):
+    """``GPTConfig(fp8=recipe)``: the blocks' projections are torchao FP8 linears (same parameters and
+    state dict); every projection gives what the plain-PyTorch FP8 reference gives on the input it
+    sees, the loss stays within FP8 error of the bf16-free exact model, and a few AdamW steps lower it
+    as much; the fused q/k/v matmul equals the three projections."""
+    from lightning_perf.kernels.float8 import fp8_linear_reference, fp8_recipe_of, is_fp8_linear
 
     idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(1))
     models = {}
-    for fp8 in (False, True):
+    for fp8 in (False, recipe):
         torch.manual_seed(0)
         models[fp8] = GPT(GPTConfig.from_name(name, n_layer=2, fp8=fp8, fused_qkv=fused_qkv))
-    exact, quant = models[False], models[True]
+    exact, quant = models[False], models[recipe]
     assert list(quant.state_dict()) == list(exact.state_dict())
-    fp8_layers = [n for n, m in quant.named_modules() if isinstance(m, Float8Linear)]
+    fp8_layers = [n for n, m in quant.named_modules() if is_fp8_linear(m)]
     assert len(fp8_layers) == 2 * (7 if name == "tiny-llama" else 6)  # q k v o + up (gate) down, per block
-    assert not isinstance(quant.lm_head, Float8Linear)  # the head stays in the compute dtype
-    # each projection = its emulated FP8 matmul, checked on the block input it sees
+    assert {fp8_recipe_of(quant.get_submodule(n)) for n in fp8_layers} == {recipe}
+    assert not is_fp8_linear(quant.lm_head) if quant.lm_head is not None else True  # the head stays as it is
     seen = {}
 
     def keep(name):
@@ -299,16 +300,28 @@ def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv):
             seen[name] = (args[0], out)
         return hook
 
-    hooks = [m.register_forward_hook(keep(n)) for n, m in quant.named_modules() if isinstance(m, Float8Linear)]
+    hooks = [m.register_forward_hook(keep(n)) for n, m in quant.named_modules() if is_fp8_linear(m)]
     loss_q = quant(idx, idx)
     for h in hooks:
         h.remove()
+    # with fused q/k/v those three run as one matmul (no hook), the others as modules
+    assert len(seen) == len(fp8_layers) - (6 if fused_qkv else 0)
     for n, (inp, out) in seen.items():
         m = quant.get_submodule(n)
-        torch.testing.assert_close(out, f8.fp8_linear_reference(inp, m.weight, m.bias), atol=1e-5, rtol=1e-5, msg=n)
+        torch.testing.assert_close(out, fp8_linear_reference(inp, m.weight, m.bias, recipe=recipe),
+                                   atol=1e-5, rtol=1e-5, msg=n)
+    if fused_qkv:  # the fused matmul = the three FP8 projections
+        attn = quant.blocks["0"].attn
+        x = torch.randn(2, 32, quant.config.n_embd)
+        q, k, v = attn._qkv_fused(x)
+        for got, proj in zip((q, k, v), (attn.q_proj, attn.k_proj, attn.v_proj)):
+            torch.testing.assert_close(got, proj(x), atol=1e-5, rtol=1e-5) if recipe == "rowwise" else None
+        assert torch.allclose(torch.cat((q, k, v), -1), torch.cat([p(x) for p in (attn.q_proj, attn.k_proj,
+                                                                                   attn.v_proj)], -1),
+                              atol=0.1, rtol=0.1)  # tensorwise: one scale for the three weights
     loss_e = exact(idx, idx)
     assert abs(loss_q.item() - loss_e.item()) < 0.02 * loss_e.item()
-    start = {False: loss_e.item(), True: loss_q.item()}
+    start = {False: loss_e.item(), recipe: loss_q.item()}
     for fp8, model in models.items():
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for _ in range(8):
@@ -318,26 +331,28 @@ def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv):
             opt.step()
             opt.zero_grad()
         models[fp8] = model(idx, idx).item()
-    assert models[True] < start[True] - 1.0
-    assert abs(models[True] - models[False]) < 0.1 * models[False] + 0.05
+    assert models[recipe] < start[recipe] - 1.0
+    assert abs(models[recipe] - models[False]) < 0.1 * models[False] + 0.05
 
 
 def test_fp8_config_errors():
     from lightning_perf.models.gpt.parallelize import check_gpt_layout
 
-    with pytest.raises(ValueError, match="fp8 must be True or False"):
+    with pytest.raises(ValueError, match="fp8 must be False, True"):
         GPTConfig.from_name("tiny", fp8="e4m3")
-    check_gpt_layout(GPTConfig.from_name("tiny", fp8=True), tp=2)  # per-shard FP8 (tests/parallel/test_tp_plan.py)
+    assert GPTConfig.from_name("tiny", fp8=True).fp8 == "tensorwise"
+    assert GPTConfig.from_name("tiny", fp8="rowwise").fp8 == "rowwise"
+    check_gpt_layout(GPTConfig.from_name("tiny", fp8=True), tp=2)  # FP8 tensor-parallel styles
     check_gpt_layout(GPTConfig.from_name("tiny", fp8=True, tie_embeddings=False), pp=2)  # fine
 
 
 def test_module_config_overrides():
     module = GPTLightningModule("tiny", config_overrides={"fp8": True, "kernels": "triton"}, block_size=64)
     assert module.config.fp8 and module.config.kernels == "triton" and module.config.block_size == 64
-    assert module.hparams["config"]["fp8"] is True  # the checkpoint rebuilds the same model
+    assert module.hparams["config"]["fp8"] == "tensorwise"  # the checkpoint rebuilds the same model
     with pytest.raises(ValueError, match="config_overrides has fields GPTConfig does not: \\['fp9'\\]"):
         GPTLightningModule("tiny", config_overrides={"fp9": True})
-    with pytest.raises(ValueError, match="fp8 must be True or False"):
+    with pytest.raises(ValueError, match="fp8 must be False, True"):
         GPTLightningModule("tiny", config_overrides={"fp8": "yes"})
 
 

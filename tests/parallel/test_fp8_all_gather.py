@@ -1,4 +1,4 @@
-"""FSDP2 gathering FP8 weights (``apply_fsdp(fp8_all_gather=True)``) on 2 CPU processes (gloo).
+"""FSDP2 gathering FP8 weights (``apply_fsdp(fp8_all_gather=True)``, torchao) on 2 CPU processes (gloo).
 
 The FP8 gather quantises each shard with the whole weight's scale, which is the FP8 tensor the
 plain path makes after gathering: with fp32 master weights (no mixed precision) losses and
@@ -44,8 +44,9 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
 
     from lightning_perf.parallel import apply_fsdp, load_checkpoint, save_checkpoint
     from lightning_perf.parallel.checkpoint import full_model_state_dict
-    from lightning_perf.parallel.fp8_all_gather import (Float8AllGatherWeight, Float8GatheredWeight,
-                                                        fp8_all_gather_weights, precompute_fp8_scales)
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+
+    from lightning_perf.parallel.fp8_all_gather import fp8_all_gather_weights, precompute_fp8_scales
     from lightning_perf.parallel.init import materialize_from_rank0, take_full_state
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -86,14 +87,13 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
     if gather:
         p = fp8_all_gather_weights(model)[0]
         out["local_type"] = type(p._local_tensor).__name__
-        assert isinstance(p._local_tensor, Float8AllGatherWeight)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     if precompute_once:  # scales and FP8 shards made once, then the optimizer steps without a precompute
         precompute_fp8_scales(model)
     seen_gathered = []
     if gather:  # the Float8Linear receives the gathered FP8 weight itself
         mods = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
-        mods[0].register_forward_pre_hook(lambda m, a: seen_gathered.append(isinstance(m.weight, Float8GatheredWeight)))
+        mods[0].register_forward_pre_hook(lambda m, a: seen_gathered.append(tensor_already_casted_to_fp8(m.weight)))
     def train(model, opt, batches, on_step=None) -> list[float]:
         """Each rank its slice of every batch; the mean loss over ranks per step."""
         losses = []
@@ -163,7 +163,7 @@ def test_fp8_all_gather_equals_plain_gather(tmp_path: Path) -> None:
     n_linear = 2 * 4  # q/k/v, o, fc, proj per block (fused q/k/v off: q, k, v separate -> more)
     for name in ("zero3_gather", "zero3_gather_pre", "zero2_gather_pre", "zero3_gather_compiled", "zero3_gather_ac"):
         got = r[name]
-        assert got["local_type"] == "Float8AllGatherWeight"
+        assert got["local_type"] == "WeightWithDynamicFloat8CastTensor"
         assert got["n_fp8"] >= n_linear
         assert got["seen_gathered"] and all(got["seen_gathered"]), name
         assert got["losses"] == ref["losses"], name  # bit for bit
@@ -187,87 +187,30 @@ def test_fp8_all_gather_equals_plain_gather(tmp_path: Path) -> None:
         assert rr["error"] is not None and "no FP8 linear layers" in rr["error"]
 
 
-# ---- the tensor subclasses alone (one process, no collectives) ----------------------------------
+# ---- one process, no collectives ------------------------------------------------------------------
 
 
-class _Mesh:
-    def __init__(self, n: int) -> None:
-        self.n = n
+def test_only_tensorwise_linears_gather_in_fp8() -> None:
+    import pytest
 
-    def size(self) -> int:
-        return self.n
+    from lightning_perf.parallel.fp8_all_gather import enable_fp8_all_gather, require_fp8_config, require_fp8_linears
 
-    def get_group(self):
-        raise AssertionError("no collective expected once a scale is precomputed")
+    rowwise = GPT(GPTConfig(name="t", vocab_size=100, block_size=T, n_layer=1, n_head=2, n_embd=48, fp8="rowwise"))
+    with pytest.raises(ValueError, match="needs tensorwise FP8 linears"):
+        require_fp8_linears(rowwise)
+    assert enable_fp8_all_gather(rowwise) == []
+    tensorwise = GPT(config())
+    require_fp8_linears(tensorwise)
+    names = enable_fp8_all_gather(tensorwise)
+    assert len(names) == 2 * 6 and all(n.startswith("blocks.") for n in names)  # q k v o up down, per block
+    assert enable_fp8_all_gather(tensorwise) == []  # already on
 
+    class Holder(torch.nn.Module):
+        def __init__(self, fp8):
+            super().__init__()
+            self.config = GPTConfig(name="t", vocab_size=100, block_size=T, n_layer=1, n_head=2, n_embd=48, fp8=fp8)
 
-def test_pre_all_gather_sends_current_values_after_writes() -> None:
-    from lightning_perf.parallel.fp8_all_gather import Float8AllGatherWeight, _quantize_padded
-
-    torch.manual_seed(0)
-    w = Float8AllGatherWeight(torch.randn(8, 16))
-    scale = torch.tensor(448.0) / w._data.abs().amax()
-    w._scale, w._fp8, w._fp8_at = scale, _quantize_padded(w._data, scale, 8), w._writes
-    (q0,), (s0,) = w.fsdp_pre_all_gather(_Mesh(2), torch.Size((16, 16)), (16, 1), None, None)
-    assert q0 is w._fp8 and s0 is scale  # precomputed: sent as made
-    with torch.no_grad():
-        w.mul_(0.5)  # an optimizer step outside the strategy
-    (q1,), (s1,) = w.fsdp_pre_all_gather(_Mesh(2), torch.Size((16, 16)), (16, 1), None, None)
-    want = (w._data * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    assert s1 is scale and torch.equal(q1.view(torch.uint8), want.view(torch.uint8))
-    assert not torch.equal(q1.view(torch.uint8), q0.view(torch.uint8))
-
-
-def test_pre_all_gather_pads_an_uneven_shard() -> None:
-    from lightning_perf.parallel.fp8_all_gather import Float8AllGatherWeight
-
-    w = Float8AllGatherWeight(torch.ones(2, 16))  # the last of 3 shards of 8 rows: 3 + 3 + 2
-    w._scale = torch.tensor(2.0)
-    (q,), _ = w.fsdp_pre_all_gather(_Mesh(3), torch.Size((8, 16)), (16, 1), None, None)
-    assert q.shape == (3, 16) and q.dtype == torch.float8_e4m3fn
-    assert torch.equal(q[:2].float(), torch.full((2, 16), 2.0)) and torch.equal(q[2].float(), torch.zeros(16))
-
-
-def test_gathered_weight_views_stay_fp8_and_other_ops_see_dequantised_values() -> None:
-    from lightning_perf.parallel.fp8_all_gather import Float8GatheredWeight
-
-    data = (torch.randn(16, 32) * 50).to(torch.float8_e4m3fn)
-    gw = Float8GatheredWeight(data, torch.tensor(4.0), torch.bfloat16)
-    assert gw.dtype == torch.bfloat16 and gw.shape == (16, 32)
-    t = gw.t()
-    assert isinstance(t, Float8GatheredWeight) and t._data.data_ptr() == data.data_ptr()
-    deq = (data.float() / 4.0).to(torch.bfloat16)
-    out = gw + 0
-    assert type(out) is torch.Tensor and torch.equal(out, deq)
-    x = torch.randn(3, 32, dtype=torch.bfloat16)
-    torch.testing.assert_close(torch.nn.functional.linear(x, gw), torch.nn.functional.linear(x, deq))
-
-
-def test_saved_as_plain_tensors(tmp_path: Path) -> None:
-    """torch.save of either subclass writes a plain tensor, so weights_only loads read it."""
-    import copy
-
-    from lightning_perf.parallel.fp8_all_gather import Float8AllGatherWeight, Float8GatheredWeight
-
-    w = Float8AllGatherWeight(torch.randn(4, 8))
-    gw = Float8GatheredWeight(torch.randn(4, 8).to(torch.float8_e4m3fn), torch.tensor(2.0), torch.float32)
-    torch.save({"w": w, "gw": gw}, tmp_path / "s.pt")
-    back = torch.load(tmp_path / "s.pt", weights_only=True)
-    assert type(back["w"]) is torch.Tensor and torch.equal(back["w"], w._data)
-    assert type(back["gw"]) is torch.Tensor and torch.equal(back["gw"], gw.dequantize())
-    assert type(copy.deepcopy(w)) is Float8AllGatherWeight  # a copy of the model keeps gathering in FP8
-
-
-def test_local_amaxes_in_one_pass_equal_per_tensor_amaxes() -> None:
-    from lightning_perf.parallel.fp8_all_gather import _local_amax, _local_amaxes
-
-    torch.manual_seed(0)
-    cases = [
-        [torch.randn(5, 3), torch.randn(2, 2) * 7, torch.randn(3, 3, dtype=torch.bfloat16)],
-        [torch.randn(4, 4), torch.empty(0, 4), -torch.rand(2, 8) * 300],  # an empty last shard: 0
-        [torch.empty(0, 2)],
-    ]
-    for tensors in cases:
-        got = _local_amaxes(tensors)
-        assert got.dtype == torch.float32
-        assert torch.equal(got, torch.stack([_local_amax(t) for t in tensors]))
+    require_fp8_config(Holder(True))
+    for fp8, match in ((False, "has fp8=False"), ("rowwise", "needs tensorwise")):
+        with pytest.raises(ValueError, match=match):
+            require_fp8_config(Holder(fp8))

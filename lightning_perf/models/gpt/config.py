@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
+from lightning_perf.kernels.float8 import normalize_fp8
+
 __all__ = ["GPTConfig", "PRESETS"]
 
 _NORMS = ("layernorm", "rmsnorm")
@@ -56,9 +58,9 @@ class GPTConfig:
     # under tensor parallelism where each projection shard is narrow
     fused_qkv: bool = False
     # the blocks' linears (attention and MLP projections, not the LM head) run their forward and both
-    # gradient matmuls in FP8 with per-tensor dynamic scaling (lightning_perf.kernels.fp8_linear; FP8
-    # tensor cores on compute capability >= 8.9, plain linears elsewhere); parameters stay as they are
-    fp8: bool = False
+    # gradient matmuls in FP8 through torchao.float8 (lightning_perf.kernels.float8): "tensorwise"
+    # (True means this) or "rowwise" scales; parameters, optimizer state and checkpoints stay as they are
+    fp8: Union[bool, Literal["tensorwise", "rowwise"]] = False
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -83,9 +85,12 @@ class GPTConfig:
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"GPTConfig.{field}={value!r} is not one of {allowed}")
-        for flag in ("fused_qkv", "fp8"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"GPTConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
+        if not isinstance(self.fused_qkv, bool):
+            raise ValueError(f"GPTConfig.fused_qkv must be True or False, got {self.fused_qkv!r}")
+        try:
+            self.fp8 = normalize_fp8(self.fp8)
+        except ValueError as err:
+            raise ValueError(f"GPTConfig.{err}") from None
         for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:

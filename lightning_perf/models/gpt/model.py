@@ -56,12 +56,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return ops.rope(x, cos, sin)
 
 
-def _linear_class(config: GPTConfig) -> type:
+def _to_fp8(module: nn.Module, config: GPTConfig) -> None:
+    """With ``config.fp8``, the module's projections become torchao FP8 linears (same parameters)."""
     if config.fp8:
-        from lightning_perf.kernels import Float8Linear  # an ImportError naming the extra without Triton
+        from lightning_perf.kernels.float8 import convert_to_fp8
 
-        return Float8Linear
-    return nn.Linear
+        convert_to_fp8(module, config.fp8)
 
 
 class Attention(nn.Module):
@@ -71,16 +71,27 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = config.n_embd, config.head_dim
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, hd
-        Linear = _linear_class(config)
-        self.q_proj = Linear(d, config.n_head * hd, bias=config.bias)
-        self.k_proj = Linear(d, config.n_kv_head * hd, bias=config.bias)
-        self.v_proj = Linear(d, config.n_kv_head * hd, bias=config.bias)
-        self.o_proj = Linear(config.n_head * hd, d, bias=config.bias)
+        self.q_proj = nn.Linear(d, config.n_head * hd, bias=config.bias)
+        self.k_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.bias)
+        self.v_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.bias)
+        self.o_proj = nn.Linear(config.n_head * hd, d, bias=config.bias)
         self.rope = config.positions == "rope"
         self.impl = config.attention
         self.kernels = config.kernels
         self.fused_qkv = config.fused_qkv
-        self.fp8 = config.fp8
+        _to_fp8(self, config)
+
+    def _fused_qkv_ok(self) -> bool:
+        """One q/k/v matmul, unless the projections are FP8 and their weights tensor-parallel or
+        already gathered in FP8 (each with its own scale): then each projection runs as it is."""
+        from lightning_perf.kernels.float8 import is_fp8_linear
+
+        if not is_fp8_linear(self.q_proj):
+            return True
+        from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+
+        return not any(is_dtensor(p.weight) or tensor_already_casted_to_fp8(p.weight)
+                       for p in (self.q_proj, self.k_proj, self.v_proj))
 
     def _qkv_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v (each (..., width)) from one matmul over the three weights concatenated by rows.
@@ -106,21 +117,17 @@ class Attention(nn.Module):
                                        run_check=False)
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            if self.fp8:
-                from lightning_perf.kernels.ops.fp8_linear import fp8_linear_tensor_parallel
-
-                y = fp8_linear_tensor_parallel(x, w, b)
-            else:
-                y = F.linear(x, w) + b if (b is not None and bias_after) else F.linear(x, w, b)
+            y = F.linear(x, w) + b if (b is not None and bias_after) else F.linear(x, w, b)
             y = y.to_local()
             widths = [p.weight.to_local().shape[0] for p in projs]
         else:
             w = torch.cat([p.weight for p in projs])
             b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-            if self.fp8:
-                from lightning_perf.kernels.ops.fp8_linear import fp8_linear
+            from lightning_perf.kernels.float8 import fp8_matmul, is_fp8_linear
 
-                y = fp8_linear(x, w, b)
+            if is_fp8_linear(self.q_proj):
+                y = fp8_matmul(x, w, self.q_proj)
+                y = y + b.to(y.dtype) if b is not None else y
             else:
                 y = F.linear(x, w, b)
             widths = [p.weight.shape[0] for p in projs]
@@ -130,7 +137,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         B, T, _ = x.shape
         # heads are read from the projection width so a tensor-parallel shard sees its local heads
-        if self.fused_qkv:
+        if self.fused_qkv and self._fused_qkv_ok():
             q, k, v = self._qkv_fused(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -153,10 +160,10 @@ class MLP(nn.Module):
         d, f = config.n_embd, config.intermediate_size
         self.kind = config.activation
         self.impl = config.kernels
-        Linear = _linear_class(config)
-        self.up_proj = Linear(d, f, bias=config.bias)
-        self.gate_proj = Linear(d, f, bias=config.bias) if self.kind == "swiglu" else None
-        self.down_proj = Linear(f, d, bias=config.bias)
+        self.up_proj = nn.Linear(d, f, bias=config.bias)
+        self.gate_proj = nn.Linear(d, f, bias=config.bias) if self.kind == "swiglu" else None
+        self.down_proj = nn.Linear(f, d, bias=config.bias)
+        _to_fp8(self, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:

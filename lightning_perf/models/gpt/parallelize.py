@@ -34,7 +34,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn as nn
+
+from lightning_perf.kernels.float8 import fp8_recipe_of
 
 if TYPE_CHECKING:
     from lightning_perf.models.gpt.config import GPTConfig
@@ -47,6 +50,11 @@ def check_gpt_layout(config: "GPTConfig", *, tp: int = 1, pp: int = 1, stages_pe
     """Raise ``ValueError`` with the numbers when the GPT cannot be split this way
     (:meth:`GPTConfig.check_parallel_layout`)."""
     config.check_parallel_layout(tensor_parallel_size=tp, pipeline_parallel_size=pp, stages_per_rank=stages_per_rank)
+
+
+def _fp8_collectives(tp_mesh: Any) -> bool:
+    """Whether the mesh's backend moves FP8 tensors (NCCL does; gloo has no FP8 types)."""
+    return tp_mesh.device_type != "cpu"
 
 
 def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: Any = True) -> dict[str, Any]:
@@ -91,22 +99,37 @@ def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: A
     seq_dim = resid.dim if sharded else 1
     for key, block in model.blocks.items():
         p = f"blocks.{key}"
-        plan[f"{p}.attn.q_proj"] = ColwiseParallel()
-        plan[f"{p}.attn.k_proj"] = ColwiseParallel()
-        plan[f"{p}.attn.v_proj"] = ColwiseParallel()
-        plan[f"{p}.attn.o_proj"] = RowwiseParallel(output_layouts=resid)
-        plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
+        # tensorwise FP8 linears: torchao's styles cast the block input to FP8 before its all-gather
+        # (and the gradients before theirs). Elsewhere the plain styles: the FP8 linears then take
+        # DTensors and reduce each scale over the TP group, and the collectives move bf16/fp32
+        Colwise, Rowwise, Prepare, prepare_kw = ColwiseParallel, RowwiseParallel, PrepareModuleInput, {}
+        if fp8_recipe_of(block.attn.q_proj) == "tensorwise" and _fp8_collectives(tp_mesh):
+            from torchao.float8.float8_tensor_parallel import (
+                Float8ColwiseParallel,
+                Float8RowwiseParallel,
+                PrepareFloat8ModuleInput,
+            )
+
+            Colwise, Rowwise, Prepare = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+            prepare_kw = {"float8_dtype": torch.float8_e4m3fn}
+        plan[f"{p}.attn.q_proj"] = Colwise()
+        plan[f"{p}.attn.k_proj"] = Colwise()
+        plan[f"{p}.attn.v_proj"] = Colwise()
+        plan[f"{p}.attn.o_proj"] = Rowwise(output_layouts=resid)
+        plan[f"{p}.mlp.up_proj"] = Colwise()
         if block.mlp.gate_proj is not None:
-            plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=resid)
+            plan[f"{p}.mlp.gate_proj"] = Colwise()
+        plan[f"{p}.mlp.down_proj"] = Rowwise(output_layouts=resid)
         if sharded:
             plan[f"{p}.attn_norm"] = SequenceParallel(sequence_dim=seq_dim)
             plan[f"{p}.mlp_norm"] = SequenceParallel(sequence_dim=seq_dim)
             # the rope tables (second input) stay plain tensors
-            plan[f"{p}.attn"] = PrepareModuleInput(
-                input_layouts=(resid, None), desired_input_layouts=(Replicate(), None)
+            fqn = {"fwd_config_submodule_fqn": "q_proj"} if prepare_kw else {}
+            plan[f"{p}.attn"] = Prepare(
+                input_layouts=(resid, None), desired_input_layouts=(Replicate(), None), **prepare_kw, **fqn
             )
-            plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),))
+            fqn = {"fwd_config_submodule_fqn": "up_proj"} if prepare_kw else {}
+            plan[f"{p}.mlp"] = Prepare(input_layouts=(resid,), desired_input_layouts=(Replicate(),), **prepare_kw, **fqn)
     if model.norm is not None:
         plan["norm"] = ReplicatedOutputNorm(sequence_parallel=sequence_parallel)
         if model.lm_head is not None:

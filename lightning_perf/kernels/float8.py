@@ -1,0 +1,170 @@
+"""FP8 training linears through ``torchao.float8``: recipes, conversion, the fused q/k/v matmul.
+
+A converted linear computes y = x W^T (+ b) and both gradient matmuls on FP8 operands with fp32
+accumulation (``torch._scaled_mm``), dynamic scales recomputed from the current tensors each call:
+
+    tensorwise   s_t = fmax / amax(|t|)            one scale per tensor (fastest; the weights can
+                                                   be all-gathered in FP8 under FSDP2)
+    rowwise      s_t[i] = fmax / amax(|t[i, :]|)   one scale per row of each operand along the
+                                                   contracted dimension (closer to bf16, slower)
+
+e4m3 (fmax 448) holds activations, weights and, in these recipes, the gradients. Parameters,
+optimizer state and checkpoints are unchanged: FP8 exists only inside the matmuls. torchao owns
+the casts, the matmul autograd, FSDP2's FP8 all-gather (``parallel.fp8_all_gather``) and the FP8
+tensor-parallel styles; this module picks the layers and the recipe.
+
+torchao is an optional dependency (``pip install 'lightning-perf[fp8]'``). FP8 matmuls need a
+GPU of compute capability >= 8.9 (Ada, Hopper and later) or a CPU build of PyTorch with FP8
+``_scaled_mm`` (the tests run there); :func:`check_fp8_device` refuses anything else up front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+__all__ = ["FP8_RECIPES", "normalize_fp8", "require_torchao", "fp8_linear_config", "convert_to_fp8",
+           "is_fp8_linear", "fp8_recipe_of", "fp8_matmul", "check_fp8_device", "fp8_linear_reference"]
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+_ALIGN = 16  # torch._scaled_mm: both dimensions of each FP8 operand divisible by 16
+_TORCHAO_MIN = (0, 14)
+
+
+def normalize_fp8(value: Union[bool, str, None]) -> Union[bool, str]:
+    """``False`` / ``None`` -> False; ``True`` -> "tensorwise"; a recipe name as it is; else ValueError."""
+    if value is None or value is False:
+        return False
+    if value is True:
+        return "tensorwise"
+    if isinstance(value, str) and value in FP8_RECIPES:
+        return value
+    raise ValueError(f"fp8 must be False, True (= 'tensorwise') or one of {FP8_RECIPES}, got {value!r}")
+
+
+def require_torchao() -> Any:
+    """``torchao.float8``, or an ImportError saying which extra installs it."""
+    try:
+        import torchao
+        import torchao.float8 as float8
+    except ImportError as err:
+        raise ImportError("FP8 linears need torchao: pip install 'lightning-perf[fp8]' (or pip install torchao)") from err
+    version = tuple(int(p) for p in torchao.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+    if version < _TORCHAO_MIN:
+        raise ImportError(f"FP8 linears need torchao >= {'.'.join(map(str, _TORCHAO_MIN))}, found {torchao.__version__}")
+    return float8
+
+
+def fp8_linear_config(recipe: str, *, fsdp_all_gather: bool = False) -> Any:
+    """torchao's ``Float8LinearConfig`` for ``recipe`` ("tensorwise" | "rowwise").
+
+    ``fsdp_all_gather`` (tensorwise only) makes FSDP2 all-gather the weights in FP8.
+    """
+    float8 = require_torchao()
+    recipe = normalize_fp8(recipe)
+    if not recipe:
+        raise ValueError("fp8_linear_config needs a recipe name, got False")
+    if fsdp_all_gather and recipe != "tensorwise":
+        raise ValueError(f"FP8 all-gather needs the 'tensorwise' recipe (one scale per weight); got {recipe!r}")
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_all_gather)
+
+
+def _fp8_shape_ok(module: nn.Module) -> bool:
+    return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+
+
+def convert_to_fp8(module: nn.Module, recipe: Union[bool, str], *,
+                   include: Optional[Callable[[nn.Module, str], bool]] = None) -> list[str]:
+    """Swap ``module``'s ``nn.Linear`` layers for torchao ``Float8Linear`` in place; returns their names.
+
+    Layers whose width or height is not a multiple of 16 stay as they are (FP8 matmuls cannot
+    take them), as does any layer ``include(layer, name)`` rejects. Works on the ``meta`` device
+    (nothing is allocated; the parameters are the same objects).
+    """
+    recipe = normalize_fp8(recipe)
+    if not recipe:
+        return []
+    float8 = require_torchao()
+    config = fp8_linear_config(recipe)
+    converted: list[str] = []
+
+    def keep(layer: nn.Module, name: str) -> bool:
+        take = isinstance(layer, nn.Linear) and _fp8_shape_ok(layer) and (include is None or include(layer, name))
+        if take:
+            converted.append(name)
+        return take
+
+    float8.convert_to_float8_training(module, module_filter_fn=keep, config=config)
+    return converted
+
+
+def is_fp8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao ``Float8Linear`` (False when torchao is not installed)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return False
+    return isinstance(module, Float8Linear)
+
+
+def fp8_recipe_of(module: nn.Module) -> Optional[str]:
+    """"tensorwise" / "rowwise" for a torchao ``Float8Linear``, by its weight's scaling granularity."""
+    if not is_fp8_linear(module):
+        return None
+    granularity = module.config.cast_config_weight.scaling_granularity
+    return "tensorwise" if granularity.name == "TENSORWISE" else "rowwise"
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, like: nn.Module) -> torch.Tensor:
+    """``x @ weight.T`` as the FP8 linear ``like`` computes it (its recipe, both gradients in FP8).
+
+    For a weight that is not ``like``'s own, e.g. the q, k and v weights concatenated by rows:
+    one FP8 cast of ``x`` and one matmul instead of three.
+    """
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    return matmul_with_hp_or_float8_args.apply(x, weight.t(), like.linear_mm_config, like.config)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Raise ValueError when FP8 matmuls cannot run on ``device`` (CUDA before compute capability 8.9)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"FP8 linears need a GPU of compute capability >= 8.9 (Ada, Hopper or later); "
+                f"{torch.cuda.get_device_name(device)} is {major}.{minor}: set fp8=False")
+
+
+def _quantized(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """t rounded to e4m3 and dequantised: one scale per tensor, or per row along the last dim rounded
+    down to a power of two (torchao's recipes)."""
+    e4m3 = torch.float8_e4m3fn
+    fmax = torch.finfo(e4m3).max
+    t = t.float()
+    amax = t.abs().amax(dim=-1, keepdim=True) if rowwise else t.abs().amax()
+    scale = (fmax / amax.double().clamp(min=1e-12)).float()
+    if rowwise:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (t * scale).clamp(-fmax, fmax).to(e4m3).float() / scale
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                         recipe: str = "tensorwise") -> torch.Tensor:
+    """The forward of an FP8 linear in plain PyTorch: e4m3 operands with dynamic scales fmax / amax,
+    per tensor ("tensorwise") or per row of x and of W along the contracted dimension, rounded down to
+    a power of two ("rowwise"), multiplied in fp32 (rowwise: the product rounded to bf16, as the
+    row-scaled FP8 matmul writes it); returns x's dtype."""
+    rowwise = normalize_fp8(recipe) == "rowwise"
+    y = _quantized(x, rowwise) @ _quantized(weight, rowwise).t()
+    if rowwise:
+        y = y.to(torch.bfloat16).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
