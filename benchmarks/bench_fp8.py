@@ -229,7 +229,7 @@ STEP_VARIANTS = {
 
 
 def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: int, warmup: int,
-               profile_dir: Path) -> list[dict]:
+               profile_dir: Path, on_row=None) -> list[dict]:
     """A plain loop (bf16 autocast, whole-model compile, fused AdamW) per variant; one profiled step each."""
     from lightning_perf.models import GPT, GPTConfig
     from lightning_perf.perf.gpu_time import gpu_time_breakdown
@@ -275,6 +275,8 @@ def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: i
             row["gpu_time"] = gpu_time_breakdown(json.loads(trace.read_text()).get("traceEvents", []), top=30)
             trace.unlink()
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
         print(json.dumps({k: v for k, v in row.items() if k != "gpu_time"}), flush=True)
         if "gpu_time" in row:
             print(json.dumps(row["gpu_time"]["ms_per_step"]), flush=True)
@@ -321,12 +323,22 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    fname = out / f"bench_fp8_{stamp}{'_smoke' if args.smoke else ''}.json"
+
+    def save() -> None:  # after every part and every step variant: a run cut short keeps what it measured
+        fname.write_text(json.dumps(result, indent=2))
+
     def linears():
         return bench_linears(device, M, shapes, iters, args.linear_variants.split(","))
 
+    def partial_step(rows):
+        result["step"] = list(rows)
+        save()
+
     for part, fn in (("linears", linears),
                      ("step", lambda: bench_step(device, step[0], step[1], step[2], args.step_variants.split(","),
-                                                 step[3], step[4], out)),
+                                                 step[3], step[4], out, partial_step)),
                      ("convergence", lambda: bench_convergence(device, *conv, runs=args.conv_runs.split(","))),
                      ("flce_chunks", lambda: bench_flce_chunks(device, *flce_shape, chunks, iters))):
         if part not in parts:
@@ -336,11 +348,10 @@ def main() -> None:
         except Exception as err:
             result[part] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
             print(result[part]["traceback"], flush=True)
+        save()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    fname = out / f"bench_fp8_{stamp}{'_smoke' if args.smoke else ''}.json"
-    fname.write_text(json.dumps(result, indent=2))
+    save()
     print(f"wrote {fname}")
 
 
