@@ -317,8 +317,8 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--recipes", default=None,
                    help="comma-separated names (default: the single-GPU recipes; with --smoke also gpt-1.3b-zero3)")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 60; --smoke: 4)")
+    p.add_argument("--warmup", type=int, default=None, help="steps before the window (default 20; --smoke: 2)")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true")
@@ -339,6 +339,10 @@ def main() -> None:
     args = p.parse_args()
     if args.recipes is None:
         args.recipes = "gpt2-124m,gpt-1.3b,gpt-1.3b-fp8" + (",gpt-1.3b-zero3" if args.smoke else "")
+    if args.steps is None:
+        args.steps = 4 if args.smoke else 60
+    if args.warmup is None:
+        args.warmup = 2 if args.smoke else 20
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.no_checkpoint:
