@@ -185,6 +185,7 @@ class WallClockWindow(Callback):
         import gc
         import json
         import os
+        import shutil
         import tempfile
 
         self._close(trainer)
@@ -193,12 +194,16 @@ class WallClockWindow(Callback):
         self.result["validation_s"] = self._val_s
         self.result["checkpoint_save_s"] = None
         if os.environ.get("BENCH_WINDOW_CHECKPOINT", "1") != "0":
-            with tempfile.TemporaryDirectory() as tmp:
-                self._sync(trainer)
-                t = time.perf_counter()
-                trainer.save_checkpoint(f"{tmp}/bench.ckpt")
-                self._sync(trainer)
-                self.result["checkpoint_save_s"] = time.perf_counter() - t
+            # one directory for every rank: a sharded checkpoint is one directory written by all of them
+            tmp = trainer.strategy.broadcast(tempfile.mkdtemp() if trainer.is_global_zero else None)
+            self._sync(trainer)
+            t = time.perf_counter()
+            trainer.save_checkpoint(f"{tmp}/bench.ckpt")
+            self._sync(trainer)
+            self.result["checkpoint_save_s"] = time.perf_counter() - t
+            trainer.strategy.barrier()
+            if trainer.is_global_zero:
+                shutil.rmtree(tmp, ignore_errors=True)
         self.result["precision_plugin"] = type(trainer.precision_plugin).__name__
         self.result["strategy"] = type(trainer.strategy).__name__
         if self.out and trainer.is_global_zero:

@@ -1,22 +1,41 @@
-"""Each recipe as a user runs it (``lightning-perf fit --config NAME``) against a plain compiled loop.
+"""Each recipe as a user runs it (``lightning-perf fit --config NAME``) against the baseline a user
+would pick instead.
 
 The recipe side goes through the CLI entry point: LightningCLI, the recipe's precision, strategy,
 clipping, loggers, checkpoint callback, callbacks and progress bar, on synthetic tokens for
 ``warmup + steps`` steps; a validation pass (the recipe's ``limit_val_batches``) and one checkpoint
-save are timed after the window. The baseline, in the same call on the same GPU, is a plain PyTorch
-loop over the equivalent GPT (PyTorch kernels, SDPA attention, no FP8, whole model compiled), with
-the recipe's batch, sequence length, fused AdamW, bf16 autocast and gradient clipping.
+save are timed after the window. The baseline runs in the same call on the same GPUs:
 
-Headline: tokens / wall time over the window after warm-up (the mean a user pays, slow steps
-included); also the median and p90 step, the slowest steps, garbage collections and Dynamo
-recompilations inside the window, peak memory and MFU against the bf16 datasheet peak.
+- a single-GPU recipe (``plain``): a plain PyTorch loop over the equivalent GPT (PyTorch kernels,
+  SDPA attention, no FP8, separate q/k/v, whole model compiled), with the recipe's batch, sequence
+  length, fused AdamW, bf16 autocast and gradient clipping;
+- a multi-GPU recipe (``fsdp``): Lightning's own ``FSDPStrategy`` (FULL_SHARD, one unit per block)
+  on the recipe's devices, training the same GPT through ``GPTLightningModule`` with PyTorch kernels,
+  compiled per block (``--fsdp_compile_scope model``: the whole model), the recipe's precision,
+  fused AdamW and gradient clipping (through FSDP's own ``clip_grad_norm_``: Lightning's FSDP
+  refuses clipping by norm from the Trainer), and full activation checkpointing per block where the
+  recipe checkpoints activations (Lightning has no selective mode). Same sequence length and the
+  same sequences per step: the recipe's ``batch_size`` times its data-parallel size, split over
+  every GPU.
 
-    python benchmarks/bench_recipes.py --out $OUT                         # the single-GPU recipes
-    python benchmarks/bench_recipes.py --recipes gpt2-124m --steps 60     # one recipe
-    python benchmarks/bench_recipes.py --smoke                            # CPU: the code paths only
+Both sides are timed by the same window callback (``_timing.WallClockWindow``). Headline: tokens /
+wall time over the window after warm-up (the mean a user pays, slow steps included); also the
+median and p90 step, the slowest steps, garbage collections and Dynamo recompilations inside the
+window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. The JSON row holds
+``recipe_vs_plain`` or ``recipe_vs_fsdp``.
 
-Single-GPU recipes only: a recipe with ``devices`` > 1 is refused (its baseline would be Lightning's
-FSDPStrategy over the same GPUs, which this script does not build yet).
+    python benchmarks/bench_recipes.py --out $OUT                               # the single-GPU recipes
+    python benchmarks/bench_recipes.py --recipes gpt2-124m --steps 60           # one recipe
+    python benchmarks/bench_recipes.py --recipes gpt-1.3b-zero3,gpt-1.3b-tp2,gpt-1.3b-pp2 --steps 30 --warmup 10
+    python benchmarks/bench_recipes.py --recipes llama-8b-3d --steps 10 --warmup 5   # 8 GPUs
+    python benchmarks/bench_recipes.py --smoke                                  # CPU: the code paths only
+
+A multi-GPU recipe runs as Lightning launches it: the child process this script starts is rank 0,
+and Lightning's launcher re-runs the same command line for the other ranks, so the child entry point
+(``--child``) is re-entrant. Run the script with plain ``python``, never under ``torchrun``. The
+smoke runs the multi-GPU path on 2 gloo processes (``gpt-1.3b-zero3``: the recipe's strategy
+against the baseline's child; Lightning's FSDPStrategy requires a GPU, so on the CPU that child
+runs under Lightning's DDP in fp32 instead and the FSDP lines themselves run only on GPUs).
 """
 
 from __future__ import annotations
@@ -26,6 +45,7 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,9 +81,51 @@ def _plain_config(recipe: dict):
     return dataclasses.replace(cfg, **{k: v for k, v in plain.items() if hasattr(cfg, k)})
 
 
-def _smoke_overrides() -> list[str]:
-    return ["--trainer.accelerator", "cpu", "--model.config", "tiny-llama", "--model.config_overrides", "null",
-            "--model.compile", "null", "--data.seq_len", "64", "--data.batch_size", "4"]
+def _devices(recipe: dict) -> int:
+    devices = (recipe.get("trainer") or {}).get("devices", 1)
+    return 1 if devices in (None, "auto") else int(devices)
+
+
+def _data_parallel_size(recipe: dict) -> int:
+    """How many data-parallel replicas the recipe's strategy makes of its devices (each reads its own batch)."""
+    from lightning_perf.parallel import ParallelDims
+
+    devices = _devices(recipe)
+    strategy = (recipe.get("trainer") or {}).get("strategy")
+    if isinstance(strategy, dict) and strategy.get("class_path", "").endswith("Parallel3DStrategy"):
+        args = strategy.get("init_args") or {}
+        return ParallelDims(dp=args.get("data_parallel_size", "auto"), tp=int(args.get("tensor_parallel_size", 1)),
+                            pp=int(args.get("pipeline_parallel_size", 1)), world_size=devices).dp_size
+    return devices
+
+
+def _activation_checkpointing(recipe: dict) -> str:
+    strategy = (recipe.get("trainer") or {}).get("strategy")
+    args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    return args.get("activation_checkpointing") or (recipe.get("model") or {}).get("activation_checkpointing", "none")
+
+
+def _fsdp_batch(recipe: dict) -> int:
+    """Sequences per GPU for the FSDP baseline: the recipe's sequences per step over all its devices."""
+    batch, devices = int((recipe.get("data") or {}).get("batch_size", 8)), _devices(recipe)
+    per_step = batch * _data_parallel_size(recipe)
+    if per_step % devices:
+        raise SystemExit(f"recipe trains {batch} x dp({_data_parallel_size(recipe)}) = {per_step} sequences per step, "
+                         f"not divisible over {devices} GPUs for the FSDP baseline")
+    return per_step // devices
+
+
+SMOKE_SEQ_LEN = 64
+
+
+def _smoke_overrides(recipe: dict) -> list[str]:
+    """CPU stand-ins: the tiny Llama, uncompiled, short sequences; the recipe's batch (whole microbatches)."""
+    args = ["--trainer.accelerator", "cpu", "--model.config", "tiny-llama", "--model.config_overrides", "null",
+            "--model.compile", "null", "--data.seq_len", str(SMOKE_SEQ_LEN), "--data.num_workers", "0"]
+    strategy = (recipe.get("trainer") or {}).get("strategy")
+    if isinstance(strategy, dict) and "compile" in (strategy.get("init_args") or {}):
+        args += ["--trainer.strategy.init_args.compile", "null"]
+    return args
 
 
 def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
@@ -85,7 +147,7 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
         "--trainer.callbacks+=_timing.WallClockWindow",
     ]
     if smoke:
-        args += _smoke_overrides()
+        args += _smoke_overrides(recipe)
     main(args + extra)
 
 
@@ -102,7 +164,7 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
     seq_len, batch = int(data.get("seq_len", 1024)), int(data.get("batch_size", 8))
     compile_mode = "default"
     if smoke:
-        cfg, seq_len, batch, compile_mode = GPTConfig.from_name("tiny-llama"), 64, 4, None
+        cfg, seq_len, compile_mode = GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, None
     device = torch.device("cpu" if smoke else "cuda")
     torch.manual_seed(1234)
     with torch.device(device):
@@ -160,16 +222,88 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
     }, indent=2))
 
 
+def run_fsdp(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str],
+             compile_scope: str = "block") -> None:
+    """Child process (rank 0; Lightning's launcher re-runs it for the other ranks): the same GPT under
+    Lightning's FSDPStrategy, timed by the recipe side's window callback (see the module docstring)."""
+    import lightning as L
+    from lightning.pytorch.strategies import FSDPStrategy
+    from typing_extensions import override
+
+    from _timing import WallClockWindow
+    from lightning_perf.data import TokenDataModule
+    from lightning_perf.models import GPTConfig, GPTLightningModule
+    from lightning_perf.models.gpt.model import Block
+
+    class FSDPClippedGPT(GPTLightningModule):
+        @override
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            if not isinstance(self.trainer.strategy, FSDPStrategy):
+                return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            # Lightning's FSDP precision plugin refuses clipping by norm; the FSDP root clips across shards
+            if gradient_clip_val:
+                self.trainer.model.clip_grad_norm_(float(gradient_clip_val))
+
+    recipe = _recipe(name)
+    trainer_args, data, model_args = recipe.get("trainer") or {}, recipe.get("data") or {}, recipe.get("model") or {}
+    cfg, seq_len, batch = _plain_config(recipe), int(data.get("seq_len", 1024)), _fsdp_batch(recipe)
+    compile_mode = "default"
+    if smoke:
+        cfg, seq_len, compile_mode = GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, None
+    total = warmup + steps
+    module = FSDPClippedGPT(
+        cfg, learning_rate=float(model_args.get("learning_rate", 3e-4)),
+        weight_decay=float(model_args.get("weight_decay", 0.1)), warmup_steps=0, fused_adam=True,
+        compile=compile_mode, compile_scope=compile_scope,
+    )
+    checkpointing = _activation_checkpointing(recipe) != "none"
+    strategy = FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, state_dict_type="sharded",
+                            activation_checkpointing_policy={Block} if checkpointing else None)
+    precision = trainer_args.get("precision", "bf16-mixed")
+    if smoke:  # Lightning's FSDPStrategy requires a GPU: on the CPU this child runs under DDP (gloo) instead,
+        # in fp32 (Lightning's bf16-mixed plugin refuses to clip beside a fused AdamW)
+        strategy, precision = "ddp", "32-true"
+    trainer = L.Trainer(
+        accelerator="cpu" if smoke else "gpu", devices=_devices(recipe), num_nodes=1, strategy=strategy,
+        precision=precision,
+        gradient_clip_val=trainer_args.get("gradient_clip_val"),
+        max_steps=total, limit_val_batches=0, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[WallClockWindow(warmup=warmup, out=str(out))],
+    )
+    dm = TokenDataModule(source="synthetic", vocab_size=cfg.vocab_size, seq_len=seq_len, batch_size=batch,
+                         num_workers=0 if smoke else int(data.get("num_workers", 0)),
+                         synthetic_train_samples=batch * _devices(recipe) * (total + 4))
+    L.seed_everything(1234, verbose=False)
+    trainer.fit(module, datamodule=dm)
+    if trainer.is_global_zero:
+        result = json.loads(out.read_text())
+        result["model"] = {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "kernels",
+                                                        "attention")}
+        result.update(batch_per_gpu=batch, devices=_devices(recipe), compile_scope=compile_scope,
+                      activation_checkpointing="full" if checkpointing else "none")
+        out.write_text(json.dumps(result, indent=2))
+
+
 def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str = "") -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--recipes", name,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out.parent),
            f"--child_args={extra}"]
     if args.smoke:
         cmd.append("--smoke")
+    if kind == "fsdp":
+        cmd += ["--fsdp_compile_scope", args.fsdp_compile_scope]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    # a session of its own: on a timeout the ranks Lightning's launcher started are killed with it
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\ntimed out after {args.timeout}s"
     elapsed = time.perf_counter() - t
-    tail = (proc.stdout[-1500:] + proc.stderr[-3000:]) if proc.returncode else ""
+    tail = (stdout[-1500:] + stderr[-3000:]) if proc.returncode else ""
     if proc.returncode or not out.is_file():
         print(f"[{kind} {name}] failed (rc={proc.returncode}):\n{tail}", flush=True)
         return {"error": tail or "no result written", "process_s": elapsed}
@@ -181,19 +315,34 @@ def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    p.add_argument("--recipes", default="gpt2-124m,gpt-1.3b,gpt-1.3b-fp8")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--recipes", default=None,
+                   help="comma-separated names (default: the single-GPU recipes; with --smoke also gpt-1.3b-zero3)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 60; --smoke: 4)")
+    p.add_argument("--warmup", type=int, default=None, help="steps before the window (default 20; --smoke: 2)")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--no_checkpoint", action="store_true", help="skip timing one checkpoint save")
     p.add_argument("--budget_s", type=float, default=None, help="start no further run after this many seconds")
-    p.add_argument("--child", choices=("recipe", "plain"))
+    p.add_argument("--fsdp_compile_scope", choices=("block", "model"), default="block",
+                   help="the FSDP baseline compiles each block or the whole model")
+    p.add_argument("--child", choices=("recipe", "plain", "fsdp"))
     p.add_argument("--child_args", default="", help=argparse.SUPPRESS)
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                    help="also run each recipe with these CLI overrides, e.g. 'block=--model.compile_scope block'")
+    if sys.argv[1:2] == ["fit"]:
+        # a rank that Lightning's launcher started for a multi-GPU recipe: it re-runs the command line
+        # that rank 0's CLI saw (``fit --config NAME ...``), with the window's settings in its environment
+        from lightning_perf.cli import main as cli_main
+
+        return cli_main(sys.argv[1:])
     args = p.parse_args()
+    if args.recipes is None:
+        args.recipes = "gpt2-124m,gpt-1.3b,gpt-1.3b-fp8" + (",gpt-1.3b-zero3" if args.smoke else "")
+    if args.steps is None:
+        args.steps = 4 if args.smoke else 60
+    if args.warmup is None:
+        args.warmup = 2 if args.smoke else 20
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.no_checkpoint:
@@ -201,8 +350,12 @@ def main() -> None:
     if args.child:
         name = args.recipes
         target = out_dir / f"_{args.child}-{name}.json"
-        (run_recipe if args.child == "recipe" else run_plain)(name, args.steps, args.warmup, target, args.smoke,
-                                                               args.child_args.split())
+        if args.child == "fsdp":
+            run_fsdp(name, args.steps, args.warmup, target, args.smoke, args.child_args.split(),
+                     compile_scope=args.fsdp_compile_scope)
+        else:
+            (run_recipe if args.child == "recipe" else run_plain)(name, args.steps, args.warmup, target, args.smoke,
+                                                                   args.child_args.split())
         return
 
     import torch
@@ -213,7 +366,10 @@ def main() -> None:
     plain_cache: dict = {}
     started = time.perf_counter()
     stamp = datetime.date.today().strftime("%Y%m%d")
-    path = out_dir / f"bench_recipes_{kind}_{stamp}{'_' + args.tag if args.tag else ''}.json"
+    names = [n for n in args.recipes.split(",") if n]
+    most = max(_devices(_recipe(n)) for n in names)
+    device_tag = f"{most}x{kind}" if most > 1 and kind != "cpu" else kind  # the naming rule of benchmarks/README.md
+    path = out_dir / f"bench_recipes_{device_tag}_{stamp}{'_' + args.tag if args.tag else ''}.json"
 
     def over_budget() -> bool:
         return args.budget_s is not None and time.perf_counter() - started > args.budget_s
@@ -230,21 +386,25 @@ def main() -> None:
             "rows": rows,
         }, indent=2))
 
-    names = [n for n in args.recipes.split(",") if n]
-    for name in names:
-        devices = (_recipe(name).get("trainer") or {}).get("devices", 1)
-        if devices not in (1, "1", None) and not args.smoke:
-            raise SystemExit(f"{name} asks for devices={devices}: bench_recipes.py measures single-GPU recipes only")
+    gpus = torch.cuda.device_count()
+    for name in names:  # refused before anything runs
+        recipe = _recipe(name)
+        if _devices(recipe) > 1:
+            _fsdp_batch(recipe)
+        if not args.smoke and _devices(recipe) > gpus:
+            raise SystemExit(f"{name} asks for devices={_devices(recipe)}; this machine has {gpus} GPU(s)")
     for name in names:
         recipe = _recipe(name)
         cfg = _model_config(recipe)
         data = recipe.get("data") or {}
-        seq_len = 64 if args.smoke else int(data.get("seq_len", 1024))
-        row: dict = {"name": name}
+        seq_len = SMOKE_SEQ_LEN if args.smoke else int(data.get("seq_len", 1024))
+        devices = _devices(recipe)
+        base = "fsdp" if devices > 1 else "plain"
+        row: dict = {"name": name, "devices": devices, "baseline": base}
         rows.append(row)
         plain_key = json.dumps([dataclasses.asdict(_plain_config(recipe)), data.get("seq_len"), data.get("batch_size"),
                                 (recipe.get("trainer") or {}).get("gradient_clip_val")], default=str)
-        for side in ("plain", "recipe"):
+        for side in (base, "recipe"):
             if over_budget():
                 row[side] = {"error": "skipped: --budget_s reached"}
                 continue
@@ -269,18 +429,18 @@ def main() -> None:
             result = _child("recipe", name, args, target, extra)
             target.unlink(missing_ok=True)
             result["args"] = extra
-            if "tokens_per_s" in result and "tokens_per_s" in row["plain"]:
-                result["vs_plain"] = result["tokens_per_s"] / row["plain"]["tokens_per_s"]
+            if "tokens_per_s" in result and "tokens_per_s" in row[base]:
+                result[f"vs_{base}"] = result["tokens_per_s"] / row[base]["tokens_per_s"]
             row.setdefault("variants", {})[label] = result
             print(f"[{name}] variant {label}: " + json.dumps({k: result.get(k) for k in
-                  ("tokens_per_s", "vs_plain", "step_ms_median", "step_ms_p90", "peak_mem_gb")}), flush=True)
-        if "tokens_per_s" in row["plain"] and "tokens_per_s" in row["recipe"]:
-            row["recipe_vs_plain"] = row["recipe"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
-            if kind in PEAK_BF16 and not args.smoke:
+                  ("tokens_per_s", f"vs_{base}", "step_ms_median", "step_ms_p90", "peak_mem_gb")}), flush=True)
+        if "tokens_per_s" in row[base] and "tokens_per_s" in row["recipe"]:
+            row[f"recipe_vs_{base}"] = row["recipe"]["tokens_per_s"] / row[base]["tokens_per_s"]
+            if kind in PEAK_BF16 and not args.smoke:  # per GPU
                 fpt = cfg.flops_per_token(seq_len)
-                row["mfu_recipe"] = fpt * row["recipe"]["tokens_per_s"] / PEAK_BF16[kind]
-                row["mfu_plain"] = fpt * row["plain"]["tokens_per_s"] / PEAK_BF16[kind]
-            print(f"[{name}] recipe / plain = {row['recipe_vs_plain']:.3f}", flush=True)
+                for side in (base, "recipe"):
+                    row[f"mfu_{side}"] = fpt * row[side]["tokens_per_s"] / devices / PEAK_BF16[kind]
+            print(f"[{name}] recipe / {base} = {row[f'recipe_vs_{base}']:.3f}", flush=True)
         write()
     write()
     print(f"wrote {path}")

@@ -1,9 +1,14 @@
 """Every shipped recipe runs through ``lightning-perf fit --config NAME`` on the CPU.
 
-Each recipe keeps its own precision, gradient clipping, strategy (and its layout), device count,
-callbacks, loggers and checkpointing; only what a CPU cannot hold is stood in for: the tiny
-Llama-shaped GPT, uncompiled, synthetic tokens, 3 steps, gloo, and the fused AdamW forced on so
-that clipping meets the fused optimizer as it does on a GPU. The run must finish and write only
+Each recipe keeps its own precision, gradient clipping, strategy (its layout, schedule, sharding,
+activation checkpointing), device count, callbacks, loggers and checkpointing; only what a CPU cannot
+hold is stood in for: the tiny Llama-shaped GPT, uncompiled, synthetic tokens, gloo, and the fused
+AdamW forced on so that clipping meets the fused optimizer as it does on a GPU. The run is as short
+as still covers every path: two steps (the second with the optimizer state the first made), one
+validation batch at the end and one checkpoint, no sanity check, and a pipeline runs the fewest
+microbatches its schedule takes (one per pipeline rank) in the recipe's batch. The layout itself is never
+shrunk: every parallel dimension a recipe has is > 1 and the smallest world that keeps them all is
+the recipe's own (``llama-8b-3d``: pp2 x tp2 x dp2 = 8 ranks). The run must finish and write only
 under the recipe's own ``trainer.default_root_dir``. A new file in ``lightning_perf/configs/`` is
 covered without editing this test.
 """
@@ -19,6 +24,7 @@ import yaml
 
 from lightning_perf.cli import recipe_dir, recipe_names
 
+STEPS = 2
 STAND_IN_MODEL = {
     "config": "tiny-llama",
     "config_overrides": {"n_embd": 64, "vocab_size": 256, "block_size": 64},
@@ -34,10 +40,10 @@ def _stand_in(recipe: dict) -> dict:
     stand_in: dict = {
         "trainer": {
             "accelerator": "cpu",
-            "max_steps": 3,
-            "val_check_interval": 3,
-            "limit_val_batches": 2,
-            "num_sanity_val_steps": 1,
+            "max_steps": STEPS,
+            "val_check_interval": STEPS,
+            "limit_val_batches": 1,
+            "num_sanity_val_steps": 0,
             "log_every_n_steps": 1,
             "enable_progress_bar": False,
         },
@@ -57,11 +63,13 @@ def _stand_in(recipe: dict) -> dict:
         args = dict(strategy.get("init_args") or {})
         if "compile" in args:
             args["compile"] = None
+        if "num_microbatches" in args:  # the fewest the schedule takes: one per pipeline rank
+            args["num_microbatches"] = int(args.get("pipeline_parallel_size", 1))
         stand_in["trainer"]["strategy"] = {"class_path": strategy["class_path"], "init_args": args}
     if (trainer.get("callbacks") or []) and any("ModelCheckpoint" in str(c) for c in trainer["callbacks"]):
         # the recipe's own checkpoint callback with a step the run reaches
         stand_in["trainer"]["callbacks"] = [
-            dict(c, init_args={**(c.get("init_args") or {}), "every_n_train_steps": 3})
+            dict(c, init_args={**(c.get("init_args") or {}), "every_n_train_steps": STEPS})
             if "ModelCheckpoint" in c.get("class_path", "") else c
             for c in trainer["callbacks"]
         ]
@@ -93,7 +101,7 @@ def test_recipe_runs_through_the_cli_on_cpu(name, tmp_path):
         cwd=cwd, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    assert "`Trainer.fit` stopped: `max_steps=3` reached" in proc.stdout + proc.stderr
+    assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached" in proc.stdout + proc.stderr
     written = _tree(cwd)
     assert written, "the run wrote nothing"
     outside = sorted(str(p) for p in written if root not in p.parents)
