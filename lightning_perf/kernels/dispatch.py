@@ -2,10 +2,12 @@
 
 Each function returns the kernel's result, or ``None`` to mean "use the PyTorch
 reference path": Triton missing, a CPU tensor without the interpreter, or a
-dtype / shape a kernel does not take. With ``impl="auto"`` attention is routed
-by an :class:`AttentionSelector`, which times our Triton kernel and each SDPA
-backend (cuDNN, flash, efficient) once per (shape, dtype, device, causal),
-forward + backward, keeps the fastest and logs the choice.
+dtype / shape a kernel does not take. Attention by name (``impl="flex"``, ``"fa3"``,
+``"fa4"``, ``"triton"``) runs that backend of ``kernels.attention_backends``; with
+``impl="auto"`` it is routed by an :class:`AttentionSelector`, which times each SDPA
+backend (cuDNN, flash, efficient), FlexAttention and the installed flash-attention
+packages once per (shape, dtype, device, causal), forward + backward, keeps the
+fastest and logs the choice.
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from lightning_perf.kernels._utils import is_dtensor as _is_dtensor
+from lightning_perf.kernels.attention_backends import (
+    BACKENDS,
+    LIBRARY_BACKENDS,
+    SDPA_BACKENDS,
+    AttentionBackends,
+    sdpa,
+)
 
 __all__ = [
     "attention",
@@ -29,67 +37,46 @@ __all__ = [
     "default_dispatcher",
     "set_default_dispatcher",
     "SDPA_BACKENDS",
+    "ATTENTION_IMPLS",
+    "sdpa",
 ]
 
 log = logging.getLogger(__name__)
 
-SDPA_BACKENDS = ("cudnn", "flash", "efficient")
-_CANDIDATES = ("triton",) + SDPA_BACKENDS
-
-
-
-
-def _sdpa_backend(name: str):
-    from torch.nn.attention import SDPBackend
-
-    return {
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }[name]
-
-
-def sdpa(q, k, v, causal: bool, backend: Optional[str] = None) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``, GQA through ``enable_gqa``, optionally pinned to one backend."""
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    if backend is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
-    from torch.nn.attention import sdpa_kernel
-
-    with sdpa_kernel([_sdpa_backend(backend)]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
-
-
-def _triton_attention(q, k, v, causal: bool) -> Optional[torch.Tensor]:
-    try:
-        from lightning_perf.kernels.ops.flash_attention import flash_attention, flash_attention_supported
-    except ImportError:
-        return None
-    if not flash_attention_supported(q, k, v):
-        return None
-    return flash_attention(q, k, v, causal=causal)
+_CANDIDATES = BACKENDS
+#: the attention implementations a user can name (``GPTConfig.attention``, ``KernelDispatcher.attention``)
+ATTENTION_IMPLS = ("auto", "sdpa") + LIBRARY_BACKENDS + ("triton",)
 
 
 @dataclass(kw_only=True)
 class AttentionSelector:
     """Fastest attention per (shape, dtype, device, causal), timed once with CUDA events and cached.
 
-    ``candidates`` are tried in order; one that raises (unsupported head dim, GQA, ...) is skipped.
-    Under ``torch.compile`` tracing nothing is timed: a cached choice is used, else SDPA's default.
+    Each of ``candidates`` that can take the tensors (installed, supported by the GPU, the shape
+    accepted) is run forward + backward ``warmup`` times, then timed over ``repeat`` runs; the
+    choice is the minimum. ``fallback`` (our Triton kernel) is timed only when every candidate
+    refuses the shape. A candidate that is missing or raises is skipped, its reason kept in
+    ``skipped``.
+
+    Under ``torch.compile`` tracing nothing is timed: the cached choice among the candidates Dynamo
+    can trace (``traced_choices``; FA4 is not one) is used, else SDPA's default.
     """
 
-    candidates: tuple[str, ...] = _CANDIDATES
+    candidates: tuple[str, ...] = SDPA_BACKENDS + LIBRARY_BACKENDS
+    fallback: tuple[str, ...] = ("triton",)
     warmup: int = 2
     repeat: int = 10
+    backends: AttentionBackends = field(default_factory=AttentionBackends)
     choices: dict[tuple, str] = field(default_factory=dict)
+    traced_choices: dict[tuple, str] = field(default_factory=dict)
     timings: dict[tuple, dict[str, float]] = field(default_factory=dict)
+    skipped: dict[tuple, dict[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = [c for c in self.candidates if c not in _CANDIDATES]
+        unknown = [c for c in self.candidates + self.fallback if c not in _CANDIDATES]
         if unknown or not self.candidates:
-            raise ValueError(f"AttentionSelector candidates {self.candidates} must be a non-empty subset of "
-                             f"{_CANDIDATES}")
+            raise ValueError(f"AttentionSelector candidates {self.candidates} (fallback {self.fallback}) must be a "
+                             f"non-empty subset of {_CANDIDATES}")
         if self.warmup < 0 or self.repeat < 1:
             raise ValueError(f"warmup ({self.warmup}) must be >= 0 and repeat ({self.repeat}) >= 1")
 
@@ -97,38 +84,53 @@ class AttentionSelector:
     def key(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
         return (tuple(q.shape), k.shape[1], q.dtype, str(q.device), causal)
 
-    def run(self, choice: str, q, k, v, causal: bool) -> Optional[torch.Tensor]:
-        if choice == "triton":
-            return _triton_attention(q, k, v, causal)
-        return sdpa(q, k, v, causal, choice)
+    def run(self, choice: str, q, k, v, causal: bool) -> torch.Tensor:
+        return self.backends(choice, q, k, v, causal)
+
+    def can_time(self, q: torch.Tensor) -> bool:
+        """Timing needs CUDA events; elsewhere SDPA's default runs untimed."""
+        return q.is_cuda
 
     def choose(self, q, k, v, causal: bool) -> Optional[str]:
+        """The backend to run, ``"sdpa"`` for SDPA's own dispatch, or None where nothing was timed."""
         key = self.key(q, k, causal)
+        if torch.compiler.is_compiling():
+            return self.traced_choices.get(key)
         if key in self.choices:
             return self.choices[key]
-        if torch.compiler.is_compiling() or not q.is_cuda:
+        if not self.can_time(q):
             return None
-        timings = {}
-        for name in self.candidates:
-            try:
-                timings[name] = self._time(name, q, k, v, causal)
-            except Exception as err:  # unsupported by this backend / kernel
-                log.debug("attention candidate %s unavailable for %s: %s", name, key, err)
+        timings, skipped = self._time_all(self.candidates, q, k, v, causal)
         if not timings:
-            self.choices[key] = "sdpa"
-            return "sdpa"
-        best = min(timings, key=timings.get)
-        self.choices[key], self.timings[key] = best, timings
-        log.info("attention='auto' for q%s kv_heads=%d %s causal=%s: %s (fwd+bwd ms: %s)", tuple(q.shape), k.shape[1],
-                 q.dtype, causal, best, ", ".join(f"{n}={t:.3f}" for n, t in timings.items()))
+            timings, more = self._time_all(tuple(n for n in self.fallback if n not in self.candidates), q, k, v, causal)
+            skipped.update(more)
+        best = min(timings, key=timings.get) if timings else "sdpa"
+        traced = [n for n in timings if n in AttentionBackends.TRACEABLE]
+        self.choices[key] = best
+        self.traced_choices[key] = min(traced, key=timings.get) if traced else "sdpa"
+        self.timings[key], self.skipped[key] = timings, skipped
+        log.info("attention='auto' for q%s kv_heads=%d %s causal=%s: %s (fwd+bwd ms: %s)%s", tuple(q.shape),
+                 k.shape[1], q.dtype, causal, best, ", ".join(f"{n}={t:.3f}" for n, t in timings.items()) or "none ran",
+                 "" if self.traced_choices[key] == best else f"; under torch.compile: {self.traced_choices[key]}")
+        for name, reason in skipped.items():
+            log.debug("attention candidate %s unavailable for %s: %s", name, key, reason)
         return best
 
-    def _time(self, name: str, q, k, v, causal: bool) -> float:
-        if name == "triton":
-            from lightning_perf.kernels.ops.flash_attention import flash_attention_supported
+    def _time_all(self, names, q, k, v, causal: bool) -> tuple[dict[str, float], dict[str, str]]:
+        timings, skipped = {}, {}
+        for name in names:
+            reason = self.backends.unsupported(name, q, k, v)
+            if reason is not None:
+                skipped[name] = reason
+                continue
+            try:
+                timings[name] = self._time(name, q, k, v, causal)
+            except Exception as err:  # the library refused the shape / GPU
+                skipped[name] = f"{type(err).__name__}: {err}"
+        return timings, skipped
 
-            if not flash_attention_supported(q, k, v):
-                raise ValueError("flash_attention does not take this shape / dtype")
+    def _time(self, name: str, q, k, v, causal: bool) -> float:
+        """Milliseconds of one forward + backward of backend ``name`` on tensors shaped like q, k, v."""
         qs, ks, vs = (torch.randn_like(t).requires_grad_(True) for t in (q, k, v))
         with torch.enable_grad():
             out = self.run(name, qs, ks, vs, causal)
@@ -170,16 +172,23 @@ class KernelDispatcher:
         return self.elementwise_under_compile == "inductor" and torch.compiler.is_compiling()
 
     def attention(self, q, k, v, *, causal: bool = True, impl: str = "triton") -> Optional[torch.Tensor]:
-        if _is_dtensor(q, k, v):
+        """``impl`` one of ``ATTENTION_IMPLS``: a backend by name where it can take the tensors, the
+        selector's choice for "auto"; None for SDPA's own dispatch (the reference path)."""
+        if _is_dtensor(q, k, v) or impl == "sdpa":
             return None
-        if impl == "triton":
-            return _triton_attention(q, k, v, causal)
+        selector = self.attention_selector
         if impl == "auto":
-            choice = self.attention_selector.choose(q, k, v, causal)
+            choice = selector.choose(q, k, v, causal)
             if choice is None or choice == "sdpa":
                 return None
-            return self.attention_selector.run(choice, q, k, v, causal)
-        return None
+            return selector.run(choice, q, k, v, causal)
+        if impl not in _CANDIDATES:
+            raise ValueError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
+        if q.device.type == "cpu" and impl != "triton":  # SDPA (FlexAttention has no CPU backward)
+            return None
+        if selector.backends.unsupported(impl, q, k, v) is not None:
+            return None
+        return selector.run(impl, q, k, v, causal)
 
     def norm(self, x, weight, bias, *, kind: str, eps: float) -> Optional[torch.Tensor]:
         if self._leave_to_inductor() or _is_dtensor(x, weight, bias):

@@ -164,8 +164,139 @@ def test_dispatch_leaves_dtensors_to_the_reference_path(device):
 def test_attention_selector_validates():
     with pytest.raises(ValueError, match="subset"):
         dispatch.AttentionSelector(candidates=("triton", "xformers"))
+    with pytest.raises(ValueError, match="subset"):
+        dispatch.AttentionSelector(fallback=("fa2",))
     with pytest.raises(ValueError, match="repeat"):
         dispatch.AttentionSelector(repeat=0)
+
+
+class _FakeBackends(dispatch.AttentionBackends):
+    """Backends that are all 'installed' except ``missing``; each call records its name and returns SDPA's result."""
+
+    def __init__(self, missing=()):
+        super().__init__()
+        self.missing, self.ran = set(missing), []
+
+    def unsupported(self, name, q, k, v):
+        return f"{name} is not installed" if name in self.missing else None
+
+    def __call__(self, name, q, k, v, causal):
+        self.ran.append(name)
+        return dispatch.sdpa(q, k, v, causal)
+
+
+class _FakeSelector(dispatch.AttentionSelector):
+    """Times candidates by a table instead of CUDA events (None: the library raises), on any device."""
+
+    def __init__(self, times, missing=(), **kwargs):
+        super().__init__(backends=_FakeBackends(missing), **kwargs)
+        self.times, self.timed = times, []
+
+    def can_time(self, q):
+        return True
+
+    def _time(self, name, q, k, v, causal):
+        self.timed.append(name)
+        if self.times.get(name) is None:
+            raise RuntimeError(f"{name}: no kernel for this shape")
+        return self.times[name]
+
+
+def _attn_inputs(T=16):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(2, 4, T, 16, generator=gen), torch.randn(2, 2, T, 16, generator=gen)
+
+
+def test_auto_picks_the_minimum_of_what_ran_and_caches_per_key():
+    times = {"cudnn": 2.0, "flash": 1.5, "efficient": 3.0, "flex": 1.2, "fa3": None, "fa4": 0.4}
+    sel = _FakeSelector(times, missing=("fa4",))
+    q, k = _attn_inputs()
+    assert sel.choose(q, k, k, True) == "flex"  # fa4 would win but is not installed; fa3 raised
+    assert sel.timed == ["cudnn", "flash", "efficient", "flex", "fa3"]  # fa4 never timed, triton not a candidate
+    key = sel.key(q, k, True)
+    assert sel.timings[key] == {"cudnn": 2.0, "flash": 1.5, "efficient": 3.0, "flex": 1.2}
+    assert set(sel.skipped[key]) == {"fa3", "fa4"} and "not installed" in sel.skipped[key]["fa4"]
+    assert "no kernel for this shape" in sel.skipped[key]["fa3"]
+    assert sel.choose(q, k, k, True) == "flex" and len(sel.timed) == 5  # cached: nothing timed again
+    sel.times = dict(times, cudnn=0.5)
+    q2, k2 = _attn_inputs(T=32)  # a new shape is timed anew, with its own answer
+    assert sel.choose(q2, k2, k2, True) == "cudnn" and len(sel.timed) == 10
+    assert sel.choose(q, k, k, False) == "cudnn"  # non-causal is another key
+    assert sel.choose(q, k, k, True) == "flex"
+
+
+def test_auto_runs_the_choice_and_sdpa_when_nothing_ran(close):
+    sel = _FakeSelector({"efficient": 0.9, "flash": 1.0})
+    d = dispatch.KernelDispatcher(attention_selector=sel)
+    q, k = _attn_inputs()
+    out = d.attention(q, k, k, causal=True, impl="auto")
+    assert sel.backends.ran == ["efficient"]
+    close(out, dispatch.sdpa(q, k, k, True), 1e-6, 1e-6, "auto")
+    none_ran = _FakeSelector({}, fallback=())  # every candidate raises
+    assert dispatch.KernelDispatcher(attention_selector=none_ran).attention(q, k, k, impl="auto") is None
+    assert none_ran.choices[none_ran.key(q, k, True)] == "sdpa"
+
+
+def test_triton_is_timed_only_when_every_candidate_refuses():
+    q, k = _attn_inputs()
+    sel = _FakeSelector({"flash": 5.0, "triton": 1.0})
+    assert sel.choose(q, k, k, True) == "flash" and "triton" not in sel.timed  # opt-in, even though faster
+    sel = _FakeSelector({"triton": 1.0}, missing=("flex",))
+    assert sel.choose(q, k, k, True) == "triton" and sel.timed[-1] == "triton"
+    sel = _FakeSelector({"flash": 5.0, "triton": 1.0}, candidates=("flash", "triton"))  # asked to time it
+    assert sel.choose(q, k, k, True) == "triton"
+
+
+def test_auto_under_compile_uses_the_fastest_traceable_choice(monkeypatch):
+    """FA4 cannot be traced by Dynamo: a compiled model runs the fastest of the rest, never times."""
+    sel = _FakeSelector({"cudnn": 2.0, "flash": 1.5, "flex": 1.2, "fa4": 0.4})
+    q, k = _attn_inputs()
+    other_q, other_k = _attn_inputs(T=8)
+    assert sel.choose(q, k, k, True) == "fa4"
+    key = sel.key(q, k, True)
+    assert sel.traced_choices[key] == "flex"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    timed = list(sel.timed)
+    assert sel.choose(q, k, k, True) == "flex"
+    assert sel.choose(other_q, other_k, other_k, True) is None and sel.timed == timed  # uncached: SDPA, untimed
+    d = dispatch.KernelDispatcher(attention_selector=sel)
+    d.attention(q, k, k, impl="auto")
+    assert sel.backends.ran == ["flex"]
+
+
+def test_auto_choice_traces_into_a_compiled_graph(close):
+    """A compiled model whose cached choice is FA4 runs FlexAttention in one graph (``fullgraph=True``
+    raises on a break), its block mask built on the way; the output is SDPA's."""
+    sel = dispatch.AttentionSelector()
+    q, k = _attn_inputs(T=37)
+    key = sel.key(q, k, True)
+    sel.choices[key], sel.traced_choices[key] = "fa4", "flex"  # as timed on a GPU
+    d = dispatch.KernelDispatcher(attention_selector=sel)
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(lambda q, k: d.attention(q, k, k, impl="auto"), backend=backend, fullgraph=True)(q, k)
+    close(out, dispatch.sdpa(q, k, k, True), 1e-5, 1e-5, "compiled auto (flex)")
+    assert any("flex_attention" in t for t in seen), seen
+    assert list(sel.backends._block_masks) == [(37, "cpu")]
+
+
+def test_attention_by_name_falls_back_to_sdpa_where_it_cannot_run():
+    q, k = _attn_inputs()
+    d = dispatch.KernelDispatcher()
+    for impl in ("flex", "fa3", "fa4", "sdpa"):
+        assert d.attention(q, k, k, impl=impl) is None  # CPU: SDPA (no FlexAttention backward on CPU)
+    with pytest.raises(ValueError, match="'xformers' is not one of"):
+        d.attention(q, k, k, impl="xformers")
+    d = dispatch.KernelDispatcher(attention_selector=_FakeSelector({}, missing=("fa3",)))
+    q = q.to("meta")  # a device that is not the CPU, so the backends' own checks decide
+    assert d.attention(q, k.to("meta"), k.to("meta"), impl="fa3") is None
+    assert d.attention(q, k.to("meta"), k.to("meta"), impl="fa4") is not None
+    assert d.attention_selector.backends.ran == ["fa4"]
 
 
 # ---- autotune cache ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ _NORMS = ("layernorm", "rmsnorm")
 _ACTIVATIONS = ("gelu", "swiglu")
 _POSITIONS = ("learned", "rope")
 _KERNELS = ("torch", "triton")
-_ATTENTION = ("auto", "triton", "sdpa")
+_ATTENTION = ("auto", "triton", "sdpa", "flex", "fa3", "fa4")  # kernels.dispatch.ATTENTION_IMPLS
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -50,9 +50,11 @@ class GPTConfig:
     # "torch": PyTorch ops; "triton": lightning_perf.kernels' fused norms, MLP activations and the chunked
     # LM-head cross-entropy (each falls back to PyTorch where it cannot run, e.g. CPU or an unsupported dtype)
     kernels: Literal["torch", "triton"] = "torch"
-    # "sdpa": F.scaled_dot_product_attention; "triton": our flash attention; "auto": per (shape, dtype, device)
-    # the fastest of ours and each SDPA backend, timed once on first use (SDPA on CPU), the choice logged
-    attention: Literal["auto", "triton", "sdpa"] = "sdpa"
+    # "sdpa": F.scaled_dot_product_attention (cuDNN where available); "auto": per (shape, dtype, device) the
+    # fastest of each SDPA backend, FlexAttention and the installed FlashAttention 3 / 4, timed once on first
+    # use (SDPA on CPU), the choice logged; "flex", "fa3", "fa4", "triton" (our kernel): that one, SDPA where
+    # it cannot run (CPU, a shape it refuses)
+    attention: Literal["auto", "triton", "sdpa", "flex", "fa3", "fa4"] = "sdpa"
     # one matmul for q, k and v (their weights concatenated at compute time; parameters and state
     # dict unchanged): one wider weight-gradient matmul instead of three narrow ones, most useful
     # under tensor parallelism where each projection shard is narrow
@@ -85,6 +87,12 @@ class GPTConfig:
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"GPTConfig.{field}={value!r} is not one of {allowed}")
+        if self.attention in ("flex", "fa3", "fa4"):
+            from lightning_perf.kernels.attention_backends import missing_requirement
+
+            missing = missing_requirement(self.attention)
+            if missing:
+                raise ValueError(f"GPTConfig: {missing}; or use attention='auto', which times the installed ones")
         if not isinstance(self.fused_qkv, bool):
             raise ValueError(f"GPTConfig.fused_qkv must be True or False, got {self.fused_qkv!r}")
         try:

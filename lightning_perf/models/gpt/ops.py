@@ -18,8 +18,11 @@ __all__ = ["attention", "norm", "rope", "mlp_activation", "lm_loss", "lm_logits"
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, impl: str = "sdpa"
 ) -> torch.Tensor:
-    """Scaled dot-product attention. q: (B, nh, T, hd); k, v: (B, nkv, T, hd) with nh % nkv == 0."""
-    if impl in ("triton", "auto"):
+    """Scaled dot-product attention. q: (B, nh, T, hd); k, v: (B, nkv, T, hd) with nh % nkv == 0.
+
+    ``impl``: "sdpa", or a backend of ``lightning_perf.kernels.attention_backends`` ("flex", "fa3",
+    "fa4", "triton") or "auto" (the fastest, timed), each falling back to SDPA where it cannot run."""
+    if impl != "sdpa":
         from lightning_perf.kernels import dispatch
 
         out = dispatch.attention(q, k, v, causal=causal, impl=impl)

@@ -1,0 +1,355 @@
+"""Attention benchmark: every available attention backend, forward + backward, and what ``attention="auto"`` picks.
+
+One GPU; no new variant starts after ``--budget-s`` (210 s by default):
+
+    python benchmarks/bench_attention.py --out benchmarks/results
+
+For head dims 64 and 128 and T in 1k, 2k, 4k, 8k, 16k (causal, bf16; batch = ``--tokens`` / T, so
+every call holds the same number of tokens) it times one forward + backward of:
+
+- SDPA pinned to flash, cuDNN and memory-efficient, and SDPA's own choice (``attention="sdpa"``);
+- FlexAttention, compiled, with a causal block mask (``attention="flex"``);
+- FlashAttention 3 (``flash_attn_interface``) and 4 (``flash_attn.cute``) where installed;
+- SDPA's flash backend with torch's switch to FA3 / FA4 (``torch.nn.attention.activate_flash_attention_impl``)
+  where torch and the package have it, switched back after;
+- the pack's Triton kernel (``attention="triton"``);
+- ``attention="auto"``: a fresh selector per shape, whose own timing runs on its first call (the
+  output check below); its choice is then timed like the rest.
+
+Inputs have the GPT's layout: q / k / v (B, nh, T, hd) transposed from (B, T, nh, hd) projections.
+Each variant's output is compared with SDPA's on its first call (relative error). Times are the median
+of ``--reps`` runs, each between two CUDA events, after warm-up. Per shape the JSON records the best
+backend (``auto`` and SDPA's own choice left out) and ``auto / best``, the time of auto's choice over
+the best time in the same run.
+
+Writes ``bench_attention_<device>_<date>.json`` under ``--out`` (default ``$OUT`` or
+``benchmarks/results``) and prints a table. A failing or missing backend is recorded with its error
+and the run goes on; ``--budget-s`` stops starting new variants after that many seconds. Every
+shape is timed first without the Triton kernel (it autotunes each new shape), then the Triton
+kernel over the shapes while the budget lasts. ``--smoke``
+runs the same code at tiny sizes on the CPU (fp32, Triton interpreter; CPU SDPA has no cuDNN or
+efficient backend and FlexAttention no backward there, so those rows hold their errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+if __name__ == "__main__" and "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (the script, not the library)
+
+from lightning_perf.kernels import dispatch  # noqa: E402
+from lightning_perf.kernels.attention_backends import AttentionBackends, sdpa  # noqa: E402
+
+HEAD_DIMS = (64, 128)
+SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
+
+
+def device_tag(device: torch.device) -> str:
+    """``h100`` from "NVIDIA H100 80GB HBM3", ``cpu`` without a GPU."""
+    if device.type != "cuda":
+        return "cpu"
+    words = torch.cuda.get_device_name(device).split()
+    return (words[1] if len(words) > 1 and words[0].upper() == "NVIDIA" else words[0]).lower()
+
+
+def package_versions() -> dict[str, Optional[str]]:
+    out = {}
+    for dist in ("flash-attn-3", "flash_attn_3", "flash-attn-4", "flash-attn", "triton"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def torch_flash_impls() -> list[str]:
+    """torch's registered flash-attention implementations for SDPA ("FA3", "FA4"), where torch has the switch."""
+    import torch.nn.attention as attn
+
+    if not hasattr(attn, "list_flash_attention_impls"):
+        return []
+    try:
+        return list(attn.list_flash_attention_impls())
+    except Exception:  # noqa: BLE001 - a prototype API
+        return []
+
+
+@contextlib.contextmanager
+def torch_flash_impl(name: str):
+    """SDPA's flash backend runs ``name`` (FA3 / FA4) inside the block, the default after it."""
+    import torch.nn.attention as attn
+
+    attn.activate_flash_attention_impl(name)
+    try:
+        yield
+    finally:
+        attn.restore_flash_attention_impl()
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+
+def time_fwd_bwd(fn: Callable, q, k, v, warmup: int, reps: int, cuda: bool) -> dict[str, Any]:
+    """Median / p10 / p90 milliseconds of ``fn(q, k, v)`` forward + backward (gradients of q, k, v)."""
+    grad = None
+
+    def step():
+        nonlocal grad
+        out = fn(q, k, v)
+        if grad is None:
+            grad = torch.randn_like(out)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            times.append((start, end))
+        else:
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+    if cuda:
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in times]
+    else:
+        times = [1e3 * t for t in times]
+    times.sort()
+    pick = lambda p: times[min(len(times) - 1, int(p * (len(times) - 1) + 0.5))]  # noqa: E731
+    return {"ms": statistics.median(times), "p10_ms": pick(0.1), "p90_ms": pick(0.9), "reps": reps,
+            "warmup_s": warmup_s}
+
+
+def causal_fwd_bwd_flops(B: int, nh: int, T: int, hd: int) -> float:
+    """Forward: q k^T and p v, 2 * 2 * B * nh * T^2 * hd, halved by the causal mask; backward 2.5x that."""
+    return 3.5 * 4 * B * nh * T * T * hd / 2
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ---- variants ----------------------------------------------------------------------------------
+
+
+def build_variants(backends: AttentionBackends, q, k, v, only: Optional[list[str]]) -> dict[str, dict[str, Any]]:
+    """name -> {"fn": (q, k, v) -> out, "context": a context manager factory, or "error": why it cannot run}."""
+    variants: dict[str, dict[str, Any]] = {"sdpa": {"fn": lambda q, k, v: sdpa(q, k, v, True)}}
+    for name in dispatch.SDPA_BACKENDS:
+        variants[f"sdpa_{name}"] = {"fn": lambda q, k, v, n=name: sdpa(q, k, v, True, n)}
+    for name in ("flex", "fa3", "fa4"):
+        reason = backends.unsupported(name, q, k, v)
+        variants[name] = {"error": reason} if reason else {"fn": lambda q, k, v, n=name: backends(n, q, k, v, True)}
+    for impl in torch_flash_impls():
+        variants[f"sdpa_flash_{impl}"] = {"fn": lambda q, k, v: sdpa(q, k, v, True, "flash"),
+                                          "context": lambda i=impl: torch_flash_impl(i)}
+    reason = backends.unsupported("triton", q, k, v)
+    variants["triton"] = {"error": reason} if reason else {"fn": lambda q, k, v: backends("triton", q, k, v, True)}
+    variants["auto"] = {"fn": None}  # built per shape by the caller: a fresh selector
+    if only:
+        variants = {n: s for n, s in variants.items() if n in only or n == "auto"}
+    return variants
+
+
+def run_shape(args, device, dtype, hd: int, T: int, backends: AttentionBackends, deadline: float,
+              only: tuple[str, ...] = (), skip: tuple[str, ...] = (), row: Optional[dict] = None) -> dict[str, Any]:
+    """Time the variants of one shape (those in ``only`` if given, none in ``skip``) into ``row``
+    (a new one unless given: the inputs are the same for the same shape)."""
+    B = max(1, args.tokens // T)
+    nh, nkv = args.heads, args.kv_heads or args.heads
+    gen = torch.Generator(device=device).manual_seed(hd * 100003 + T)
+
+    def proj(heads):  # (B, T, heads, hd) -> (B, heads, T, hd), as the GPT builds q / k / v
+        return torch.randn(B, T, heads, hd, device=device, dtype=dtype, generator=gen).transpose(1, 2).requires_grad_()
+
+    q, k, v = proj(nh), proj(nkv), proj(nkv)
+    selector = dispatch.AttentionSelector(backends=backends, warmup=args.warmup, repeat=args.reps)
+    auto = dispatch.KernelDispatcher(attention_selector=selector)
+
+    def auto_fn(q, k, v):
+        out = auto.attention(q, k, v, causal=True, impl="auto")
+        return out if out is not None else sdpa(q, k, v, True)
+
+    variants = build_variants(backends, q, k, v, args.backends)
+    variants["auto"] = {"fn": auto_fn}
+    variants = {n: s for n, s in variants.items() if (not only or n in only) and n not in skip}
+    if row is None:
+        row = {"head_dim": hd, "seq_len": T, "variants": {}}
+    row.update(batch=B, heads=nh, kv_heads=nkv, tokens=B * T, flops=causal_fwd_bwd_flops(B, nh, T, hd))
+    with torch.no_grad():
+        reference = sdpa(q, k, v, True)
+    cuda = device.type == "cuda"
+    for name, spec in variants.items():
+        res: dict[str, Any] = {}
+        if "error" in spec:
+            res["error"] = f"unavailable: {spec['error']}"
+        elif time.time() > deadline:
+            res["error"] = "skipped: time budget spent"
+        else:
+            context = spec.get("context", contextlib.nullcontext)
+            try:
+                with context():
+                    with torch.no_grad():
+                        res["rel_err_vs_sdpa"] = rel_err(spec["fn"](q.detach(), k.detach(), v.detach()), reference)
+                    res.update(time_fwd_bwd(spec["fn"], q, k, v, args.warmup, args.reps, cuda))
+                res["tflops"] = row["flops"] / (res["ms"] * 1e-3) / 1e12
+            except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+                res["error"] = f"{type(err).__name__}: {str(err)[:400]}"
+                if args.verbose:
+                    traceback.print_exc()
+        row["variants"][name] = res
+        if cuda:
+            torch.cuda.empty_cache()
+    key = selector.key(q, k, True)
+    if key in selector.choices:
+        row["auto_choice"] = selector.choices[key]
+        row["auto_choice_under_compile"] = selector.traced_choices[key]
+        row["auto_timings_ms"] = selector.timings[key]
+        row["auto_skipped"] = selector.skipped[key]
+    summarize(row)
+    return row
+
+
+def summarize(row: dict[str, Any]) -> None:
+    """The best backend of the row (auto and SDPA's own choice left out), auto / best, SDPA / auto."""
+    timed = {n: r["ms"] for n, r in row["variants"].items() if "ms" in r and n not in ("auto", "sdpa")}
+    if not timed:
+        return
+    best = min(timed, key=timed.get)
+    row["best"], row["best_ms"] = best, timed[best]
+    auto_ms = row["variants"].get("auto", {}).get("ms")
+    row["auto_over_best"] = auto_ms / timed[best] if auto_ms else None
+    sdpa_ms = row["variants"].get("sdpa", {}).get("ms")
+    row["sdpa_over_auto"] = sdpa_ms / auto_ms if auto_ms and sdpa_ms else None
+
+
+def print_table(rows: list[dict]) -> None:
+    names = sorted({n for r in rows for n in r["variants"]}, key=lambda n: (n == "auto", n))
+    print(f"\n{'hd':>4} {'T':>6} {'B':>4} " + " ".join(f"{n[:14]:>14}" for n in names) + "   best / auto / auto÷best")
+    for r in rows:
+        cells = [f"{r['variants'][n]['ms']:14.3f}" if "ms" in r["variants"].get(n, {}) else f"{'-':>14}"
+                 for n in names]
+        ratio = r.get("auto_over_best")
+        print(f"{r['head_dim']:>4} {r['seq_len']:>6} {r.get('batch', '-'):>4} " + " ".join(cells)
+              + f"   {r.get('best', '-')} / {r.get('auto_choice')} / {'-' if ratio is None else f'{ratio:.3f}'}")
+    print("(ms per forward + backward; '-' = unavailable or failed, reason in the JSON)")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU ok (fp32, Triton interpreter)")
+    p.add_argument("--head-dims", type=int, nargs="*", default=None, help=f"default {HEAD_DIMS}")
+    p.add_argument("--seq-lens", type=int, nargs="*", default=None, help=f"default {SEQ_LENS}")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per call, batch = tokens / T (default 32768)")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 16)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key / value heads (default: --heads; fewer = GQA)")
+    p.add_argument("--backends", nargs="*", default=None,
+                   help="variants to time (auto always): sdpa sdpa_flash sdpa_cudnn sdpa_efficient flex fa3 fa4 "
+                        "sdpa_flash_FA3 sdpa_flash_FA4 triton")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--budget-s", type=float, default=None, help="stop starting variants after this (default 210)")
+    p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
+    args = p.parse_args(argv)
+
+    t_start = time.time()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
+        return 2
+    smoke = args.smoke
+    head_dims = args.head_dims or ((16, 32) if smoke else HEAD_DIMS)
+    seq_lens = args.seq_lens or ((32, 64) if smoke else SEQ_LENS)
+    args.tokens = args.tokens or (256 if smoke else 32768)
+    args.heads = args.heads or (2 if smoke else 16)
+    args.reps = args.reps or (2 if smoke else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if smoke else 3)
+    budget = args.budget_s if args.budget_s is not None else (600.0 if smoke else 210.0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # FlexAttention is compiled once per shape: more shapes than Dynamo's default recompile limit
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
+    tag = device_tag(device)
+    import torch.nn.attention as attn
+
+    result: dict[str, Any] = {
+        "benchmark": "bench_attention",
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+        "packages": package_versions(),
+        "torch_flash_impl_switch": hasattr(attn, "activate_flash_attention_impl"),
+        "torch_flash_impls": torch_flash_impls(),
+        "python": platform.python_version(),
+        "smoke": smoke,
+        "config": {"head_dims": list(head_dims), "seq_lens": list(seq_lens), "tokens_per_call": args.tokens,
+                   "heads": args.heads, "kv_heads": args.kv_heads or args.heads, "causal": True,
+                   "dtype": str(dtype), "reps": args.reps, "warmup": args.warmup, "budget_s": budget,
+                   "backends": args.backends,
+                   "timing": "median of reps, each forward + backward between two CUDA events, after warm-up"},
+        "rows": [],
+    }
+    print(f"device {result['device']}, torch {torch.__version__}, packages {result['packages']}, "
+          f"torch flash impls {result['torch_flash_impls']}", flush=True)
+    backends = AttentionBackends()  # one FlexAttention compile per shape, shared by "flex" and "auto"
+    deadline = t_start + budget
+    # the libraries and auto first over every shape, then our Triton kernel (opt-in, and the slowest to
+    # start: it autotunes each new shape) while the budget lasts
+    for phase, only, skip in (("libraries", (), ("triton",)), ("triton", ("triton",), ())):
+        for i, (hd, T) in enumerate((hd, T) for hd in head_dims for T in seq_lens):
+            if phase == "libraries":
+                result["rows"].append({"head_dim": hd, "seq_len": T, "variants": {}})
+            row = result["rows"][i]
+            try:
+                run_shape(args, device, dtype, hd, T, backends, deadline, only=only, skip=skip, row=row)
+            except Exception as err:  # noqa: BLE001 - e.g. out of memory building the inputs
+                row.setdefault("errors", []).append(f"{phase}: {type(err).__name__}: {err}")
+                traceback.print_exc()
+            row[f"elapsed_s_{phase}"] = time.time() - t_start
+            print(f"[{time.time() - t_start:6.1f}s] hd{hd} T={T} {phase}: "
+                  + ", ".join(f"{n}={r['ms']:.3f}" if "ms" in r else f"{n}=-" for n, r in row["variants"].items())
+                  + f" | best {row.get('best')}, auto {row.get('auto_choice')}"
+                  + (f" x{row['auto_over_best']:.3f}" if row.get("auto_over_best") else ""), flush=True)
+    result["wall_s"] = time.time() - t_start
+    json_path = out_dir / f"bench_attention_{tag}_{date}{args.tag}{'_smoke' if smoke else ''}.json"
+    json_path.write_text(json.dumps(result, indent=1, default=str))
+    print_table(result["rows"])
+    print(f"\nwrote {json_path} in {result['wall_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
