@@ -148,7 +148,27 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
     ]
     if smoke:
         args += _smoke_overrides(recipe)
+    if "--bench.fp8_linear=ours" in extra:  # a variant only: the earlier in-house FP8 linear, for comparison
+        extra = [a for a in extra if a != "--bench.fp8_linear=ours"]
+        _use_our_fp8_linear()
     main(args + extra)
+
+
+def _use_our_fp8_linear() -> None:
+    """Build the blocks' FP8 projections as the earlier in-house ``Float8Linear`` (Triton casts) instead
+    of torchao's; the same parameters. Fused q/k/v then runs as three projections."""
+    import torch.nn as nn
+
+    from lightning_perf.kernels.ops.fp8_linear import Float8Linear as Ours
+    from lightning_perf.models.gpt import model as gpt_model
+
+    def to_ours(module: nn.Module, config) -> None:
+        if config.fp8:
+            for child in module.children():
+                if type(child) is nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0:
+                    child.__class__ = Ours
+
+    gpt_model._to_fp8 = to_ours
 
 
 def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
