@@ -19,6 +19,7 @@ Parts, all written to one JSON:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -53,28 +54,25 @@ def _fp8_linear(recipe: str, K: int, N: int, device) -> torch.nn.Module:
     from lightning_perf.kernels.float8 import convert_to_fp8
 
     holder = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device=device))
-    if recipe == "ours-tensorwise":
-        _swap_to_ours(holder)
-    else:
-        convert_to_fp8(holder, recipe)
+    convert_to_fp8(holder, "tensorwise" if recipe == "torchao-tensorwise" else recipe)
     return holder[0]
 
 
-def _swap_to_ours(model: torch.nn.Module) -> int:
-    """The earlier in-house FP8 linear (Triton casts), for the same-run comparison with torchao."""
-    from lightning_perf.kernels.ops.fp8_linear import Float8Linear as Ours
+@contextlib.contextmanager
+def _torchao_matmuls(on: bool):
+    """With ``on``, tensorwise layers run torchao's matmul for plain weights too (not ``kernels.ops.fp8_linear``)."""
+    from lightning_perf.kernels import float8
 
-    n = 0
-    for name, mod in list(model.named_modules()):
-        for child_name, child in list(mod.named_children()):
-            if type(child) is torch.nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0 \
-                    and not (name == "" and child_name == "lm_head"):
-                child.__class__ = Ours
-                n += 1
-    return n
+    original = float8._pack_path
+    if on:
+        float8._pack_path = lambda x, weight: False
+    try:
+        yield
+    finally:
+        float8._pack_path = original
 
 
-LINEAR_VARIANTS = ("bf16", "tensorwise", "rowwise", "ours-tensorwise")
+LINEAR_VARIANTS = ("bf16", "tensorwise", "torchao-tensorwise", "rowwise")
 
 
 def bench_linears(device, M: int, shapes, iters: int, variants=LINEAR_VARIANTS) -> list[dict]:
@@ -89,11 +87,12 @@ def bench_linears(device, M: int, shapes, iters: int, variants=LINEAR_VARIANTS) 
             layer = torch.nn.Linear(K, N, bias=False, device=device) if name == "bf16" else \
                 _fp8_linear(name, K, N, device)
             step_fn = torch.compile(layer) if cuda else layer
+            torchao_only = name == "torchao-tensorwise"
 
             def step():
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                with _torchao_matmuls(torchao_only), torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                     y = step_fn(x)
-                y.backward(g)
+                    y.backward(g)
                 x.grad = layer.weight.grad = None
 
             try:
@@ -217,11 +216,12 @@ def bench_flce_chunks(device, N: int, d: int, V: int, chunks, iters: int) -> lis
 
 
 STEP_VARIANTS = {
-    # name: (GPTConfig overrides, swap the blocks' linears to the earlier in-house FP8 linear)
+    # name: (GPTConfig overrides, tensorwise layers on torchao's matmul throughout)
     "bf16": ({}, False),
     "bf16-fused-qkv": ({"fused_qkv": True}, False),
-    "ours-tensorwise": ({}, True),
     "tensorwise": ({"fp8": "tensorwise"}, False),
+    "torchao-tensorwise": ({"fp8": "tensorwise"}, True),
+    "torchao-tensorwise-fused-qkv": ({"fp8": "tensorwise", "fused_qkv": True}, True),
     "tensorwise-fused-qkv": ({"fp8": "tensorwise", "fused_qkv": True}, False),
     "rowwise": ({"fp8": "rowwise"}, False),
     "rowwise-fused-qkv": ({"fp8": "rowwise", "fused_qkv": True}, False),
@@ -237,14 +237,14 @@ def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: i
     cuda = device.type == "cuda"
     rows = []
     for name in variants:
-        overrides, ours = STEP_VARIANTS[name]
+        overrides, torchao_only = STEP_VARIANTS[name]
+        patch = _torchao_matmuls(torchao_only)
+        patch.__enter__()
         torch._dynamo.reset()
         torch.manual_seed(0)
         cfg = GPTConfig.from_name(preset, block_size=seq_len, **overrides)
         with torch.device(device):
             model = GPT(cfg)
-        if ours:
-            _swap_to_ours(model.blocks)
         compiled = torch.compile(model) if cuda else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
         x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
@@ -281,6 +281,7 @@ def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: i
         if "gpu_time" in row:
             print(json.dumps(row["gpu_time"]["ms_per_step"]), flush=True)
         model = compiled = opt = None  # free before the next variant
+        patch.__exit__(None, None, None)
         if cuda:
             torch.cuda.empty_cache()
     baseline = next((r for r in rows if r["variant"] == "bf16"), None)
@@ -298,7 +299,7 @@ def main() -> None:
     p.add_argument("--conv-steps", type=int, default=400)
     p.add_argument("--conv-runs", default="bf16,tensorwise,rowwise", help=f"comma list of {sorted(CONV_RUNS)}")
     p.add_argument("--step-preset", default="gpt-1.3b:2048:8")
-    p.add_argument("--step-variants", default="bf16,ours-tensorwise,tensorwise,tensorwise-fused-qkv,rowwise-fused-qkv",
+    p.add_argument("--step-variants", default="bf16,tensorwise-fused-qkv,torchao-tensorwise-fused-qkv,rowwise-fused-qkv",
                    help=f"comma list of {sorted(STEP_VARIANTS)}")
     p.add_argument("--step-steps", type=int, default=15)
     p.add_argument("--linear-variants", default=",".join(LINEAR_VARIANTS))

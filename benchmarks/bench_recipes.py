@@ -148,27 +148,17 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
     ]
     if smoke:
         args += _smoke_overrides(recipe)
-    if "--bench.fp8_linear=ours" in extra:  # a variant only: the earlier in-house FP8 linear, for comparison
-        extra = [a for a in extra if a != "--bench.fp8_linear=ours"]
-        _use_our_fp8_linear()
+    if "--bench.fp8_linear=torchao" in extra:  # a variant only: torchao's tensorwise matmul throughout
+        extra = [a for a in extra if a != "--bench.fp8_linear=torchao"]
+        _torchao_matmuls_only()
     main(args + extra)
 
 
-def _use_our_fp8_linear() -> None:
-    """Build the blocks' FP8 projections as the earlier in-house ``Float8Linear`` (Triton casts) instead
-    of torchao's; the same parameters. Fused q/k/v then runs as three projections."""
-    import torch.nn as nn
+def _torchao_matmuls_only() -> None:
+    """Tensorwise FP8 layers run torchao's matmul for plain weights too (not ``kernels.ops.fp8_linear``)."""
+    from lightning_perf.kernels import float8
 
-    from lightning_perf.kernels.ops.fp8_linear import Float8Linear as Ours
-    from lightning_perf.models.gpt import model as gpt_model
-
-    def to_ours(module: nn.Module, config) -> None:
-        if config.fp8:
-            for child in module.children():
-                if type(child) is nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0:
-                    child.__class__ = Ours
-
-    gpt_model._to_fp8 = to_ours
+    float8._pack_path = lambda x, weight: False
 
 
 def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:

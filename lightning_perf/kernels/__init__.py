@@ -2,8 +2,9 @@
 
 Functional API (autograd-aware, ``torch.compile``-friendly through custom ops):
 ``flash_attention``, ``fused_linear_cross_entropy``, ``rms_norm``, ``layer_norm``,
-``rotary_embedding``, ``swiglu``, ``gelu_tanh``, ``gelu_tanh_mul``; ``fp8_linear`` /
-``Float8Linear`` (FP8 tensor-core matmuls through ``torch._scaled_mm``, Triton for the casts).
+``rotary_embedding``, ``swiglu``, ``gelu_tanh``, ``gelu_tanh_mul``; ``fp8_linear`` (a tensorwise FP8
+matmul through ``torch._scaled_mm``, Triton for the casts). FP8 linear layers: ``kernels.float8``
+(torchao.float8).
 
 Submodules are imported on first use: importing this package does not import
 Triton, so CPU-only installs (Triton is the ``triton`` extra) and other modules are
@@ -27,7 +28,6 @@ __all__ = [
     "gelu_tanh",
     "gelu_tanh_mul",
     "fp8_linear",
-    "Float8Linear",
     "RMSNorm",
     "LayerNorm",
     "configure",
@@ -47,7 +47,6 @@ _WHERE = {
     "gelu_tanh": "gelu",
     "gelu_tanh_mul": "gelu",
     "fp8_linear": "fp8_linear",
-    "Float8Linear": "fp8_linear",
     "configure": "autotune",
     "AutotuneCache": "autotune",
     "KernelTuner": "autotune",

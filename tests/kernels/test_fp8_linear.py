@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_perf.kernels import Float8Linear, fp8_linear
+from lightning_perf.kernels import fp8_linear
 from lightning_perf.kernels.ops import fp8_linear as f8
 
 ON_GPU = torch.cuda.is_available()
@@ -66,22 +66,36 @@ def test_unaligned_shapes_fall_back_to_the_plain_linear():
     assert f8.fp8_linear_supported(torch.randn(16, 32), torch.randn(48, 32))
 
 
-def test_float8_linear_keeps_the_linear_interface():
+def _tensorwise_layer(K: int = 32, N: int = 16) -> torch.nn.Module:
+    from lightning_perf.kernels.float8 import convert_to_fp8
+
+    holder = torch.nn.Sequential(torch.nn.Linear(K, N))
+    assert convert_to_fp8(holder, "tensorwise") == ["0"]
+    return holder[0]
+
+
+def test_tensorwise_layer_runs_this_matmul_for_plain_weights_and_agrees_with_torchao():
+    """``kernels.float8``'s tensorwise layer (a torchao ``Float8Linear``) runs ``fp8_linear`` for a plain
+    weight; torchao's own forward on the same layer gives the same output and gradients."""
+    from torchao.float8.float8_linear import Float8Linear
+
     torch.manual_seed(0)
-    lin = Float8Linear(32, 16)
-    ref = torch.nn.Linear(32, 16)
-    ref.load_state_dict(lin.state_dict())
-    assert isinstance(lin, torch.nn.Linear) and list(lin.state_dict()) == list(ref.state_dict())
-    x = torch.randn(4, 8, 32)
+    lin = _tensorwise_layer()
+    assert isinstance(lin, Float8Linear) and type(lin) is not Float8Linear
+    x = torch.randn(4, 8, 32, requires_grad=True)
     out = lin(x)
-    assert (out - ref(x)).norm() / ref(x).norm() < 0.06
-    out.sum().backward()
-    assert lin.weight.grad is not None and lin.bias.grad is not None
+    torch.testing.assert_close(out, fp8_linear(x, lin.weight, lin.bias), atol=0, rtol=0)
+    gx, gw = torch.autograd.grad(out.square().sum(), (x, lin.weight))
+    ao = Float8Linear.forward(lin, x)  # torchao's path on the same layer
+    gx_ao, gw_ao = torch.autograd.grad(ao.square().sum(), (x, lin.weight))
+    torch.testing.assert_close(out, ao, atol=1e-5, rtol=1e-5)
+    for ours, theirs in ((gx, gx_ao), (gw, gw_ao)):  # gradients: both cast dL/dy to FP8 with its amax
+        assert (ours - theirs).norm() / theirs.norm() < 0.02
 
 
 def test_compiled_matches_eager():
     torch.manual_seed(0)
-    lin = Float8Linear(32, 16)
+    lin = _tensorwise_layer()
     x = torch.randn(2, 16, 32, requires_grad=True)
     eager = lin(x)
     (gx_e, gw_e) = torch.autograd.grad(eager.square().sum(), (x, lin.weight))

@@ -1,4 +1,10 @@
-"""FP8 linear layers for training: dynamic per-tensor scaling, FP8 tensor-core matmuls (``torch._scaled_mm``).
+"""The tensorwise FP8 matmul of a training step with the pack's Triton casts (``torch._scaled_mm``).
+
+torchao's tensorwise ``Float8Linear`` (``kernels.float8``) computes the same three matmuls, but
+saves its bf16/fp32 operands and casts them to FP8 again in the backward; here the forward's FP8
+copies (and the transposed one the weight gradient needs) are saved instead, which measured
+faster through the gpt-1.3b FP8 recipe. ``kernels.float8`` runs this path for plain (unsharded,
+not FP8-gathered) weights and torchao's for everything else.
 
 For y = x W^T (+ b), x (M, K), W (N, K), with per-tensor scales
     s_t = fmax / max(amax(|t|), tiny),   q(t) = cast_fp8(clamp(t * s_t, -fmax, fmax))
@@ -14,8 +20,7 @@ activation saved for backward is one byte per element instead of two.
 
 Matmul operands must have both dimensions of each FP8 matrix divisible by 16 (the rows of x
 become the inner dimension of dW); a call that breaks this, a device without FP8 tensor cores
-(CUDA before compute capability 8.9) or a DTensor argument runs the plain ``F.linear``
-(:func:`fp8_linear_tensor_parallel` takes tensor-parallel DTensors shard by shard). Each amax is
+(CUDA before compute capability 8.9) or a DTensor argument runs the plain ``F.linear``. Each amax is
 one streaming Triton pass (:func:`absmax`, in eager mode and under ``torch.compile``); x and g are
 then cast by :func:`cast_transpose_fp8`, which also writes the transposed copies the weight
 gradient needs.
@@ -26,7 +31,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import triton
 import triton.language as tl
@@ -34,14 +38,11 @@ from torch.library import wrap_triton
 
 from lightning_perf.kernels._utils import can_launch, launch_device, cdiv, is_dtensor
 from lightning_perf.kernels.autotune import default_tuner, shape_bucket
-from lightning_perf.kernels.fp8_tensor import Float8GatheredWeight
 
 __all__ = [
     "fp8_linear",
     "fp8_linear_reference",
     "fp8_linear_supported",
-    "fp8_linear_tensor_parallel",
-    "Float8Linear",
     "quantize_fp8",
     "cast_transpose_fp8",
     "cast_transpose_fp8_reference",
@@ -55,7 +56,8 @@ _TINY = 1e-12
 
 def _scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``fmax / amax(|t|)`` as a 0-dim fp32 tensor (amax clamped away from 0)."""
-    return torch.finfo(dtype).max / torch.clamp(absmax(t.detach()), min=_TINY)
+    # in float64, then fp32: the scale torchao's casts compute, so both paths round alike
+    return (torch.finfo(dtype).max / torch.clamp(absmax(t.detach()).double(), min=_TINY)).float()
 
 
 # ---- amax(|t|) ---------------------------------------------------------------------------------
@@ -280,9 +282,7 @@ def fp8_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, inverse scale): a weight FSDP2 all-gathered in FP8 comes quantised already."""
-    if isinstance(weight, Float8GatheredWeight):
-        return weight._data, weight._scale.reciprocal()
+    """(e4m3 weight, inverse scale)."""
     return quantize_fp8(weight, E4M3)
 
 
@@ -353,50 +353,3 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     y = (xq.float() * x_inv) @ (wq.float() * w_inv).t()
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y + bias.float() if bias is not None else y
-
-
-def fp8_linear_tensor_parallel(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                               *, fast_accum: bool = True) -> torch.Tensor:
-    """:func:`fp8_linear` on tensor-parallel DTensors, one FP8 matmul per rank on its local shards.
-
-    Column-parallel (weight ``Shard(0)``, input replicated): each rank's output columns, ``Shard(-1)``.
-    Row-parallel (weight ``Shard(1)``, input ``Shard(-1)``): each rank's partial sum, ``Partial()``,
-    reduced by the plan's output layout; a replicated bias is added after that. Every shard is scaled
-    by its own amax (the local operand's), which is what a one-process FP8 linear over the same
-    shards computes; a plain-tensor input counts as replicated. Other layouts raise.
-    """
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    mesh = weight.device_mesh
-    if len(weight.placements) != 1:
-        raise NotImplementedError(f"FP8 linear over a {len(weight.placements)}-D mesh: weight {weight.placements}")
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    wp, xp = weight.placements[0], x.placements[0]
-    last = x.dim() - 1
-    if wp == Shard(0) and xp == Replicate():
-        # the replicated input's gradient is this rank's share of a sum over the ranks
-        local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
-        y = fp8_linear(x.to_local(grad_placements=[Partial()]), weight.to_local(), local_bias, fast_accum=fast_accum)
-        return DTensor.from_local(y, mesh, [Shard(last)], run_check=False)
-    if wp == Shard(1) and xp == Shard(last):
-        y = fp8_linear(x.to_local(), weight.to_local(), None, fast_accum=fast_accum)
-        out = DTensor.from_local(y, mesh, [Partial()], run_check=False)
-        return out + bias if bias is not None else out
-    raise NotImplementedError(
-        f"FP8 linear for weight placement {weight.placements} with input placement {x.placements}: only "
-        f"column-parallel (Shard(0) weight, replicated input) and row-parallel (Shard(1) weight, input "
-        f"sharded on its last dimension) are implemented")
-
-
-class Float8Linear(nn.Linear):
-    """``nn.Linear`` whose matmuls run in FP8 (:func:`fp8_linear`); same parameters and state dict.
-
-    Under tensor parallelism (DTensor weights from ``ColwiseParallel`` / ``RowwiseParallel``) each rank
-    runs the FP8 matmul on its shards (:func:`fp8_linear_tensor_parallel`).
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if is_dtensor(self.weight):
-            return fp8_linear_tensor_parallel(x, self.weight, self.bias)
-        return fp8_linear(x, self.weight, self.bias)
