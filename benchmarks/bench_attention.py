@@ -49,6 +49,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, installed or not
+
 if __name__ == "__main__" and "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (the script, not the library)
 
@@ -326,6 +328,12 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"torch flash impls {result['torch_flash_impls']}", flush=True)
     backends = AttentionBackends()  # one FlexAttention compile per shape, shared by "flex" and "auto"
     deadline = t_start + budget
+    json_path = out_dir / f"bench_attention_{tag}_{date}{args.tag}{'_smoke' if smoke else ''}.json"
+
+    def save() -> None:  # after every shape: a run cut short keeps what it measured
+        result["wall_s"] = time.time() - t_start
+        json_path.write_text(json.dumps(result, indent=1, default=str))
+
     # the libraries and auto first over every shape, then our Triton kernel (opt-in, and the slowest to
     # start: it autotunes each new shape) while the budget lasts
     for phase, only, skip in (("libraries", (), ("triton",)), ("triton", ("triton",), ())):
@@ -343,9 +351,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   + ", ".join(f"{n}={r['ms']:.3f}" if "ms" in r else f"{n}=-" for n, r in row["variants"].items())
                   + f" | best {row.get('best')}, auto {row.get('auto_choice')}"
                   + (f" x{row['auto_over_best']:.3f}" if row.get("auto_over_best") else ""), flush=True)
-    result["wall_s"] = time.time() - t_start
-    json_path = out_dir / f"bench_attention_{tag}_{date}{args.tag}{'_smoke' if smoke else ''}.json"
-    json_path.write_text(json.dumps(result, indent=1, default=str))
+            save()
+    save()
     print_table(result["rows"])
     print(f"\nwrote {json_path} in {result['wall_s']:.0f}s")
     return 0
