@@ -50,6 +50,7 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
     from lightning_perf.parallel.init import materialize_from_rank0, take_full_state
 
     from lightning_perf.kernels import float8
+    from lightning_perf.kernels.float8 import is_fp8_linear
 
     # both sides on torchao's matmul (a plain weight would otherwise take kernels.ops.fp8_linear, an
     # FP8-gathered one cannot): the comparison is of the gathers
@@ -97,7 +98,7 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
         precompute_fp8_scales(model)
     seen_gathered = []
     if gather:  # the Float8Linear receives the gathered FP8 weight itself
-        mods = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+        mods = [m for m in model.modules() if is_fp8_linear(m)]
         mods[0].register_forward_pre_hook(lambda m, a: seen_gathered.append(tensor_already_casted_to_fp8(m.weight)))
     def train(model, opt, batches, on_step=None) -> list[float]:
         """Each rank its slice of every batch; the mean loss over ranks per step."""
