@@ -79,9 +79,9 @@ class Parallel3DConfig:
         if self.fp8_all_gather:
             if self.tensor_parallel_size > 1:
                 raise ValueError(
-                    "fp8_all_gather gathers whole FP8 weights over 'dp'; under tensor parallelism "
-                    f"(tensor_parallel_size={self.tensor_parallel_size}) the FP8 linears quantise each rank's "
-                    "shard instead: use tensor_parallel_size=1 or fp8_all_gather=False")
+                    "fp8_all_gather gathers whole FP8 weights over 'dp'; with tensor parallelism "
+                    f"(tensor_parallel_size={self.tensor_parallel_size}) the weights are TP shards, which this "
+                    "gather does not take: use tensor_parallel_size=1 or fp8_all_gather=False")
             if self.zero_stage == 0 or self.data_parallel_size == 1:
                 raise ValueError(
                     "fp8_all_gather changes FSDP2's parameter all-gather: it needs data parallelism with ZeRO "

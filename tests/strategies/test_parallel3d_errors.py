@@ -32,7 +32,7 @@ def _meta_gpt(**kw) -> GPT:
         (dict(activation_checkpointing="some"), "activation_checkpointing='some'"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
         (dict(stages_per_rank=2, pipeline_schedule="interleaved_1f1b"), "needs pipeline_parallel_size > 1"),
-        (dict(fp8_all_gather=True, tensor_parallel_size=2), "under tensor parallelism"),
+        (dict(fp8_all_gather=True, tensor_parallel_size=2), "with tensor parallelism"),
         (dict(fp8_all_gather=True, zero_stage=0), "needs data parallelism with ZeRO"),
         (dict(fp8_all_gather=True, data_parallel_size=1), "needs data parallelism with ZeRO"),
         (dict(fsdp_blocks_per_unit=0), "fsdp_blocks_per_unit must be an int >= 1, got 0"),

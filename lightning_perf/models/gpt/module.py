@@ -90,6 +90,10 @@ class GPTLightningModule(L.LightningModule):
         overrides.update({k: v for k, v in (("vocab_size", vocab_size), ("block_size", block_size)) if v is not None})
         if overrides:
             cfg = cfg.replace(**overrides)
+        if cfg.fp8:
+            from lightning_perf.kernels.float8 import require_torchao
+
+            require_torchao()  # a missing extra fails here, before any process or process group
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile={compile!r} is not one of {COMPILE_MODES}")
         if compile_scope not in COMPILE_SCOPES:
@@ -122,6 +126,13 @@ class GPTLightningModule(L.LightningModule):
         apply_activation_checkpointing(blocks, self.hparams.activation_checkpointing)
         scope = self.hparams.get("compile_scope", "block")
         apply_compile(blocks if scope == "block" else [self.model], self.hparams.compile)
+
+    @override
+    def setup(self, stage: str) -> None:
+        if self.config.fp8 and self._trainer is not None:
+            from lightning_perf.kernels.float8 import check_fp8_device
+
+            check_fp8_device(self.trainer.strategy.root_device)
 
     def _gpt(self) -> GPT:
         if self.model is None:
