@@ -112,6 +112,46 @@ def bench_linears(device, M: int, shapes, iters: int, variants=LINEAR_VARIANTS) 
 CONV_RUNS = {"bf16": False, "tensorwise": "tensorwise", "rowwise": "rowwise"}  # name: GPTConfig.fp8
 
 
+def curves_svg(curves: dict[str, list[float]], title: str, window: int = 20, width: int = 720,
+               height: int = 360) -> str:
+    """Loss curves (a running mean over ``window`` steps) as a standalone SVG: no plotting library needed."""
+    colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
+    smooth = {}
+    for name, ys in curves.items():
+        acc, out = 0.0, []
+        for i, y in enumerate(ys):
+            acc += y - (ys[i - window] if i >= window else 0.0)
+            out.append(acc / min(i + 1, window))
+        smooth[name] = out
+    every = [y for ys in smooth.values() for y in ys[window:]] or [y for ys in smooth.values() for y in ys]
+    lo, hi = min(every), max(every)
+    hi = hi if hi > lo else lo + 1.0
+    n = max(len(ys) for ys in smooth.values())
+    left, right, top, bottom = 60, 20, 30, 40
+    sx = (width - left - right) / max(1, n - 1)
+    sy = (height - top - bottom) / (hi - lo)
+
+    def point(i: int, y: float) -> str:
+        return f"{left + i * sx:.1f},{top + (hi - min(max(y, lo), hi)) * sy:.1f}"
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+             f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
+             f'<text x="{left}" y="18">{title} (running mean of {window} steps)</text>',
+             f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" stroke="black"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="black"/>']
+    for frac in (0.0, 0.5, 1.0):
+        y = lo + frac * (hi - lo)
+        parts.append(f'<text x="4" y="{top + (hi - y) * sy + 4:.1f}">{y:.3f}</text>')
+    parts.append(f'<text x="{width - right - 60}" y="{height - 10}">step {n}</text>')
+    for c, (name, ys) in enumerate(smooth.items()):
+        colour = colours[c % len(colours)]
+        pts = " ".join(point(i, y) for i, y in enumerate(ys))
+        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{pts}"/>')
+        parts.append(f'<text x="{width - right - 150}" y="{top + 16 * (c + 1)}" fill="{colour}">{name}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
 def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int, lr: float,
                       runs=("bf16", "tensorwise")) -> dict:
     from lightning_perf.data import TokenDataModule
@@ -162,6 +202,11 @@ def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int,
                     "val_loss": statistics.fmean(val) if val else None, "wall_s": time.time() - t0}
         print(json.dumps({key: {k: v for k, v in out[key].items() if k != "losses"}}), flush=True)
         model = compiled = opt = None  # free before the next variant
+    for key in runs:  # the 1% criterion: mean loss over the last 10% of steps, against bf16's
+        if key != "bf16" and "bf16" in out and key in out:
+            tail = max(1, steps // 10)
+            ref, got = statistics.fmean(out["bf16"]["losses"][-tail:]), statistics.fmean(out[key]["losses"][-tail:])
+            out[f"last_10pct_rel_diff_{key}_vs_bf16"] = (got - ref) / ref
     for a, b in (("bf16", "tensorwise"), ("bf16", "rowwise")):
         if a in out and b in out:
             x, y = out[a]["losses"], out[b]["losses"]
@@ -296,7 +341,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--parts", default="linears,step,convergence,flce_chunks")
     p.add_argument("--conv-preset", default="gpt2-124m")
-    p.add_argument("--conv-steps", type=int, default=400)
+    p.add_argument("--conv-steps", type=int, default=2000)
     p.add_argument("--conv-runs", default="bf16,tensorwise,rowwise", help=f"comma list of {sorted(CONV_RUNS)}")
     p.add_argument("--step-preset", default="gpt-1.3b:2048:8")
     p.add_argument("--step-variants", default="bf16,tensorwise-fused-qkv,torchao-tensorwise-fused-qkv,rowwise-fused-qkv",
@@ -310,7 +355,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
     if args.smoke:
         M, shapes, iters = 64, [(64, 32)], 2
-        conv = ("tiny", 64, 4, 6, 1e-3)
+        conv = ("tiny", 64, 4, 30, 1e-3)
         flce_shape, chunks = (64, 32, 320), [16, 32]
         step = ("tiny", 64, 4, 2, 1)
     else:
@@ -346,6 +391,10 @@ def main() -> None:
             continue
         try:
             result[part] = fn()
+            if part == "convergence":
+                curves = {k: v["losses"] for k, v in result[part].items() if isinstance(v, dict) and "losses" in v}
+                svg = out / f"bench_fp8_{stamp}{'_smoke' if args.smoke else ''}_curves.svg"
+                svg.write_text(curves_svg(curves, f"{result['device']}: {conv[0]}, loss per step, same seed"))
         except Exception as err:
             result[part] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
             print(result[part]["traceback"], flush=True)
