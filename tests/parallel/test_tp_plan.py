@@ -693,8 +693,9 @@ def _fp8_worker(rank: int, world: int, out_dir) -> dict:
         styles = sorted({type(st).__name__ for st in model.tensor_parallel_plan(mesh).values()})
         apply_tp(model, mesh, sequence_parallel=sp, local_output=True)
         torch._dynamo.reset()
-        if compiled:
-            compile_blocks(list(model.blocks.values()), "default", tensor_parallel=True, tp_overlap="none")
+        if compiled:  # Dynamo + AOTAutograd over torchao's subclasses (Inductor's code is tested elsewhere)
+            compile_blocks(list(model.blocks.values()), "default", backend="aot_eager", tensor_parallel=True,
+                           tp_overlap="none")
         with loss_parallel():
             loss = model(idx, idx)
             loss.backward()
