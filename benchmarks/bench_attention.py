@@ -227,6 +227,17 @@ def run_shape(args, device, dtype, hd: int, T: int, backends: AttentionBackends,
         row["variants"][name] = res
         if cuda:
             torch.cuda.empty_cache()
+    summarize(row)
+    best = row.get("best")
+    if best in variants and "ms" in row["variants"].get("auto", {}) and time.time() < deadline:
+        # the best backend timed again right after auto (same clocks and allocator state): tells a real
+        # gap from drift over the run
+        spec = variants[best]
+        context = spec.get("context", contextlib.nullcontext)
+        with context():
+            again = time_fwd_bwd(spec["fn"], q, k, v, args.warmup, args.reps, cuda)
+        row["best_ms_again"] = again["ms"]
+        row["auto_over_best_again"] = row["variants"]["auto"]["ms"] / again["ms"]
     key = selector.key(q, k, True)
     if key in selector.choices:
         row["auto_choice"] = selector.choices[key]
