@@ -126,7 +126,14 @@ def _tensorwise_class() -> type:
             return super().forward(input)
 
     TensorwiseFloat8Linear.__module__ = __name__
+    TensorwiseFloat8Linear.__qualname__ = "TensorwiseFloat8Linear"  # pickles by name (module __getattr__)
     return TensorwiseFloat8Linear
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TensorwiseFloat8Linear":  # defined once torchao is imported
+        return _tensorwise_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _pack_path(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -55,3 +55,15 @@ def test_missing_torchao_names_the_extra(monkeypatch):
     with pytest.raises(ImportError, match=r"lightning-perf\[fp8\]"):
         GPTLightningModule("tiny", config_overrides={"fp8": "rowwise"})
     assert not float8.is_fp8_linear(torch.nn.Linear(16, 16))
+
+
+def test_converted_model_copies_and_pickles():
+    import copy
+    import pickle
+
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
+    float8.convert_to_fp8(net, "tensorwise")
+    x = torch.randn(16, 32)
+    for clone in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+        assert type(clone[0]) is type(net[0]) and float8.fp8_recipe_of(clone[0]) == "tensorwise"
+        torch.testing.assert_close(clone(x), net(x), atol=0, rtol=0)
