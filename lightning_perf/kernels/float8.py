@@ -11,8 +11,8 @@ accumulation (``torch._scaled_mm``), dynamic scales recomputed from the current 
 Parameters, optimizer state and checkpoints are unchanged: FP8 exists only inside the matmuls.
 torchao owns the layer, the rowwise recipe, FSDP2's FP8 all-gather (``parallel.fp8_all_gather``)
 and the FP8 tensor-parallel styles; this module picks the layers and the recipe. One exception,
-by measurement: a tensorwise layer whose weight is a plain tensor (one device, DDP, pipeline
-stages; not sharded or FP8-gathered) runs ``kernels.ops.fp8_linear``, which keeps the forward's
+by measurement: a tensorwise layer whose weight is a plain tensor when it runs (one device, DDP,
+pipeline stages, ZeRO gathering bf16/fp32 weights; not FP8-gathered or tensor-parallel) runs ``kernels.ops.fp8_linear``, which keeps the forward's
 FP8 copies for the backward instead of casting again (the gpt-1.3b FP8 recipe on an H200: 69.3k
 against 65.9k tokens/s).
 

@@ -3,8 +3,8 @@
 torchao's tensorwise ``Float8Linear`` (``kernels.float8``) computes the same three matmuls, but
 saves its bf16/fp32 operands and casts them to FP8 again in the backward; here the forward's FP8
 copies (and the transposed one the weight gradient needs) are saved instead, which measured
-faster through the gpt-1.3b FP8 recipe. ``kernels.float8`` runs this path for plain (unsharded,
-not FP8-gathered) weights and torchao's for everything else.
+faster through the gpt-1.3b FP8 recipe. ``kernels.float8`` runs this path for weights that are plain
+tensors when the layer runs (not DTensors, not FP8-gathered) and torchao's for everything else.
 
 For y = x W^T (+ b), x (M, K), W (N, K), with per-tensor scales
     s_t = fmax / max(amax(|t|), tiny),   q(t) = cast_fp8(clamp(t * s_t, -fmax, fmax))
