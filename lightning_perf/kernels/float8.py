@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import sys
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -34,6 +36,7 @@ __all__ = ["FP8_RECIPES", "normalize_fp8", "require_torchao", "fp8_linear_config
            "is_fp8_linear", "fp8_recipe_of", "fp8_matmul", "check_fp8_device", "fp8_linear_reference"]
 
 FP8_RECIPES = ("tensorwise", "rowwise")
+_PACK = "lightning_perf.kernels.ops.fp8_linear"  # the pack's tensorwise matmul (needs Triton)
 _ALIGN = 16  # torch._scaled_mm: both dimensions of each FP8 operand divisible by 16
 _TORCHAO_MIN = (0, 14)
 
@@ -115,14 +118,17 @@ def _tensorwise_class() -> type:
     """torchao's ``Float8Linear`` with the pack's tensorwise matmul for plain weights (see the module docstring)."""
     from torchao.float8.float8_linear import Float8Linear
 
+    try:  # once, outside any traced code; without Triton every call takes torchao's path
+        importlib.import_module(_PACK)
+    except ImportError:
+        pass
+
     class TensorwiseFloat8Linear(Float8Linear):
         """A tensorwise torchao ``Float8Linear``; a plain weight takes ``kernels.ops.fp8_linear``."""
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             if _pack_path(input, self.weight):
-                from lightning_perf.kernels.ops.fp8_linear import fp8_linear
-
-                return fp8_linear(input, self.weight, self.bias)
+                return sys.modules[_PACK].fp8_linear(input, self.weight, self.bias)
             return super().forward(input)
 
     TensorwiseFloat8Linear.__module__ = __name__
@@ -137,23 +143,22 @@ def __getattr__(name: str) -> Any:
 
 
 def _pack_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the pack's tensorwise matmul takes (x, weight): plain tensors it supports, Triton installed."""
+    """Whether the pack's tensorwise matmul takes (x, weight): plain tensors it supports, Triton installed.
+
+    Modules are read from ``sys.modules`` (imported when a layer was converted), so the forward
+    neither imports nor retries a failed import on every call.
+    """
     if type(weight) not in (torch.Tensor, nn.Parameter) or type(x) is not torch.Tensor:
         return False
-    try:
-        from lightning_perf.kernels.ops.fp8_linear import fp8_linear_supported
-    except ImportError:  # no Triton: torchao's path
-        return False
-    return fp8_linear_supported(x, weight)
+    ops = sys.modules.get(_PACK)
+    return ops is not None and ops.fp8_linear_supported(x, weight)
 
 
 def is_fp8_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is a torchao ``Float8Linear`` (False when torchao is not installed)."""
-    try:
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:
-        return False
-    return isinstance(module, Float8Linear)
+    """Whether ``module`` is a torchao ``Float8Linear`` (False when torchao was never imported: then
+    nothing can be one)."""
+    ao = sys.modules.get("torchao.float8.float8_linear")
+    return ao is not None and isinstance(module, ao.Float8Linear)
 
 
 def fp8_recipe_of(module: nn.Module) -> Optional[str]:
@@ -171,9 +176,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, like: nn.Module) -> torch.
     one FP8 cast of ``x`` and one matmul instead of three.
     """
     if fp8_recipe_of(like) == "tensorwise" and _pack_path(x, weight):
-        from lightning_perf.kernels.ops.fp8_linear import fp8_linear
-
-        return fp8_linear(x, weight)
+        return sys.modules[_PACK].fp8_linear(x, weight)
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
     if torch.is_autocast_enabled(x.device.type):
