@@ -8,7 +8,10 @@ Parts, all written to one JSON:
    (``--step-variants``); tokens / wall time over the timed steps, peak memory, one profiled step.
 3. ``convergence``: the same model trained from the same seed on the built-in corpus (real text, bytes)
    in bf16 and with FP8 linears; loss every step, so the curves can be compared point by point.
-4. ``flce_chunks``: ``fused_linear_cross_entropy`` forward + backward at gpt-1.3b's head
+4. ``numerics``: one linear's output and both gradients, eager and compiled, for each FP8 path against
+   an fp32 ``F.linear`` of the same operands (relative error), and the pack's tensorwise matmul against
+   torchao's directly: a gap between the two tensorwise paths shows here before it shows in a curve.
+5. ``flce_chunks``: ``fused_linear_cross_entropy`` forward + backward at gpt-1.3b's head
    (16384 x 2048, vocabulary 50304) for several chunk sizes against torch.compile of the reference:
    the time each chunking costs and its extra memory.
 
@@ -109,7 +112,51 @@ def bench_linears(device, M: int, shapes, iters: int, variants=LINEAR_VARIANTS) 
     return rows
 
 
-CONV_RUNS = {"bf16": False, "tensorwise": "tensorwise", "rowwise": "rowwise"}  # name: GPTConfig.fp8
+def bench_numerics(device, M: int, shapes, variants=("tensorwise", "torchao-tensorwise", "rowwise")) -> list[dict]:
+    cuda = device.type == "cuda"
+    rows = []
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+    for K, N in shapes:
+        gen = torch.Generator(device=device).manual_seed(K * 7 + N)
+        # activations with a few large channels and gradients spanning several decades, as in training
+        x = torch.randn(M, K, device=device, generator=gen)
+        x[:, :4] *= 20
+        g = torch.randn(M, N, device=device, generator=gen) * torch.rand(M, 1, device=device, generator=gen).pow(4)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        for compiled in (False, True) if cuda else (False,):
+            row = {"M": M, "K": K, "N": N, "compiled": compiled}
+            outs = {}
+            for name in variants:
+                torch.manual_seed(0)
+                layer = _fp8_linear(name, K, N, device)
+                w = layer.weight.detach()
+                fn = torch.compile(layer) if compiled else layer
+                xi = x.to(dtype).clone().requires_grad_(True)
+                with _torchao_matmuls(name == "torchao-tensorwise"), torch.autocast(device.type, dtype=torch.bfloat16,
+                                                                                      enabled=cuda):
+                    y = fn(xi)
+                    y.backward(g.to(y.dtype))
+                outs[name] = (y.detach(), xi.grad.detach(), layer.weight.grad.detach())
+                xr = xi.detach().float().requires_grad_(True)
+                wr = w.float().requires_grad_(True)
+                yr = F.linear(xr, wr)
+                yr.backward(g.to(y.dtype).float())
+                for part, got, ref in zip(("y", "dx", "dw"), outs[name], (yr, xr.grad, wr.grad)):
+                    row[f"{name}_{part}_rel_err"] = rel(got, ref)
+            if "tensorwise" in outs and "torchao-tensorwise" in outs:
+                for i, part in enumerate(("y", "dx", "dw")):
+                    row[f"pack_vs_torchao_{part}_rel_diff"] = rel(outs["tensorwise"][i], outs["torchao-tensorwise"][i])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+# name: (GPTConfig.fp8, tensorwise layers on torchao's matmul throughout)
+CONV_RUNS = {"bf16": (False, False), "tensorwise": ("tensorwise", False), "rowwise": ("rowwise", False),
+             "torchao-tensorwise": ("tensorwise", True)}
 
 
 def curves_svg(curves: dict[str, list[float]], title: str, window: int = 20, width: int = 720,
@@ -153,16 +200,22 @@ def curves_svg(curves: dict[str, list[float]], title: str, window: int = 20, wid
 
 
 def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int, lr: float,
-                      runs=("bf16", "tensorwise")) -> dict:
+                      runs=("bf16", "tensorwise"), on_run=None) -> dict:
     from lightning_perf.data import TokenDataModule
     from lightning_perf.models import GPT, GPTConfig
 
     cuda = device.type == "cuda"
-    dm = TokenDataModule(source="builtin", seq_len=seq_len, batch_size=batch, num_workers=0)
+    # the whole stdlib (not the default 4 MB cap) at a small batch: 2,000 steps stay under about one
+    # pass over the text, so the curves compare learning rather than memorising
+    dm = TokenDataModule(source="builtin", seq_len=seq_len, batch_size=batch, num_workers=0,
+                         builtin_max_bytes=1 << 30)
     dm.setup("fit")
-    out = {"preset": preset, "seq_len": seq_len, "batch": batch, "steps": steps, "lr": lr}
+    out = {"preset": preset, "seq_len": seq_len, "batch": batch, "steps": steps, "lr": lr,
+           "train_windows": len(dm.train_dataset), "train_windows_seen": steps * batch}
     for key in runs:
-        fp8 = CONV_RUNS[key]
+        fp8, torchao_only = CONV_RUNS[key]
+        patch = _torchao_matmuls(torchao_only)
+        patch.__enter__()
         torch._dynamo.reset()
         torch.manual_seed(0)
         cfg = GPTConfig.from_name(preset, vocab_size=dm.vocab_size, block_size=seq_len, fp8=fp8)
@@ -201,13 +254,16 @@ def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int,
         out[key] = {"losses": losses, "last_20_mean": statistics.fmean(losses[-20:]),
                     "val_loss": statistics.fmean(val) if val else None, "wall_s": time.time() - t0}
         print(json.dumps({key: {k: v for k, v in out[key].items() if k != "losses"}}), flush=True)
+        patch.__exit__(None, None, None)
         model = compiled = opt = None  # free before the next variant
+        if on_run is not None:
+            on_run(out)
     for key in runs:  # the 1% criterion: mean loss over the last 10% of steps, against bf16's
         if key != "bf16" and "bf16" in out and key in out:
             tail = max(1, steps // 10)
             ref, got = statistics.fmean(out["bf16"]["losses"][-tail:]), statistics.fmean(out[key]["losses"][-tail:])
             out[f"last_10pct_rel_diff_{key}_vs_bf16"] = (got - ref) / ref
-    for a, b in (("bf16", "tensorwise"), ("bf16", "rowwise")):
+    for a, b in (("bf16", "tensorwise"), ("bf16", "rowwise"), ("bf16", "torchao-tensorwise")):
         if a in out and b in out:
             x, y = out[a]["losses"], out[b]["losses"]
             out[f"max_abs_diff_{a}_vs_{b}"] = max(abs(p - q) for p, q in zip(x, y))
@@ -325,7 +381,10 @@ def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: i
         print(json.dumps({k: v for k, v in row.items() if k != "gpu_time"}), flush=True)
         if "gpu_time" in row:
             print(json.dumps(row["gpu_time"]["ms_per_step"]), flush=True)
+        patch.__exit__(None, None, None)
         model = compiled = opt = None  # free before the next variant
+        if on_run is not None:
+            on_run(out)
         patch.__exit__(None, None, None)
         if cuda:
             torch.cuda.empty_cache()
@@ -342,6 +401,7 @@ def main() -> None:
     p.add_argument("--parts", default="linears,step,convergence,flce_chunks")
     p.add_argument("--conv-preset", default="gpt2-124m")
     p.add_argument("--conv-steps", type=int, default=2000)
+    p.add_argument("--conv-batch", type=int, default=8, help="sequences of 512 bytes per step")
     p.add_argument("--conv-runs", default="bf16,tensorwise,rowwise", help=f"comma list of {sorted(CONV_RUNS)}")
     p.add_argument("--step-preset", default="gpt-1.3b:2048:8")
     p.add_argument("--step-variants", default="bf16,tensorwise-fused-qkv,torchao-tensorwise-fused-qkv,rowwise-fused-qkv",
@@ -361,7 +421,7 @@ def main() -> None:
     else:
         M, iters = 16384, 20
         shapes = [(2048, 2048), (2048, 6144), (2048, 8192), (8192, 2048)]
-        conv = (args.conv_preset, 512, 32, args.conv_steps, 1e-3)
+        conv = (args.conv_preset, 512, args.conv_batch, args.conv_steps, 1e-3)
         flce_shape, chunks = (16384, 2048, 50304), [2048, 4096, 8192, 16384]
         preset, T, B = args.step_preset.split(":")
         step = (preset, int(T), int(B), args.step_steps, 5)
@@ -382,19 +442,29 @@ def main() -> None:
         result["step"] = list(rows)
         save()
 
+    def curves(conv_result) -> None:
+        runs = {k: v["losses"] for k, v in conv_result.items() if isinstance(v, dict) and "losses" in v}
+        svg = out / f"bench_fp8_{stamp}{'_smoke' if args.smoke else ''}_curves.svg"
+        svg.write_text(curves_svg(runs, f"{result['device']}: {conv[0]}, loss per step, same seed"))
+
+    def partial_convergence(conv_result) -> None:
+        result["convergence"] = dict(conv_result)
+        curves(conv_result)
+        save()
+
     for part, fn in (("linears", linears),
                      ("step", lambda: bench_step(device, step[0], step[1], step[2], args.step_variants.split(","),
                                                  step[3], step[4], out, partial_step)),
-                     ("convergence", lambda: bench_convergence(device, *conv, runs=args.conv_runs.split(","))),
+                     ("numerics", lambda: bench_numerics(device, M, shapes + ([] if args.smoke else [(768, 2304), (3072, 768)]))),
+                     ("convergence", lambda: bench_convergence(device, *conv, runs=args.conv_runs.split(","),
+                                                               on_run=partial_convergence)),
                      ("flce_chunks", lambda: bench_flce_chunks(device, *flce_shape, chunks, iters))):
         if part not in parts:
             continue
         try:
             result[part] = fn()
             if part == "convergence":
-                curves = {k: v["losses"] for k, v in result[part].items() if isinstance(v, dict) and "losses" in v}
-                svg = out / f"bench_fp8_{stamp}{'_smoke' if args.smoke else ''}_curves.svg"
-                svg.write_text(curves_svg(curves, f"{result['device']}: {conv[0]}, loss per step, same seed"))
+                curves(result[part])
         except Exception as err:
             result[part] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
             print(result[part]["traceback"], flush=True)

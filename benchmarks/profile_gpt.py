@@ -5,6 +5,8 @@ with ``kernels="triton"`` but every op except the named ones routed to the refer
 one torch.profiler step of the all-Triton model, the top GPU kernels printed and saved.
 
     python benchmarks/profile_gpt.py --out $OUT --preset gpt2-124m --seq-len 1024 --batch 16
+    python benchmarks/profile_gpt.py --preset gpt-1.3b --seq-len 2048 --batch 8 --scope model \
+        --fused-qkv --sets all,all+fp8 --profile all,all+fp8         # where FP8 saves time, and where not
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def kernel_breakdown(trace_path: Path, steps: int) -> dict:
     return gpu_time_breakdown(json.loads(trace_path.read_text()).get("traceEvents", []), steps=steps)
 
 
-def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profile_dir=None, fp8=False):
+def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profile_dir=None, fp8=False,
+        fused_qkv=False, label=""):
     from lightning_perf.models import GPT, GPTConfig
     from lightning_perf.parallel.compile import apply_compile
 
@@ -54,7 +57,7 @@ def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profil
     torch._dynamo.reset()
     kernels = "triton" if enabled else "torch"
     cfg = GPTConfig.from_name(preset, kernels=kernels, attention=attention if "attention" in enabled else "sdpa",
-                              fp8=fp8)
+                              fp8=fp8, fused_qkv=fused_qkv)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GPT(cfg)
@@ -87,7 +90,7 @@ def run(preset, seq_len, batch, steps, warmup, scope, attention, enabled, profil
                 step()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-        trace = Path(profile_dir) / f"trace_{'_'.join(sorted(enabled)) or 'torch'}.json"
+        trace = Path(profile_dir) / f"trace_{label or '_'.join(sorted(enabled)) or 'torch'}.json"
         prof.export_chrome_trace(str(trace))
         breakdown = kernel_breakdown(trace, steps=2)
         print(json.dumps(breakdown, indent=1), flush=True)
@@ -107,9 +110,13 @@ def main():
     p.add_argument("--scope", default="block")
     p.add_argument("--attention", default="auto")
     p.add_argument("--profile", default="all", help="comma list of op sets to profile: torch, all")
-    p.add_argument("--sets", default="torch,all,each", help="comma list of op sets to time: torch, all, each")
+    p.add_argument("--sets", default="torch,all,each",
+                   help="comma list of op sets to time: torch, all, each; a set with a '+fp8' suffix "
+                        "(e.g. all+fp8) runs with tensorwise FP8 linears, to compare with and without in one run")
     p.add_argument("--tag", default="", help="suffix of the output JSON name")
-    p.add_argument("--fp8", action="store_true", help="FP8 linears in the blocks (GPTConfig(fp8=True))")
+    p.add_argument("--fp8", nargs="?", const="tensorwise", default=False, choices=("tensorwise", "rowwise"),
+                   help="FP8 linears in the blocks for every set (GPTConfig(fp8=...); bare --fp8: tensorwise)")
+    p.add_argument("--fused-qkv", action="store_true", help="q/k/v from one linear (GPTConfig(fused_qkv=True))")
     p.add_argument("--elementwise-under-compile", default="inductor", choices=("inductor", "triton"),
                    help="inside compiled regions, norms / activations to Inductor or to the pack's kernels")
     args = p.parse_args()
@@ -118,32 +125,51 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = True
-    chosen = args.sets.split(",")
-    sets = ([set()] if "torch" in chosen else []) + ([set(OPS)] if "all" in chosen else []) + (
-        [{op} for op in OPS] if "each" in chosen else [])
+    sets = []  # (label, enabled ops, fp8)
+    for chosen in args.sets.split(","):
+        base, _, suffix = chosen.partition("+")
+        fp8 = "tensorwise" if suffix == "fp8" else args.fp8
+        if base == "torch":
+            sets.append((chosen, set(), fp8))
+        elif base == "all":
+            sets.append((chosen, set(OPS), fp8))
+        elif base == "each":
+            sets += [(op + (f"+{suffix}" if suffix else ""), {op}, fp8) for op in OPS]
+        else:
+            p.error(f"unknown set {chosen!r}")
     rows = []
-    for enabled in sets:
+    profiled = args.profile.split(",")
+    for label, enabled, fp8 in sets:
         name = "+".join(sorted(enabled)) or "torch"
-        prof = ("all" in args.profile.split(",") and enabled == set(OPS)) or (
-            "torch" in args.profile.split(",") and not enabled)
+        if fp8:
+            name += f"+fp8-{fp8}"
+        prof = label in profiled
         try:
             med, lo, hi, table, breakdown = run(args.preset, args.seq_len, args.batch, args.steps, args.warmup, args.scope,
-                                     args.attention, enabled, out if prof else None, args.fp8)
+                                     args.attention, enabled, out if prof else None, fp8, args.fused_qkv,
+                                     label.replace("+", "_"))
         except Exception as err:  # keep the other rows
             print(f"{name}: FAILED {type(err).__name__}: {err}", flush=True)
             rows.append({"ops": name, "error": repr(err)})
+            save(out, args, rows)
             continue
-        rows.append({"ops": name, "step_ms_median": med, "step_ms_min": lo, "step_ms_max": hi})
+        rows.append({"ops": name, "fp8": fp8, "step_ms_median": med, "step_ms_min": lo, "step_ms_max": hi})
         if breakdown:
             rows[-1]["breakdown"] = breakdown
         print(f"{name:45s} median {med:8.2f} ms  min {lo:8.2f}  max {hi:8.2f}", flush=True)
         if table:
             print(table, flush=True)
-            (out / f"profile_gpt_{name}.txt").write_text(table)
-    base = rows[0].get("step_ms_median")
+            (out / f"profile_gpt_{label.replace('+', '_')}.txt").write_text(table)
+        save(out, args, rows)
+    save(out, args, rows)
+
+
+def save(out: Path, args, rows: list) -> None:
+    """The JSON so far (after every row: a run cut short keeps what it measured)."""
+    base = rows[0].get("step_ms_median") if rows else None
     for r in rows:
         if base and "step_ms_median" in r:
-            r["speedup_vs_torch"] = base / r["step_ms_median"]
+            r["speedup_vs_first"] = base / r["step_ms_median"]
     (out / f"profile_gpt{args.tag}.json").write_text(json.dumps({
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "rows": rows},
         indent=1))
