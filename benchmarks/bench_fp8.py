@@ -200,7 +200,7 @@ def curves_svg(curves: dict[str, list[float]], title: str, window: int = 20, wid
 
 
 def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int, lr: float,
-                      runs=("bf16", "tensorwise"), on_run=None) -> dict:
+                      runs=("bf16", "tensorwise"), on_run=None, seed: int = 0) -> dict:
     from lightning_perf.data import TokenDataModule
     from lightning_perf.models import GPT, GPTConfig
 
@@ -211,13 +211,13 @@ def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int,
                          builtin_max_bytes=1 << 30)
     dm.setup("fit")
     out = {"preset": preset, "seq_len": seq_len, "batch": batch, "steps": steps, "lr": lr,
-           "train_windows": len(dm.train_dataset), "train_windows_seen": steps * batch}
+           "train_windows": len(dm.train_dataset), "train_windows_seen": steps * batch, "seed": seed}
     for key in runs:
         fp8, torchao_only = CONV_RUNS[key]
         patch = _torchao_matmuls(torchao_only)
         patch.__enter__()
         torch._dynamo.reset()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         cfg = GPTConfig.from_name(preset, vocab_size=dm.vocab_size, block_size=seq_len, fp8=fp8)
         with torch.device(device):
             model = GPT(cfg)
@@ -402,6 +402,7 @@ def main() -> None:
     p.add_argument("--conv-preset", default="gpt2-124m")
     p.add_argument("--conv-steps", type=int, default=2000)
     p.add_argument("--conv-batch", type=int, default=8, help="sequences of 512 bytes per step")
+    p.add_argument("--conv-seed", type=int, default=0, help="model initialisation seed of every convergence run")
     p.add_argument("--conv-runs", default="bf16,tensorwise,rowwise", help=f"comma list of {sorted(CONV_RUNS)}")
     p.add_argument("--step-preset", default="gpt-1.3b:2048:8")
     p.add_argument("--step-variants", default="bf16,tensorwise-fused-qkv,torchao-tensorwise-fused-qkv,rowwise-fused-qkv",
@@ -457,7 +458,7 @@ def main() -> None:
                                                  step[3], step[4], out, partial_step)),
                      ("numerics", lambda: bench_numerics(device, M, shapes + ([] if args.smoke else [(768, 2304), (3072, 768)]))),
                      ("convergence", lambda: bench_convergence(device, *conv, runs=args.conv_runs.split(","),
-                                                               on_run=partial_convergence)),
+                                                               on_run=partial_convergence, seed=args.conv_seed)),
                      ("flce_chunks", lambda: bench_flce_chunks(device, *flce_shape, chunks, iters))):
         if part not in parts:
             continue
