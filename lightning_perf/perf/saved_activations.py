@@ -1,9 +1,9 @@
 """Bytes autograd keeps for the backward pass, and what activation checkpointing would drop.
 
 While installed (``torch.autograd.graph.saved_tensors_hooks``), every tensor saved for the
-backward is counted once per storage; parameters are not activations and are left out. Tensors
-saved inside a block (forward hooks on the blocks mark the inside) are split by the op that
-produced them, walking back through views:
+backward is counted once per storage; parameters (and views of them) are not activations and are
+left out. Tensors saved inside a block (forward hooks on the blocks mark the inside) are split by
+the op that produced them, walking back through views:
 
 - kept by ``activation_checkpointing="selective"``: outputs of matmuls and attention (the ops the
   pack's selective policy saves);
@@ -123,6 +123,9 @@ class SavedTensorCounter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
             return t  # a weight saved by its op: not an activation
+        producer = producer_of(t)
+        if producer is not None and producer.startswith("AccumulateGrad"):
+            return t  # a view of a weight (a linear saves weight.t())
         local = _local(t)
         key = _storage_key(local)
         if key is None or key in self._seen:
@@ -133,7 +136,6 @@ class SavedTensorCounter:
         r.total += nbytes
         if self._depth > 0:
             r.in_blocks += nbytes
-            producer = producer_of(t)
             if key in self._inputs:
                 pass  # a block's input: every mode keeps it
             elif producer is None:
