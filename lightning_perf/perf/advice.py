@@ -123,11 +123,14 @@ def advise(summary: "PerfSummary", parts: Mapping[str, Mapping[str, float]], set
         (low_rank, low), (high_rank, high) = min(ranks, key=lambda t: t[1]), max(ranks, key=lambda t: t[1])
         if high - low > 0.10:
             gc_hint = "" if gc_on else "automatic garbage collections (lightning_perf.callbacks.GarbageCollection), "
+            fewer = [x for x, on in (("fewer FSDP units", units is not None and units > 1),
+                                     ("CUDA graphs", s.state("cuda_graphs"))) if not on]
+            host_work = f"host work per step ({', '.join(fewer)})" if fewer else "host work per step"
             tips.append(Advice(
                 text=f"Ranks wait for each other: exposed communication is {100 * high:.1f}% of the step on rank "
                      f"{high_rank} but {100 * low:.1f}% on rank {low_rank}; the rank with the least is the slow one, "
                      f"its peers wait for it inside the collectives. Look for pauses on rank {low_rank}'s host: "
-                     f"{gc_hint}data-loading stalls, host work per step (fewer FSDP units, CUDA graphs).",
+                     f"{gc_hint}data-loading stalls, {host_work}.",
                 fraction=high - low, changes=() if gc_on else ("gc_schedule",)))
 
     if summary.user_sync_sites:
@@ -191,7 +194,7 @@ def advise(summary: "PerfSummary", parts: Mapping[str, Mapping[str, float]], set
 
     if s.gpt and s.state("compile") and s.compile_scope == "block" and not s.sharded_per_block and s.n_params:
         ratio = whole_model_compile_speedup(s.n_params)
-        if ratio > 1.02:
+        if ratio > 1.05:
             (n0, r0, f0), (_, r1, f1) = WHOLE_MODEL_COMPILE
             tips.append(Advice(
                 text=f"Compile scope: the blocks are compiled one by one; whole-model compile "
