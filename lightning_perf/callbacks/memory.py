@@ -103,7 +103,7 @@ class MemoryMonitor(Callback):
         return os.path.join(log_dir_of(trainer), f"{stem}{rank}.{ext}")
 
     def _stats(self) -> AllocatorStats:
-        return AllocatorStats.from_stats(torch.cuda.memory_stats(self._device))
+        return AllocatorStats.from_stats(torch.cuda.memory_stats_as_nested_dict(self._device))
 
     def _start_recording(self) -> None:
         if self._cuda and self.record_history and not self._recording:

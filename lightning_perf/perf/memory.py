@@ -115,8 +115,15 @@ class AllocatorStats:
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, Any]) -> "AllocatorStats":
+        """From the flat ``torch.cuda.memory_stats()`` or the nested ``memory_stats_as_nested_dict()``
+        (the cheaper one: no flattening)."""
         def get(key: str) -> int:
-            return int(stats.get(key, 0) or 0)
+            if key in stats:
+                return int(stats[key] or 0)
+            node: Any = stats
+            for part in key.split("."):
+                node = node.get(part, {}) if isinstance(node, Mapping) else {}
+            return int(node or 0) if not isinstance(node, Mapping) else 0
 
         return cls(allocated=get("allocated_bytes.all.current"), reserved=get("reserved_bytes.all.current"),
                    peak_allocated=get("allocated_bytes.all.peak"), peak_reserved=get("reserved_bytes.all.peak"),

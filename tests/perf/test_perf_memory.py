@@ -81,6 +81,10 @@ def test_allocator_stats_and_report_figures():
     assert (stats.allocated, stats.reserved, stats.peak_allocated, stats.peak_reserved) == (10, 20, 74, 84)
     assert (stats.inactive_split, stats.peak_inactive_split) == (1, 3)
     assert AllocatorStats.from_stats({}) == AllocatorStats()
+    nested = {"allocated_bytes": {"all": {"current": 10, "peak": 74}, "large_pool": {"peak": 70}},
+              "reserved_bytes": {"all": {"current": 20, "peak": 84}}, "inactive_split_bytes": {"all": {"peak": 3}}}
+    assert AllocatorStats.from_stats(nested) == AllocatorStats(allocated=10, reserved=20, peak_allocated=74,
+                                                               peak_reserved=84, peak_inactive_split=3)
     r = MemoryReport(device_type="cuda", parameters=6, gradients=12, optimizer_state=24, activations=20,
                      peak_allocated=74, peak_reserved=84)
     assert (r.state, r.fragmentation, r.other) == (42, 10, 12)  # other = 74 - 42 - 20
