@@ -208,7 +208,7 @@ def memory_advice(report: MemoryReport, settings: Optional[RunSettings] = None) 
     if ref and acts and acts >= ACTIVATION_SHARE * ref:
         share = f"activations are {100 * acts / ref:.0f}% of the {_gb(ref)} {label}"
         if s.off("activation_checkpointing"):
-            where = "GPTLightningModule(activation_checkpointing=...)" if s.gpt else "activation checkpointing per block"
+            where = "GPTLightningModule(activation_checkpointing=...)" if s.gpt else "per block"
             modes = []
             if report.selective_saves is not None:
                 modes.append(f"mode 'selective' saves ~{_gb(report.selective_saves)}, recomputing norms and "
