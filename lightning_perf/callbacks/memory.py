@@ -224,6 +224,7 @@ class MemoryMonitor(Callback):
             if self._counter is not None:
                 saved = self._counter.result
                 self._counter = None
+                r.saved_activations = saved.total
                 r.selective_saves, r.full_saves = saved.selective_saves, saved.full_saves
                 if not self._cuda:
                     r.activations = saved.total

@@ -146,6 +146,7 @@ class MemoryReport:
     inactive_split: Optional[int] = None
     peak_step: Optional[int] = None
     micro_batch: Optional[int] = None
+    saved_activations: Optional[int] = None  # bytes autograd saved for backward (perf.saved_activations)
     selective_saves: Optional[int] = None  # bytes activation_checkpointing="selective" would free
     full_saves: Optional[int] = None  # bytes activation_checkpointing="full" would free
     files: list[str] = field(default_factory=list)
@@ -182,7 +183,8 @@ class MemoryReport:
         for name in ("fragmentation", "other", "state"):
             out[name] = getattr(self, name)
         for name in ("device_total", "parameters", "gradients", "optimizer_state", "activations", "peak_allocated",
-                     "peak_reserved", "inactive_split", "selective_saves", "full_saves", "fragmentation", "other"):
+                     "peak_reserved", "inactive_split", "saved_activations", "selective_saves", "full_saves",
+                     "fragmentation", "other"):
             out[name + "_gb"] = None if out[name] is None else out[name] / GB
         return out
 

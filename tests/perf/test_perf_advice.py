@@ -110,7 +110,8 @@ def test_ranked_advice(name):
 def test_per_block_compile_cites_the_measurement():
     s = PerfSummary(step_time_s=0.04, settings=TUNED_GPT)
     (tip,) = advise(s, breakdown(s), TUNED_GPT)
-    assert "measured 1.25x faster at gpt2-124m (benchmarks/results/bench_gpt_h200_20261122_124m-kernels.json)" in tip.text
+    assert ("measured 1.25x faster at gpt2-124m (benchmarks/results/bench_gpt_h200_20261122_124m-kernels.json)"
+            in tip.text)
     assert "1.03x at gpt-1.3b (benchmarks/results/bench_gpt_h200_20261122_1.3b-kernels.json)" in tip.text
     assert tip.changes == ("compile_model_scope",)
     assert tip.seconds(0.04) == pytest.approx(0.04 * (1 - 33.06 / 41.45), rel=1e-3)
