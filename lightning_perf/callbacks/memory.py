@@ -15,7 +15,15 @@ from typing_extensions import override
 from lightning_perf.callbacks._settings import run_settings_of
 from lightning_perf.callbacks._utils import batch_size_of, device_of, log_dir_of, log_scalars
 from lightning_perf.parallel.fsdp import find_blocks
-from lightning_perf.perf.memory import GB, AllocatorStats, MemoryReport, count_categories, memory_advice, tensor_bytes
+from lightning_perf.perf.memory import (
+    GB,
+    AllocatorStats,
+    MemoryReport,
+    count_categories,
+    memory_advice,
+    oom_markdown,
+    tensor_bytes,
+)
 from lightning_perf.perf.memory_snapshot import (
     block_allocations,
     oom_event,
@@ -268,14 +276,7 @@ class MemoryMonitor(Callback):
         lines = [f"MemoryMonitor: out of memory at step {self._step}."]
         if path is not None and snapshot is not None:
             oom = oom_event(snapshot)
-            md = "\n".join(["## Memory by category", ""] + [
-                f"- {name}: {'n/a' if v is None else f'{v / GB:.3g} GB'}"
-                for name, v in (("parameters", r.parameters), ("gradients", r.gradients),
-                                ("optimizer state", r.optimizer_state), ("peak allocated", r.peak_allocated),
-                                ("peak reserved", r.peak_reserved))]
-                + ([f"- the failed allocation: {oom['size'] / GB:.3g} GB with {oom['device_free'] / GB:.3g} GB free"]
-                   if oom else [])
-                + (["", "## Advice", ""] + [f"{i + 1}. {t.text}" for i, t in enumerate(tips)] if tips else [])) + "\n"
+            md = oom_markdown(r, tips, requested=oom and oom["size"], device_free=oom and oom["device_free"])
             files = self._write_sites(trainer, "oom", f"Allocation sites live at the out-of-memory error (step "
                                       f"{self._step})", snapshot, at_peak=False,
                                       extra={"markdown": md, "memory": r.as_dict(), "oom": oom,

@@ -26,7 +26,7 @@ import torch
 from lightning_perf.perf.run_settings import RunSettings
 
 __all__ = ["GB", "MemoryCategories", "AllocatorStats", "MemoryReport", "MemoryAdvice", "tensor_bytes",
-           "count_categories", "optimizer_state_tensors", "memory_advice", "memory_markdown"]
+           "count_categories", "optimizer_state_tensors", "memory_advice", "memory_markdown", "oom_markdown"]
 
 GB = 1e9
 ACTIVATION_SHARE = 0.25  # activations above this share of the peak: checkpointing / a smaller micro-batch pays
@@ -285,4 +285,21 @@ def memory_markdown(report: MemoryReport, settings: Optional[RunSettings] = None
         lines += ["", "Memory advice:"] + [f"{i + 1}. {t.text}" for i, t in enumerate(tips)]
     if report.files:
         lines += ["", "Memory files:"] + [f"- {f}" for f in report.files]
+    return "\n".join(lines) + "\n"
+
+
+def oom_markdown(report: MemoryReport, tips: list[MemoryAdvice], *, requested: Optional[int] = None,
+                 device_free: Optional[int] = None) -> str:
+    """The categories, the failed request and the advice, written beside an out-of-memory snapshot."""
+    def gb(x: Optional[int]) -> str:
+        return "n/a" if x is None else _gb(x)
+
+    lines = ["## Memory by category", ""]
+    lines += [f"- {name}: {gb(v)}" for name, v in (
+        ("parameters", report.parameters), ("gradients", report.gradients), ("optimizer state", report.optimizer_state),
+        ("peak allocated", report.peak_allocated), ("peak reserved", report.peak_reserved))]
+    if requested is not None:
+        lines.append(f"- the failed allocation: {gb(requested)} with {gb(device_free)} free")
+    if tips:
+        lines += ["", "## Advice", ""] + [f"{i + 1}. {t.text}" for i, t in enumerate(tips)]
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from lightning_perf.perf.advice import advise
-from lightning_perf.perf.memory import MemoryReport, memory_markdown
+from lightning_perf.perf.memory import MemoryReport, memory_advice, memory_markdown
 from lightning_perf.perf.run_settings import RunSettings
 
 __all__ = ["PerfSummary", "breakdown", "recommendations", "render_markdown"]
@@ -52,6 +52,8 @@ class PerfSummary:
         out = asdict(self)
         out["breakdown"] = breakdown(self)
         out["recommendations"] = recommendations(self)
+        if self.memory is not None:
+            out["memory_advice"] = [t.text for t in memory_advice(self.memory, self.settings)]
         return out
 
 

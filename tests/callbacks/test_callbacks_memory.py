@@ -125,6 +125,7 @@ def test_perf_report_includes_memory_and_settings(tmp_path):
     assert f"| parameters | {4 * N_PARAMS / 1e9:.3g} |" in md
     data = json.load(open(report.files[1]))
     assert data["memory"]["optimizer_state"] == 2 * 4 * N_PARAMS + 12
+    assert data["memory_advice"] and data["memory_advice"][0] in md
     s = data["settings"]
     assert (s["optimizer"], s["fused_optimizer"], s["precision"], s["compiled"]) == ("AdamW", False, "32-true", False)
     assert (s["num_workers"], s["pin_memory"], s["micro_batch"], s["zero_stage"]) == (0, False, 4, 0)
