@@ -99,7 +99,7 @@ def advise(summary: "PerfSummary", parts: Mapping[str, Mapping[str, float]], set
         else:
             first = "use more DataLoader workers"
         changes = tuple(c for c, key in (("dataloader_workers", "num_workers=0"), ("pin_memory", "pin_memory=False"))
-                        if first.startswith(key))
+                        if first.startswith(key) and s.off(c))
         tips.append(Advice(text=f"Input pipeline: {100 * data:.1f}% of each step waits for data; {first}.",
                            fraction=data, changes=changes))
 
