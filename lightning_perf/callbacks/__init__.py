@@ -5,6 +5,7 @@ Each one adds no host-device synchronisation on the steps it does not sample.
 
 from lightning_perf.callbacks.comm import CommOverlapMonitor
 from lightning_perf.callbacks.garbage import GarbageCollection
+from lightning_perf.callbacks.memory import MemoryMonitor
 from lightning_perf.callbacks.mfu import MFUMonitor
 from lightning_perf.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from lightning_perf.callbacks.report import PerfReport
@@ -28,4 +29,5 @@ __all__ = [
     "RankFailureError",
     "CollectiveTimeoutError",
     "GarbageCollection",
+    "MemoryMonitor",
 ]

@@ -11,9 +11,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 import lightning_perf.perf.throughput as _throughput
+from lightning_perf.callbacks._settings import run_settings_of
 from lightning_perf.callbacks._utils import batch_size_of, device_of, find_callback, layout_of, log_dir_of
 from lightning_perf.callbacks.comm import CommOverlapMonitor
 from lightning_perf.callbacks.garbage import CollectionTimer, GarbageCollection
+from lightning_perf.callbacks.memory import MemoryMonitor
 from lightning_perf.callbacks.mfu import MFUMonitor
 from lightning_perf.callbacks.roofline import RooflineMonitor
 from lightning_perf.callbacks.stall import DataLoaderStallDetector
@@ -197,4 +199,8 @@ class PerfReport(Callback):
         if sync is not None:
             s.user_sync_sites = [x.describe() for x in sync.user_sites()]
             s.framework_sync_sites = [x.describe() for x in sync.framework_sites()]
+        s.settings = run_settings_of(trainer)
+        memory = find_callback(trainer, MemoryMonitor)
+        if memory is not None:
+            s.memory = memory.report()
         return s

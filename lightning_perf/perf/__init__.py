@@ -1,15 +1,21 @@
 """Performance maths and tools, independent of Lightning: device peaks, FLOP and byte
 counting, throughput/MFU under any parallel layout, roofline, overlap of communication,
-host-device sync detection, dataloader stalls, and the end-of-run summary."""
+host-device sync detection, dataloader stalls, memory by category, advice that knows the
+run's settings, and the end-of-run summary."""
 
+from lightning_perf.perf.advice import Advice, advise
 from lightning_perf.perf.comm import BUS_FACTORS, LINKS, CommAnalysis, analyze_comm_trace, bus_bandwidth, expected_link
 from lightning_perf.perf.dataloader import StallWindow, dataloader_advice, exposed_wait
 from lightning_perf.perf.flops import CATEGORIES, FlopCount, OpCounter, OpRecord, count_flops, op_category
 from lightning_perf.perf.gpu_time import GPU_TIME_RULES, gpu_time_breakdown, gpu_time_category, kernel_label
 from lightning_perf.perf.intervals import OverlapStats, intersect, overlap_stats, total, union
+from lightning_perf.perf.memory import MemoryReport, count_categories, memory_advice
+from lightning_perf.perf.memory_snapshot import top_sites
 from lightning_perf.perf.peaks import DTYPES, PEAKS, DevicePeak, compute_dtype_name, device_peak, lookup_peak
 from lightning_perf.perf.report import PerfSummary, breakdown, recommendations, render_markdown
 from lightning_perf.perf.roofline import RooflineGroup, build_groups, classify, plot_roofline, profiler_op_times
+from lightning_perf.perf.run_settings import RunSettings
+from lightning_perf.perf.saved_activations import SavedTensorCounter
 from lightning_perf.perf.sync import CudaSyncCatcher, DispatchSyncDetector, SyncPointError, SyncRecorder, SyncSite
 from lightning_perf.perf.throughput import (
     ParallelLayout,
@@ -21,14 +27,17 @@ from lightning_perf.perf.throughput import (
 )
 
 __all__ = [
+    "Advice", "advise",
     "BUS_FACTORS", "LINKS", "CommAnalysis", "analyze_comm_trace", "bus_bandwidth", "expected_link",
     "StallWindow", "dataloader_advice", "exposed_wait",
     "CATEGORIES", "FlopCount", "OpCounter", "OpRecord", "count_flops", "op_category",
     "GPU_TIME_RULES", "gpu_time_breakdown", "gpu_time_category", "kernel_label",
     "OverlapStats", "intersect", "overlap_stats", "total", "union",
+    "MemoryReport", "count_categories", "memory_advice", "top_sites",
     "DTYPES", "PEAKS", "DevicePeak", "compute_dtype_name", "device_peak", "lookup_peak",
     "PerfSummary", "breakdown", "recommendations", "render_markdown",
     "RooflineGroup", "build_groups", "classify", "plot_roofline", "profiler_op_times",
+    "RunSettings", "SavedTensorCounter",
     "CudaSyncCatcher", "DispatchSyncDetector", "SyncPointError", "SyncRecorder", "SyncSite",
     "ParallelLayout", "StepClock", "Throughput", "compute_throughput", "host_clock", "measure_matmul_ceiling",
 ]

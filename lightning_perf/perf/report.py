@@ -14,6 +14,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from lightning_perf.perf.advice import advise
+from lightning_perf.perf.memory import MemoryReport, memory_advice, memory_markdown
+from lightning_perf.perf.run_settings import RunSettings
+
 __all__ = ["PerfSummary", "breakdown", "recommendations", "render_markdown"]
 
 
@@ -41,11 +45,15 @@ class PerfSummary:
     gc_scheduled: bool = False  # collections run on a fixed schedule (GarbageCollection) rather than automatically
     fsdp_blocks_per_unit: Optional[int] = None  # blocks per FSDP2 unit when a native ZeRO-2/3 strategy shards the model
     exposed_comm_per_rank: list[Optional[float]] = field(default_factory=list)  # exposed share of the step, per rank
+    settings: Optional[RunSettings] = None  # what the run has switched on (the advice never repeats it)
+    memory: Optional[MemoryReport] = None  # from MemoryMonitor
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["breakdown"] = breakdown(self)
         out["recommendations"] = recommendations(self)
+        if self.memory is not None:
+            out["memory_advice"] = [t.text for t in memory_advice(self.memory, self.settings)]
         return out
 
 
@@ -61,72 +69,9 @@ def breakdown(s: PerfSummary) -> dict[str, dict[str, float]]:
     return {k: {"seconds": v, "fraction": (v / step if step > 0 else 0.0)} for k, v in parts.items()}
 
 
-def _share(s: PerfSummary, bound: str, names: tuple[str, ...] = ()) -> float:
-    return sum(g.get("time_share", 0.0) for g in s.roofline
-               if g.get("bound") == bound and (not names or g.get("name") in names))
-
-
 def recommendations(s: PerfSummary, *, top: int = 3) -> list[str]:
-    """The ``top`` suggestions, ranked by the share of the step they address."""
-    parts = breakdown(s)
-    tips: list[tuple[float, str]] = []
-    data = parts["data_wait"]["fraction"]
-    if data > 0.05:
-        first = s.dataloader_advice[0] if s.dataloader_advice else "use more DataLoader workers"
-        tips.append((data, f"Input pipeline: {100 * data:.1f}% of each step waits for data; {first}."))
-    comm = parts["exposed_comm"]["fraction"]
-    if s.fsdp_blocks_per_unit == 1 and comm > 0.05:
-        gc_advice = "" if s.gc_scheduled else (
-            ", and attach lightning_perf.callbacks.GarbageCollection so the ranks do not pause at different moments")
-        tips.append((comm, f"Communication: {100 * comm:.1f}% of each step is exposed; shard two blocks per FSDP2 unit "
-                           "(ZeroStrategy(blocks_per_unit=2): half the collectives and FSDP2 hook work per step)"
-                           f"{gc_advice}; then check FSDP prefetch and the link's bus bandwidth."))
-    elif comm > 0.10:
-        tips.append((comm, f"Communication: {100 * comm:.1f}% of each step is exposed; overlap it (DDP bucket size, "
-                           "FSDP prefetch, larger micro-batches) and check the link's bus bandwidth."))
-    ranks = [(r, x) for r, x in enumerate(s.exposed_comm_per_rank) if x is not None]
-    if len(ranks) > 1:
-        (low_rank, low), (high_rank, high) = min(ranks, key=lambda t: t[1]), max(ranks, key=lambda t: t[1])
-        if high - low > 0.10:
-            tips.append((high - low, f"Ranks wait for each other: exposed communication is {100 * high:.1f}% of the "
-                                     f"step on rank {high_rank} but {100 * low:.1f}% on rank {low_rank}; the rank "
-                                     "with the least is the slow one, its peers wait for it inside the collectives. "
-                                     f"Look for pauses on rank {low_rank}'s host: automatic garbage collections "
-                                     "(lightning_perf.callbacks.GarbageCollection), data-loading stalls, host work "
-                                     "per step (fewer FSDP units, CUDA graphs)."))
-    if s.user_sync_sites:
-        sites = ", ".join(x.split(" in ")[0] for x in s.user_sync_sites[:3])
-        tips.append((min(0.5, 0.1 * len(s.user_sync_sites)),
-                     f"Host-device syncs in your code drain the GPU queue: {sites}. Keep values on the "
-                     "device (log tensors, avoid .item()/nonzero/boolean masks in the step)."))
-    host = parts["host_overhead"]["fraction"]
-    if host > 0.05:
-        tips.append((host, f"Host overhead: the device idles {100 * host:.1f}% of each step between steps "
-                           "(hooks, logging, callbacks); log less often, or raise the batch size per step."))
-    compute = parts["compute"]["fraction"]
-    mem = _share(s, "memory", ("elementwise", "norm", "copy"))
-    if mem > 0.2:
-        tips.append((0.5 * mem * compute, f"Memory-bound elementwise/norm/copy ops take {100 * mem:.0f}% of kernel "
-                                          "time; fuse them (torch.compile, fused kernels)."))
-    over = _share(s, "overhead")
-    if over > 0.2:
-        tips.append((0.5 * over * compute, f"Overhead-bound ops take {100 * over:.0f}% of kernel time (launch "
-                                           "latency); larger batches, torch.compile, CUDA graphs."))
-    if s.gc_pause_s is not None and s.step_time_s > 0 and not s.gc_scheduled:
-        frac = s.gc_pause_s / s.step_time_s
-        longest = (s.gc_max_pause_s or 0.0) / s.step_time_s
-        if frac > 0.01 or longest > 0.1:
-            tips.append((max(frac, 0.1 * longest),
-                         f"Python garbage collection paused the host {1e3 * s.gc_pause_s:.3g} ms per step "
-                         f"({s.gc_collections} automatic collections, the longest {1e3 * (s.gc_max_pause_s or 0):.3g} "
-                         "ms); with several ranks each pause also stalls the others in the next collective. "
-                         "Attach lightning_perf.callbacks.GarbageCollection to collect at fixed steps on every "
-                         "rank."))
-    if s.mfu is not None and s.mfu < 0.3:
-        tips.append((0.01, f"MFU is {100 * s.mfu:.1f}%: raise the micro-batch, use bf16 autocast, fused "
-                           "AdamW and torch.compile."))
-    tips.sort(key=lambda t: -t[0])
-    return [t for _, t in tips[:top]]
+    """The ``top`` suggestions, ranked by the share of the step they would save (``perf.advice``)."""
+    return [a.text for a in advise(s, breakdown(s), s.settings, s.memory)[:top]]
 
 
 def _fmt(v: Optional[float], scale: float = 1.0, unit: str = "", digits: int = 3) -> str:
@@ -161,6 +106,8 @@ def render_markdown(s: PerfSummary) -> str:
     if s.user_sync_sites or s.framework_sync_sites:
         lines += ["", "Sync sites (user):"] + [f"- {x}" for x in s.user_sync_sites or ["none"]]
         lines += ["", "Sync sites (framework):"] + [f"- {x}" for x in s.framework_sync_sites or ["none"]]
+    if s.memory is not None:
+        lines += memory_markdown(s.memory, s.settings).rstrip("\n").split("\n")
     recs = recommendations(s)
     lines += ["", "Top recommendations:"] + ([f"{i + 1}. {r}" for i, r in enumerate(recs)] or ["- none"])
     return "\n".join(lines) + "\n"
