@@ -10,7 +10,18 @@ from lightning_perf.perf.intervals import OverlapStats, intersect, overlap_stats
 from lightning_perf.perf.peaks import DTYPES, PEAKS, DevicePeak, compute_dtype_name, device_peak, lookup_peak
 from lightning_perf.perf.report import PerfSummary, breakdown, recommendations, render_markdown
 from lightning_perf.perf.roofline import RooflineGroup, build_groups, classify, plot_roofline, profiler_op_times
-from lightning_perf.perf.sync import CudaSyncCatcher, DispatchSyncDetector, SyncPointError, SyncRecorder, SyncSite
+from lightning_perf.perf.sync import (
+    SYNC_KINDS,
+    CudaSyncCatcher,
+    DispatchSyncDetector,
+    SyncCallCatcher,
+    SyncPointError,
+    SyncRecorder,
+    SyncSite,
+    SyncWatch,
+    classify_op,
+    detector_plan,
+)
 from lightning_perf.perf.throughput import (
     ParallelLayout,
     StepClock,
@@ -29,6 +40,7 @@ __all__ = [
     "DTYPES", "PEAKS", "DevicePeak", "compute_dtype_name", "device_peak", "lookup_peak",
     "PerfSummary", "breakdown", "recommendations", "render_markdown",
     "RooflineGroup", "build_groups", "classify", "plot_roofline", "profiler_op_times",
-    "CudaSyncCatcher", "DispatchSyncDetector", "SyncPointError", "SyncRecorder", "SyncSite",
+    "SYNC_KINDS", "CudaSyncCatcher", "DispatchSyncDetector", "SyncCallCatcher", "SyncPointError", "SyncRecorder",
+    "SyncSite", "SyncWatch", "classify_op", "detector_plan",
     "ParallelLayout", "StepClock", "Throughput", "compute_throughput", "host_clock", "measure_matmul_ceiling",
 ]
