@@ -36,7 +36,7 @@ the host when the target is the string ``"cpu"`` or the tensor has autograd hist
 it), ``.to(<host>, non_blocking=True)`` of pageable memory and ``torch.cpu.synchronize()``.
 ``SyncWatch`` composes the detectors for a run's device (``detector_plan``).
 
-A site is the innermost stack frame outside torch and the standard library; its ``owner`` is
+A site is the innermost stack frame outside torch, the standard library and the detectors; its ``owner`` is
 ``"lightning"`` (Lightning, Fabric), ``"lightning_perf"`` (this package) or ``"user"``. For a
 framework site the first user frame above it is kept as ``user_location``.
 """
@@ -89,6 +89,7 @@ def _dir_of(module_name: str) -> Optional[str]:
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lightning_perf/
+_THIS_FILE = os.path.abspath(__file__)  # the detectors' own frames are never a site
 _STDLIB = tuple(
     os.path.abspath(p) + os.sep for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
 )
@@ -141,6 +142,9 @@ def find_site(frame: Any = None, *, kind: str = "cuda_sync", op: str = "") -> Sy
     owner = "user"
     while f is not None:
         path = os.path.abspath(f.f_code.co_filename)
+        if path == _THIS_FILE:
+            f = f.f_back
+            continue
         framework = next((name for d, name in owners if path.startswith(d)), None)
         if framework is not None:
             if site is None:
