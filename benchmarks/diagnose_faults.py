@@ -466,7 +466,10 @@ def main() -> None:
     path = os.path.join(args.out, "diagnose_faults.json")
     parts = {"syncs": part_syncs, "stall_mfu": part_stall_mfu, "flight_recorder": part_flight_recorder,
              "oom": part_oom}
-    for name in args.parts.split(","):
+    chosen = [n for n in args.parts.split(",") if n]
+    if set(chosen) - set(parts):
+        p.error(f"unknown parts {sorted(set(chosen) - set(parts))}; choose from {sorted(parts)}")
+    for name in chosen:
         guarded(name, parts[name], cfg, res, path)
     print_summary(res, path)
 

@@ -45,6 +45,9 @@ class SyncPointWarner(Callback):
       device tensors, so a laptop run shows the sites (and their kinds) before the GPU run;
     * ``"both"``: the debug mode and every op classified.
 
+    The dispatch check does not see inside ``torch.compile`` regions (compiled code cached before the
+    watched step runs as usual; a new compilation waits for the next step); the debug mode does.
+
     Each site is attributed to the innermost frame outside torch; a site in Lightning
     (``owner="lightning"``) or in this package (``owner="lightning_perf"``) is the framework's,
     reported separately with the user's calling line. ``mode="warn"`` warns once per user site;
