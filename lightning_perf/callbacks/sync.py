@@ -10,7 +10,15 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from typing_extensions import override
 
 from lightning_perf.callbacks._utils import StepSampler, device_of
-from lightning_perf.perf.sync import CudaSyncCatcher, DispatchSyncDetector, SyncPointError, SyncRecorder, SyncSite
+from lightning_perf.perf.sync import (
+    DETECTORS,
+    SYNC_KINDS,
+    SyncPointError,
+    SyncRecorder,
+    SyncSite,
+    SyncWatch,
+    detector_plan,
+)
 
 __all__ = ["SyncPointWarner", "SyncPointWarning", "SyncPointError"]
 
@@ -24,19 +32,27 @@ class SyncPointWarner(Callback):
 
     A sampled step is watched from the end of the previous batch to the end of its own
     (so the batch fetch and transfer, the step, the optimizer and the loop's bookkeeping
-    are all inside). Detectors:
+    are all inside). Every site has a kind (``lightning_perf.perf.sync.SYNC_KINDS``):
+    ``pageable_h2d``, ``h2d_copy``, ``d2h_copy``, ``scalar``, ``data_dependent``,
+    ``synchronize`` or ``cuda_sync``. Detectors:
 
-    * ``"dispatch"`` (default on CPU): the aten ops that synchronise on a GPU (``.item()``,
-      ``nonzero``, boolean masks, device-to-host and pageable non-blocking copies), so a
-      laptop run shows the sites before the GPU run;
-    * ``"cuda"`` (default on CUDA): ``torch.cuda.set_sync_debug_mode`` plus wrappers of
-      ``torch.cuda.synchronize`` and ``Event``/``Stream.synchronize``, which it misses;
-    * ``"both"``.
+    * ``"cuda"`` (default on CUDA): ``torch.cuda.set_sync_debug_mode("warn")``, wrappers of
+      ``torch.cuda.synchronize``, ``torch.accelerator.synchronize``, ``Stream``/``Event.synchronize``
+      and ``Tensor.tolist``, and a light dispatch check that records the non-blocking copies
+      through pageable memory (which the debug mode does not report) and names the op behind
+      each debug-mode report;
+    * ``"dispatch"`` (default on CPU): every aten op classified, host tensors standing in for
+      device tensors, so a laptop run shows the sites (and their kinds) before the GPU run;
+    * ``"both"``: the debug mode and every op classified.
 
-    Each site is attributed to the innermost frame outside torch; a site in Lightning or
-    in this package is the framework's (reported separately, with the user's calling line).
-    ``mode="warn"`` warns once per user site; ``mode="error"`` raises ``SyncPointError`` at
-    the user's line (for CI). Framework sites never raise.
+    The dispatch check does not see inside ``torch.compile`` regions (compiled code cached before the
+    watched step runs as usual; a new compilation waits for the next step); the debug mode does.
+
+    Each site is attributed to the innermost frame outside torch; a site in Lightning
+    (``owner="lightning"``) or in this package (``owner="lightning_perf"``) is the framework's,
+    reported separately with the user's calling line. ``mode="warn"`` warns once per user site;
+    ``mode="error"`` raises ``SyncPointError`` at the user's line (for CI). Framework sites never
+    raise. A step is not watched while another dispatch mode is active (RooflineMonitor's count).
 
     Args:
         mode: ``"warn"`` or ``"error"``.
@@ -56,38 +72,33 @@ class SyncPointWarner(Callback):
         super().__init__()
         if mode not in ("warn", "error"):
             raise ValueError(f"mode must be 'warn' or 'error', got {mode!r}")
-        if detector not in ("auto", "dispatch", "cuda", "both"):
-            raise ValueError(f"detector must be 'auto', 'dispatch', 'cuda' or 'both', got {detector!r}")
+        if detector not in DETECTORS:
+            raise ValueError(f"detector must be one of {DETECTORS}, got {detector!r}")
         self.mode = mode
         self.sampler = StepSampler(every=every_n_steps, start=start_step)
         self.detector = detector
         self.recorder = SyncRecorder(on_new=self._on_new_site, raise_on_user=mode == "error")
         self.sampled_steps: list[int] = []
-        self._active: list[Any] = []
+        self._active: list[SyncWatch] = []
         self._step = 0
-        self._use_dispatch = self._use_cuda = False
+        self._device_type = "cpu"
 
     def _on_new_site(self, site: SyncSite) -> None:
         if site.framework or self.mode != "warn":
             return
         rank_zero_warn(f"SyncPointWarner: host-device synchronisation at {site.location} in {site.function}(): "
-                       f"{site.op}", category=SyncPointWarning)
+                       f"{site.kind}: {site.op}", category=SyncPointWarning)
 
     # ---- window ----------------------------------------------------------------------------------
 
     def _open(self) -> None:
         if self._active:
             return
-        if self._use_dispatch and _get_current_dispatch_mode() is not None:
+        if _get_current_dispatch_mode() is not None:
             return  # another dispatch mode (a profiler of ours) owns this step; modes must nest cleanly
-        if self._use_cuda:
-            catcher = CudaSyncCatcher(self.recorder)
-            catcher.__enter__()
-            self._active.append(catcher)
-        if self._use_dispatch:
-            mode = DispatchSyncDetector(self.recorder)
-            mode.__enter__()
-            self._active.append(mode)
+        watch = SyncWatch(self.recorder, device_type=self._device_type, detector=self.detector)
+        watch.__enter__()
+        self._active.append(watch)
 
     def _close(self, completed_step: bool = False) -> None:
         if completed_step and self._active:
@@ -99,12 +110,11 @@ class SyncPointWarner(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        cuda = device_of(trainer, pl_module).type == "cuda"
-        choice = self.detector if self.detector != "auto" else ("cuda" if cuda else "dispatch")
-        if choice in ("cuda", "both") and not cuda:
-            raise ValueError(f"SyncPointWarner(detector={self.detector!r}) needs a CUDA device; use 'dispatch' on CPU")
-        self._use_cuda = choice in ("cuda", "both")
-        self._use_dispatch = choice in ("dispatch", "both")
+        self._device_type = device_of(trainer, pl_module).type
+        try:
+            detector_plan(self.detector, self._device_type)
+        except ValueError as err:
+            raise ValueError(f"SyncPointWarner: {err}") from None
         self._step = 0
         if self.sampler(0):
             self._open()
@@ -137,10 +147,16 @@ class SyncPointWarner(Callback):
     def framework_sites(self) -> list[SyncSite]:
         return sorted(self.recorder.framework_sites(), key=lambda s: -s.count)
 
+    def sites_of_kind(self, kind: str) -> list[SyncSite]:
+        if kind not in SYNC_KINDS:
+            raise ValueError(f"kind must be one of {sorted(SYNC_KINDS)}, got {kind!r}")
+        return [s for s in self.user_sites() + self.framework_sites() if s.kind == kind]
+
     def summary(self) -> dict[str, Any]:
         return {
             "sampled_steps": list(self.sampled_steps),
             "user": [s.describe() for s in self.user_sites()],
             "framework": [s.describe() for s in self.framework_sites()],
+            "sites": [s.as_dict() for s in self.user_sites() + self.framework_sites()],
         }
 

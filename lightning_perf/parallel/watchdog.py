@@ -93,6 +93,8 @@ class PeerWatchdog:
         rank, world_size: this rank and the number of ranks (default: the default group's).
         interval: seconds between heartbeats.
         dead_after: seconds of silence after which a peer counts as dead.
+        note: appended to the line logged when a peer goes silent (where the flight recorder's
+            dumps will be, for a job that NCCL aborts before Python sees an error).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class PeerWatchdog:
         *,
         interval: float = 0.5,
         dead_after: float = 5.0,
+        note: str = "",
     ) -> None:
         if interval <= 0 or dead_after <= interval:
             raise ValueError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
@@ -114,6 +117,7 @@ class PeerWatchdog:
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self.interval = float(interval)
         self.dead_after = float(dead_after)
+        self.note = note
         self._prefix = f"lightning_perf/watchdog/{next(_GENERATION)}/"
         self._store = store
         self._step: Optional[int] = None
@@ -200,8 +204,8 @@ class PeerWatchdog:
             else:
                 _log.error(
                     "rank %d: rank %d stopped responding at step %s (no heartbeat for %.1f s): collectives with it "
-                    "will fail or time out",
-                    self.rank, p.rank, p.step, p.silent_s,
+                    "will fail or time out%s",
+                    self.rank, p.rank, p.step, p.silent_s, f"; {self.note}" if self.note else "",
                 )
 
     # ---- queries ----------------------------------------------------------------------------

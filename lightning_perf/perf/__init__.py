@@ -16,7 +16,18 @@ from lightning_perf.perf.report import PerfSummary, breakdown, recommendations, 
 from lightning_perf.perf.roofline import RooflineGroup, build_groups, classify, plot_roofline, profiler_op_times
 from lightning_perf.perf.run_settings import RunSettings
 from lightning_perf.perf.saved_activations import SavedTensorCounter
-from lightning_perf.perf.sync import CudaSyncCatcher, DispatchSyncDetector, SyncPointError, SyncRecorder, SyncSite
+from lightning_perf.perf.sync import (
+    SYNC_KINDS,
+    CudaSyncCatcher,
+    DispatchSyncDetector,
+    SyncCallCatcher,
+    SyncPointError,
+    SyncRecorder,
+    SyncSite,
+    SyncWatch,
+    classify_op,
+    detector_plan,
+)
 from lightning_perf.perf.throughput import (
     ParallelLayout,
     StepClock,
@@ -38,6 +49,7 @@ __all__ = [
     "PerfSummary", "breakdown", "recommendations", "render_markdown",
     "RooflineGroup", "build_groups", "classify", "plot_roofline", "profiler_op_times",
     "RunSettings", "SavedTensorCounter",
-    "CudaSyncCatcher", "DispatchSyncDetector", "SyncPointError", "SyncRecorder", "SyncSite",
+    "SYNC_KINDS", "CudaSyncCatcher", "DispatchSyncDetector", "SyncCallCatcher", "SyncPointError", "SyncRecorder",
+    "SyncSite", "SyncWatch", "classify_op", "detector_plan",
     "ParallelLayout", "StepClock", "Throughput", "compute_throughput", "host_clock", "measure_matmul_ceiling",
 ]

@@ -9,7 +9,9 @@ keep only what differs:
   checks of the model, the data module and the options pass in the launching process
   (``_check_before_launch``, so a bad input raises there, once); each process repeats them
   before its process group starts (with a collective timeout) and the strategy then builds
-  its device mesh;
+  its device mesh. Just before the group is created, every callback of the fit that has a
+  ``prepare_process_group(trainer, backend)`` method is called (``RankWatchdog`` sets the NCCL
+  flight recorder's variables there, which torch reads when the group is created);
 - collectives over the whole world: ``barrier``, ``broadcast``, ``reduce``;
 - checkpoints: a sharded DCP directory (``lightning_perf.parallel.checkpoint``) that every
   rank writes and reads, model and optimizer state together, resharded on load.
@@ -296,10 +298,19 @@ class PerfParallelStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         assert self.cluster_environment is not None
+        self._prepare_process_group(self._process_group_backend)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._device_mesh = self._build_device_mesh()
         if self.lightning_module is not None:  # LightningModule.device_mesh, for configure_model
             self.lightning_module._device_mesh = self._device_mesh
+
+    def _prepare_process_group(self, backend: str) -> None:
+        """Let the fit's callbacks set what torch reads when the group is created (module docstring)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        for callback in getattr(trainer, "callbacks", None) or []:
+            prepare = getattr(callback, "prepare_process_group", None)
+            if callable(prepare):
+                prepare(trainer, backend)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

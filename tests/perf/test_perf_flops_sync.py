@@ -118,7 +118,7 @@ def _line(marker: str) -> int:
 def test_dispatch_detector_finds_each_sync_at_its_line():
     rec = SyncRecorder()
     x = torch.randn(16)
-    with DispatchSyncDetector(rec):
+    with DispatchSyncDetector(rec, emulate_host=True):
         y = x * 2 + 1  # clean
         x.sum().item()  # SITE-ITEM
         torch.nonzero(x > 0)  # SITE-NONZERO
@@ -135,7 +135,7 @@ def test_dispatch_detector_finds_each_sync_at_its_line():
 def test_error_mode_raises_at_user_site():
     rec = SyncRecorder(raise_on_user=True)
     with pytest.raises(SyncPointError, match=f"{HERE}:{_line('SITE-RAISE')}"):
-        with DispatchSyncDetector(rec):
+        with DispatchSyncDetector(rec, emulate_host=True):
             torch.ones(3).sum().item()  # SITE-RAISE
 
 
@@ -158,7 +158,7 @@ def test_optimizer_step_counters_are_not_sync_sites():
     model = nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     rec = SyncRecorder()
-    with DispatchSyncDetector(rec):
+    with DispatchSyncDetector(rec, emulate_host=True):
         for _ in range(2):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()

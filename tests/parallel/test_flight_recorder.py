@@ -1,0 +1,85 @@
+"""The flight recorder's variables (checked against the names in the installed torch), the dump of one
+rank's buffer, and the command that reads a dump directory."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_perf.parallel.flight_recorder import (
+    FLIGHT_RECORDER_VARS,
+    default_dump_prefix,
+    dump_files,
+    dump_flight_recorder,
+    dump_prefix,
+    enable_flight_recorder,
+    flight_recorder_env,
+    read_command,
+)
+
+PREFIX = "/runs/a/flight_recorder/nccl_trace_rank_"
+
+
+def test_every_unset_setting_is_set_under_all_its_names():
+    assert flight_recorder_env(PREFIX, buffer_size=500, environ={}) == {
+        "TORCH_FR_BUFFER_SIZE": "500", "TORCH_NCCL_TRACE_BUFFER_SIZE": "500",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": PREFIX, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": PREFIX,
+    }
+
+
+def test_a_setting_the_user_made_under_either_name_is_left_alone():
+    user = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/fr_"}
+    assert flight_recorder_env(PREFIX, environ=user) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    env = dict(user)
+    assert enable_flight_recorder(PREFIX, environ=env) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0" and dump_prefix(env) == "/mine/fr_"
+    with pytest.raises(ValueError, match="buffer_size"):
+        flight_recorder_env(PREFIX, buffer_size=0, environ={})
+
+
+def test_names_are_the_ones_the_installed_torch_reads():
+    headers = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
+    if not (headers / "FlightRecorder.hpp").exists():
+        pytest.skip("this torch build ships no c10d headers")
+    recorder = (headers / "FlightRecorder.hpp").read_text()
+    nccl = (headers / "ProcessGroupNCCL.hpp").read_text()
+    buffer = FLIGHT_RECORDER_VARS["buffer_size"]
+    assert f'{{"{buffer[0]}", "{buffer[1]}"}}' in recorder  # the new name first, the old one its alias
+    assert f'"{FLIGHT_RECORDER_VARS["dump_on_timeout"][0]}"' in nccl
+
+
+def test_torchs_default_dump_prefix():
+    assert default_dump_prefix({"XDG_CACHE_HOME": "/c"}) == "/c/torch/comm_lib_trace_rank_"
+    assert default_dump_prefix({"HOME": "/h"}) == "/h/.cache/torch/comm_lib_trace_rank_"
+    assert dump_prefix({"TORCH_FR_DUMP_TEMP_FILE": "/a/", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/b/"}) == "/a/"
+
+
+def test_a_rank_dump_is_readable_as_the_message_says(tmp_path):
+    c10d = torch._C._distributed_c10d
+    if not hasattr(c10d, "_dump_fr_trace"):
+        pytest.skip("this torch build's gloo does not record")
+    prefix = str(tmp_path / "fr" / "nccl_trace_rank_")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(3))
+        path = dump_flight_recorder(prefix, 0, nccl=False)
+    finally:
+        dist.destroy_process_group()
+    assert path == prefix + "0" and dump_files(prefix) == [path]
+    entries = pickle.load(open(path, "rb"))["entries"]
+    assert [e["profiling_name"] for e in entries][-1] == "gloo:all_reduce" and entries[-1]["input_sizes"] == [[3]]
+    # the analyser's own parser accepts the command line the message gives
+    from torch.distributed.flight_recorder.components.config_manager import JobConfig
+
+    command = read_command(prefix)
+    args = command.split(" (")[0].split()[3:] + ["-j"]
+    parsed = JobConfig().parse_args(args)
+    assert (parsed.trace_dir, parsed.prefix) == (str(tmp_path / "fr"), "nccl_trace_rank_")
+    assert f"pickle.load(open('{prefix}<rank>', 'rb'))['entries']" in command
+    assert os.path.basename(path).startswith(parsed.prefix)
