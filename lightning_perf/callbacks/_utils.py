@@ -11,7 +11,8 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_perf.perf.throughput import ParallelLayout
 
-__all__ = ["layout_of", "batch_size_of", "StepSampler", "log_dir_of", "find_callback", "device_of", "log_scalars"]
+__all__ = ["layout_of", "batch_size_of", "StepSampler", "log_dir_of", "find_callback", "device_of", "log_scalars",
+           "sampled_steps_of"]
 
 C = TypeVar("C")
 
@@ -84,6 +85,16 @@ def find_callback(trainer: Any, cls: type[C]) -> Optional[C]:
         if isinstance(cb, cls):
             return cb
     return None
+
+
+def sampled_steps_of(trainer: Any) -> set[int]:
+    """Steps a diagnostic callback sampled (profiled, counted, re-measured): slower than the others by
+    the diagnostic's own cost, so every measured window leaves them out. Indices count the fit's
+    batches from 0, as every callback of the pack does."""
+    out: set[int] = set()
+    for cb in getattr(trainer, "callbacks", None) or []:
+        out.update(getattr(cb, "sampled_steps", None) or [])
+    return out
 
 
 def device_of(trainer: Any, pl_module: Any) -> torch.device:

@@ -1,8 +1,9 @@
-"""MFUMonitor: tokens/s, samples/s, TFLOP/s per GPU, MFU and HFU, without per-step syncs."""
+"""MFUMonitor: tokens/s, samples/s, TFLOP/s per device, MFU and HFU over the measured window, without per-step syncs."""
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -10,24 +11,40 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_perf.callbacks._utils import batch_size_of, device_of, layout_of, log_scalars
+from lightning_perf.callbacks._utils import batch_size_of, device_of, layout_of, log_scalars, sampled_steps_of
 from lightning_perf.perf.flops import count_flops
 from lightning_perf.perf.peaks import DTYPES, compute_dtype_name, device_peak
+from lightning_perf.perf.steps import StepLedger, StepRow, StepTimer, StepWindow
 from lightning_perf.perf.throughput import (
     ParallelLayout,
-    StepClock,
     Throughput,
-    compute_throughput,
+    device_unit,
     measure_matmul_ceiling,
+    over_reference,
+    window_throughput,
 )
 
 __all__ = ["MFUMonitor"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_REMEASURES = 2  # times a measured ceiling is timed again when a window beats it, before it is declared unreliable
 
 
 class MFUMonitor(Callback):
-    """Throughput and model FLOPs utilisation of every training batch, shown in the progress bar.
+    """Throughput and model FLOPs utilisation of the training run, shown in the progress bar.
+
+    Every figure is over one stated window, the same one ``PerfReport`` prints: the mean over the
+    measured steps so far, where a step is the wall time from one batch start to the next (data
+    waits, hooks and logging included; the last step of the fit ends at its batch end), the first
+    ``warmup_steps`` are left out, and so are the steps a diagnostic callback sampled (its
+    ``sampled_steps``: profiled, FLOP-counted or ceiling re-measured steps). Rates are totals over
+    total time: ``tokens/s = tokens per step / mean step time`` and
+    ``MFU = model FLOPs of the window / its wall time / devices / peak``. Every ``window`` measured
+    steps it logs the run's figures (``perf/tokens_per_sec`` when batches are token ids, else
+    ``perf/samples_per_sec``; ``perf/tflops_per_gpu``, or ``perf/tflops_per_process`` off a GPU;
+    ``perf/step_time_ms``, ``perf/mfu``, ``perf/hfu``, ``perf/mfu_ceiling``) and the last ``window``
+    steps' ``perf/step_time_ms_window`` and ``perf/mfu_window``; at the end of training the final
+    run figures go to the loggers.
 
     FLOPs per token come from ``flops_per_token=`` if given, else the LightningModule's
     ``flops_per_token(seq_len)`` method, else one count of the forward on the first batch
@@ -38,11 +55,15 @@ class MFUMonitor(Callback):
     module has ``hardware_flops_per_token(seq_len)`` or with ``count_backward=True``, which
     also counts one backward (recomputation included).
 
-    Step time is the interval between consecutive batch ends: CUDA events read with
-    ``query()`` once complete (a step or more later), the host clock on CPU. The layout
-    comes from the trainer: tokens count once per data-parallel replica, FLOPs divide over
-    all GPUs. The peak is the table's dense peak for the device and the precision's
-    compute dtype, or ``peak_flops=``; it is logged once at the start.
+    Steps are timed with CUDA events read with ``query()`` once complete (a step or more later),
+    the host clock on CPU. The layout comes from the trainer: tokens count once per data-parallel
+    replica, FLOPs divide over all devices (GPUs; processes on a CPU). The peak is the table's dense
+    peak for the device and the precision's compute dtype, or ``peak_flops=``; it is logged once at
+    the start. A utilisation above 100% is never logged as a value: a window that beats the
+    measured matmul ceiling has the ceiling timed again (best of five, up to twice per fit); if it
+    still beats it the ceiling is declared unreliable, and MFU against it is logged as NaN and
+    reported as "n/a" with the reason (``mfu_note``). Against a datasheet or user peak the same
+    holds: above 100% means the FLOP count or the peak is wrong.
 
     Args:
         peak_flops: FLOP/s per device to compute MFU against (needed on CPU).
@@ -52,10 +73,9 @@ class MFUMonitor(Callback):
         measure_ceiling: time a large matmul at fit start and also report MFU against it; on a device
             with no known peak (a CPU) and no ``peak_flops=``, MFU is then computed against it.
         count_backward: with the FLOP-counter fallback, also count one backward for HFU.
-        window: steps per reported value (logged once per window, which keeps the
-            per-step host cost to recording one event).
-        warmup_steps: first step intervals ignored (compilation, allocator warm-up).
-        prog_bar: show tokens/s and MFU in the progress bar.
+        window: measured steps between two logged values (and the span of the ``*_window`` figures).
+        warmup_steps: first steps left out (compilation, allocator warm-up).
+        prog_bar: show tokens/s (samples/s) and MFU in the progress bar.
     """
 
     def __init__(
@@ -89,17 +109,25 @@ class MFUMonitor(Callback):
         self.prog_bar = prog_bar
         # state of one fit
         self.layout: Optional[ParallelLayout] = None
+        self.unit = "GPU"  # what per-device figures are per: "GPU", or "process" off a GPU
         self.peak_flops: Optional[float] = None
         self.peak_name: Optional[str] = None
         self.ceiling_flops: Optional[float] = None
-        self.history: list[Throughput] = []
+        self.ceiling_note: Optional[str] = None  # set when the measured ceiling proved unreliable
+        self.ceiling_measurements = 0
+        self.ledger = StepLedger()
+        self.sampled_steps: list[int] = []  # steps in which this callback counted FLOPs or re-timed the ceiling
+        self.excluded: set[int] = set()  # every diagnostic's sampled steps, as of the last figures
+        self.history: list[Throughput] = []  # the run's figures at each log
+        self._peak_is_ceiling = False
+        self._torch_dtype: Optional[torch.dtype] = None
+        self._device = torch.device("cpu")
         self._fpt_cache: dict[Optional[int], tuple[float, Optional[float]]] = {}
         self._full_attention_ratio: Optional[float] = None
-        self._clock: Optional[StepClock] = None
-        self._recent: deque[tuple[float, tuple[int, int, float, Optional[float]]]] = deque()
-        self._window_done: list[tuple[float, tuple[int, int, float, Optional[float]]]] = []
-        self._seen = 0
-        self._batch: Optional[tuple[int, int, float, Optional[float]]] = None
+        self._timer: Optional[StepTimer] = None
+        self._new_measured = 0
+        self._counted = False
+        self._warned: set[str] = set()
 
     # ---- FLOPs per token ------------------------------------------------------------------------
 
@@ -117,6 +145,7 @@ class MFUMonitor(Callback):
             hw = float(hw_fn(seq_len)) if callable(hw_fn) else None
         else:
             count = self._count(pl_module, batch, batch_idx)
+            self._counted = True
             model = count.model / max(tokens, 1)
             hw = count.hardware / max(tokens, 1) if count.hardware is not None else None
         self._fpt_cache[seq_len] = (model, hw)
@@ -154,13 +183,18 @@ class MFUMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.layout = layout_of(trainer)
         device = device_of(trainer, pl_module)
-        self._clock = StepClock(device)
-        self._recent.clear()
-        self._seen = 0
-        self.history = []
+        self._device, self.unit = device, device_unit(device)
+        self._timer = StepTimer(device)
+        self.ledger.clear()
+        self.history, self.sampled_steps, self.excluded = [], [], set()
+        self._new_measured = 0
+        self.ceiling_flops, self.ceiling_note, self.ceiling_measurements = None, None, 0
+        self._peak_is_ceiling = False
         dtype = self.dtype or compute_dtype_name(getattr(trainer, "precision", None), torch.get_float32_matmul_precision())
-        if self.measure_ceiling and dtype in _TORCH_DTYPES:
-            self.ceiling_flops = measure_matmul_ceiling(device, _TORCH_DTYPES[dtype])
+        self._torch_dtype = _TORCH_DTYPES.get(dtype)
+        if self.measure_ceiling and self._torch_dtype is not None:
+            self.ceiling_flops = measure_matmul_ceiling(device, self._torch_dtype)
+            self.ceiling_measurements = 1
         if self.peak_flops_override is not None:
             self.peak_flops, self.peak_name = self.peak_flops_override, f"user peak_flops ({dtype})"
         else:
@@ -170,92 +204,175 @@ class MFUMonitor(Callback):
             if self.peak_flops is None and self.ceiling_flops:
                 # no datasheet peak (a CPU, an unlisted GPU): the measured matmul ceiling is the honest reference
                 self.peak_flops, self.peak_name = self.ceiling_flops, f"measured matmul ceiling ({dtype})"
+                self._peak_is_ceiling = True
             elif self.peak_flops is None:
                 name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
                 rank_zero_warn(f"MFUMonitor: no {dtype} peak known for {name!r}; pass peak_flops= or "
                                "measure_ceiling=True to get MFU")
         if self.peak_flops is not None:
             ceiling = (f", measured matmul ceiling {self.ceiling_flops / 1e12:.4g} TFLOP/s"
-                       if self.ceiling_flops and self.ceiling_flops != self.peak_flops else "")
-            rank_zero_info(f"MFUMonitor: peak {self.peak_flops / 1e12:.4g} TFLOP/s per device "
+                       if self.ceiling_flops and not self._peak_is_ceiling else "")
+            rank_zero_info(f"MFUMonitor: peak {self.peak_flops / 1e12:.4g} TFLOP/s per {self.unit} "
                            f"({self.peak_name}){ceiling}; layout world={self.layout.world_size} "
                            f"dp={self.layout.data_parallel_size}")
             for logger in trainer.loggers:
                 logger.log_metrics({"perf/peak_tflops": self.peak_flops / 1e12}, step=trainer.global_step)
-        self._clock.mark(None)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        samples, tokens, seq_len = batch_size_of(batch)
-        model, hw = self._flops_per_token(pl_module, batch, batch_idx, tokens, seq_len)
-        self._batch = (samples, tokens, model, hw)
+        if self._timer is None:
+            return
+        samples, count, seq_len = batch_size_of(batch)
+        self._counted = False
+        model, hw = self._flops_per_token(pl_module, batch, batch_idx, count, seq_len)
+        if self._counted and self._timer.index >= 0:
+            self.sampled_steps.append(self._timer.index)  # the count ran an extra forward in the step ending here
+        row = (samples, count if seq_len is not None else None, model * count, None if hw is None else hw * count)
+        self._timer.start(row)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._clock is None or self._batch is None:
+        if self._timer is None:
             return
-        self._clock.mark(self._batch)
-        updated = False
-        for seconds, payload in self._clock.poll():
-            self._seen += 1
-            if self._seen <= self.warmup_steps or payload is None or seconds <= 0:
-                continue
-            self._recent.append((seconds, payload))
-            if len(self._recent) == self.window:  # a full window: report it, start the next
-                self._window_done = list(self._recent)
-                self._recent.clear()
-                updated = True
-        if updated:
-            result = self._compute()
-            self.history.append(result)
-            values = {
-                "perf/tokens_per_sec": result.tokens_per_sec,
-                "perf/samples_per_sec": result.samples_per_sec,
-                "perf/tflops_per_gpu": result.tflops_per_gpu,
-                "perf/step_time_ms": result.step_time_s * 1e3,
-            }
-            for key in ("mfu", "hfu", "mfu_ceiling"):
-                value = getattr(result, key)
-                if value is not None:
-                    values[f"perf/{key}"] = value
-            if result.mfu is not None and self._full_attention_ratio is not None:
-                # attention counted over the full square (the other common convention), to compare
-                values["perf/mfu_full_attention"] = result.mfu * self._full_attention_ratio
-            log_scalars(pl_module, values, prog_bar=("perf/tokens_per_sec", "perf/mfu") if self.prog_bar else ())
-
-    def _compute(self) -> Throughput:
-        """Window average: total tokens and FLOPs over total time."""
-        assert self.layout is not None
-        rows = self._window_done
-        seconds = sum(s for s, _ in rows)
-        samples = sum(p[0] for _, p in rows)
-        tokens = sum(p[1] for _, p in rows)
-        flops = sum(p[1] * p[2] for _, p in rows)
-        hw = None if any(p[3] is None for _, p in rows) else sum(p[1] * p[3] for _, p in rows)
-        n = len(rows)
-        return compute_throughput(
-            step_time_s=seconds / n,
-            local_tokens=tokens // n if tokens % n == 0 else tokens / n,  # type: ignore[arg-type]
-            local_samples=samples / n,  # type: ignore[arg-type]
-            layout=self.layout,
-            flops_per_token=flops / tokens if tokens else 0.0,
-            peak_flops=self.peak_flops,
-            hardware_flops_per_token=(hw / tokens if tokens else None) if hw is not None else None,
-            ceiling_flops=self.ceiling_flops,
-        )
+        self._timer.end()
+        self._record(self._timer.poll(), trainer)
+        if self._new_measured >= self.window:
+            self._new_measured = 0
+            values = self._figures_to_log(trainer, inside_step=True)
+            if values:
+                shown = ("perf/tokens_per_sec" if "perf/tokens_per_sec" in values else "perf/samples_per_sec",
+                         "perf/mfu")
+                log_scalars(pl_module, values, prog_bar=shown if self.prog_bar else ())
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._clock is not None:
-            self._clock.reset()
+        if self._timer is None:
+            return
+        self._record(self._timer.finish(), trainer)
+        values = self._figures_to_log(trainer, inside_step=False)
+        if values:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=trainer.global_step)
+        self._timer = None
+
+    def _record(self, records: list[Any], trainer: Trainer) -> None:
+        skip = sampled_steps_of(trainer)
+        for r in records:
+            samples, tokens, flops, hw = r.payload
+            self.ledger.add(StepRow(index=r.index, seconds=r.seconds, gap_s=r.gap_s, samples=samples, tokens=tokens,
+                                    flops=flops, hardware_flops=hw))
+            if r.index >= self.warmup_steps and r.index not in skip:
+                self._new_measured += 1
+
+    # ---- figures -----------------------------------------------------------------------------------
+
+    def run_window(self, *, warmup: Optional[int] = None, exclude: Optional[set[int]] = None) -> StepWindow:
+        """The measured window of this fit (by default: after ``warmup_steps``, less every sampled step)."""
+        return self.ledger.window(warmup=self.warmup_steps if warmup is None else warmup,
+                                  exclude=self.excluded if exclude is None else exclude)
+
+    def figures(self, window: StepWindow) -> tuple[Throughput, Optional[str]]:
+        """The window's throughput with every utilisation above 100% (or against an unreliable
+        ceiling) set to ``None``, and the reason MFU is missing when it is."""
+        assert self.layout is not None
+        t = window_throughput(window, layout=self.layout, peak_flops=self.peak_flops,
+                              ceiling_flops=self.ceiling_flops)
+        note = None
+        ceiling_bad = self.ceiling_note is not None or over_reference(t.mfu_ceiling)
+        if ceiling_bad:
+            ceiling_note = self.ceiling_note or self._ceiling_note(t)
+            t = replace(t, mfu_ceiling=None)
+            if self._peak_is_ceiling:
+                t, note = replace(t, mfu=None, hfu=None), ceiling_note
+        if over_reference(t.mfu):
+            note = (f"over 100% of the peak ({t.tflops_per_device:.4g} TFLOP/s per {self.unit} achieved, "
+                    f"{self.peak_name} {self.peak_flops / 1e12:.4g}): the FLOP count (flops_per_token) or "
+                    "the peak is wrong")
+            t = replace(t, mfu=None)
+        if over_reference(t.hfu):
+            t = replace(t, hfu=None)
+        return t, note
+
+    def _ceiling_note(self, t: Throughput) -> str:
+        assert self.ceiling_flops is not None
+        return (f"ceiling unreliable: {t.tflops_per_device:.4g} TFLOP/s achieved per {self.unit} is above the "
+                f"measured matmul ceiling of {self.ceiling_flops / 1e12:.4g} TFLOP/s (timed "
+                f"{self.ceiling_measurements} times, best of five each; a busy host times it low); "
+                "pass peak_flops=")
+
+    def _settle_ceiling(self, windows: list[StepWindow], *, inside_step: bool) -> None:
+        """Time the ceiling again while a window beats it; declare it unreliable after ``_REMEASURES``."""
+        assert self.layout is not None
+        windows = [w for w in windows if w.steps and w.seconds > 0]
+        while self.ceiling_flops and self.ceiling_note is None and self._torch_dtype is not None:
+            raw = [window_throughput(w, layout=self.layout, ceiling_flops=self.ceiling_flops) for w in windows]
+            beaten = [t for t in raw if over_reference(t.mfu_ceiling)]
+            if not beaten:
+                return
+            if self.ceiling_measurements > _REMEASURES:
+                self.ceiling_note = self._ceiling_note(max(beaten, key=lambda t: t.tflops_per_device or 0.0))
+                return
+            if inside_step and self._timer is not None:
+                self.sampled_steps.append(self._timer.index)  # the timing runs inside the current step
+            self.ceiling_flops = max(self.ceiling_flops, measure_matmul_ceiling(self._device, self._torch_dtype))
+            self.ceiling_measurements += 1
+            if self._peak_is_ceiling:
+                self.peak_flops = self.ceiling_flops
+
+    def _figures_to_log(self, trainer: Trainer, *, inside_step: bool) -> dict[str, float]:
+        self.excluded = sampled_steps_of(trainer)
+        run = self.run_window()
+        if not run.steps or run.seconds <= 0:
+            return {}
+        recent = self.ledger.window(warmup=self.warmup_steps, exclude=self.excluded, last=self.window)
+        self._settle_ceiling([run, recent], inside_step=inside_step)
+        self.excluded = sampled_steps_of(trainer)
+        run = self.run_window()
+        recent = self.ledger.window(warmup=self.warmup_steps, exclude=self.excluded, last=self.window)
+        if not run.steps or run.seconds <= 0 or recent.seconds <= 0:
+            return {}
+        result, note = self.figures(run)
+        last, _ = self.figures(recent)
+        self.history.append(result)
+        if note is not None and note not in self._warned:
+            self._warned.add(note)
+            rank_zero_warn(f"MFUMonitor: MFU n/a, {note}")
+        values: dict[str, float] = {"perf/samples_per_sec": result.samples_per_sec,
+                                    "perf/step_time_ms": result.step_time_s * 1e3,
+                                    "perf/step_time_ms_window": last.step_time_s * 1e3}
+        if result.tokens_per_sec is not None:
+            values["perf/tokens_per_sec"] = result.tokens_per_sec
+        if result.tflops_per_device is not None:
+            values[f"perf/tflops_per_{self.unit.lower()}"] = result.tflops_per_device
+        if self.peak_flops is not None and result.tflops_per_device is not None:
+            # NaN, not a number above 100%, when the reference proved wrong (the reason is warned once)
+            values["perf/mfu"] = result.mfu if result.mfu is not None else math.nan
+            values["perf/mfu_window"] = last.mfu if last.mfu is not None else math.nan
+        for key in ("hfu", "mfu_ceiling"):
+            value = getattr(result, key)
+            if value is not None:
+                values[f"perf/{key}"] = value
+        if result.mfu is not None and self._full_attention_ratio is not None:
+            # attention counted over the full square (the other common convention), to compare
+            values["perf/mfu_full_attention"] = result.mfu * self._full_attention_ratio
+        return values
+
+    @property
+    def mfu_note(self) -> Optional[str]:
+        """Why the run's MFU is n/a (``None`` when it is a value, or when there is no peak)."""
+        run = self.run_window()
+        return self.figures(run)[1] if run.steps and run.seconds > 0 and self.layout is not None else None
 
     def summary(self) -> dict[str, Any]:
-        """The median window's figures (robust to steps other callbacks profiled) and the peak used."""
-        ranked = sorted(self.history, key=lambda t: t.step_time_s)
-        mid = ranked[len(ranked) // 2].as_dict() if ranked else {}
-        out = {**mid, "windows": len(ranked), "peak_flops": self.peak_flops, "peak": self.peak_name,
-               "ceiling_flops": self.ceiling_flops}
-        if mid.get("mfu") is not None and self._full_attention_ratio is not None:
-            out["mfu_full_attention"] = mid["mfu"] * self._full_attention_ratio
+        """The run's figures over its measured window (the window stated under ``"window"``) and the peak used."""
+        run = self.run_window()
+        out: dict[str, Any] = {"window": run.describe(), "steps": run.steps, "peak_flops": self.peak_flops,
+                               "peak": self.peak_name, "ceiling_flops": self.ceiling_flops,
+                               "ceiling_note": self.ceiling_note, "unit": self.unit, "mfu_note": None}
+        if run.steps and run.seconds > 0 and self.layout is not None:
+            result, out["mfu_note"] = self.figures(run)
+            out.update(result.as_dict())
+            if result.mfu is not None and self._full_attention_ratio is not None:
+                out["mfu_full_attention"] = result.mfu * self._full_attention_ratio
         return out

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-from collections import deque
 from typing import Any, Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-import lightning_perf.perf.throughput as _throughput
 from lightning_perf.callbacks._settings import run_settings_of
-from lightning_perf.callbacks._utils import batch_size_of, device_of, find_callback, layout_of, log_dir_of
+from lightning_perf.callbacks._utils import (
+    batch_size_of,
+    device_of,
+    find_callback,
+    layout_of,
+    log_dir_of,
+    sampled_steps_of,
+)
 from lightning_perf.callbacks.comm import CommOverlapMonitor
 from lightning_perf.callbacks.garbage import CollectionTimer, GarbageCollection
 from lightning_perf.callbacks.memory import MemoryMonitor
@@ -22,63 +27,62 @@ from lightning_perf.callbacks.stall import DataLoaderStallDetector
 from lightning_perf.callbacks.sync import SyncPointWarner
 from lightning_perf.perf.dataloader import dataloader_advice
 from lightning_perf.perf.report import PerfSummary, render_markdown
+from lightning_perf.perf.steps import StepLedger, StepRow, StepTimer
+from lightning_perf.perf.throughput import device_unit, window_throughput
 
 __all__ = ["PerfReport"]
 
 
 class PerfReport(Callback):
     """At the end of fit: step time split into compute / exposed communication / data wait /
-    host overhead, MFU, the roofline bound, Python garbage-collection pauses, the sync sites and the
-    top three recommendations.
+    host overhead, throughput and MFU, the roofline bound, Python garbage-collection pauses, the sync
+    sites and the top three recommendations.
 
-    Step time and the device's idle gap between steps are measured here (CUDA events read
-    with ``query()``, or the host clock on CPU). The rest comes from the other callbacks of
-    the pack when they are attached (``MFUMonitor``, ``DataLoaderStallDetector``,
-    ``CommOverlapMonitor``, ``RooflineMonitor``, ``SyncPointWarner``). Every garbage collection
-    during the fit is timed through ``gc.callbacks`` (two clock reads per collection). The report is printed
-    on rank 0 and saved as ``{filename}.md`` and ``{filename}.json`` in the log dir.
+    Every figure is over one window, stated in the report: the mean over the measured steps, where a
+    step is the wall time from one batch start to the next (data waits included; the last step ends
+    at its batch end), the first ``warmup_steps`` are left out, and so are the steps a diagnostic
+    callback sampled. With ``MFUMonitor`` attached, step time, tokens/s and MFU are that monitor's
+    measurement of the window (so they equal its logged figures); with
+    ``DataLoaderStallDetector`` attached, the data-wait share is the detector's for the window.
+    Otherwise steps are timed here (CUDA events read with ``query()``, or the host clock on CPU),
+    as is the device's idle gap between steps. The rest comes from the other callbacks of the pack
+    when attached (``CommOverlapMonitor``, ``RooflineMonitor``, ``SyncPointWarner``). Every garbage
+    collection during the fit is timed through ``gc.callbacks`` (two clock reads per collection).
+    The report is printed on rank 0 and saved as ``{filename}.md`` and ``{filename}.json`` in the
+    log dir. A run with no step past the warm-up says so instead of showing figures.
 
     Args:
-        warmup_steps: first steps left out of the averages.
+        warmup_steps: first steps left out of the window; default the largest ``warmup_steps`` of an
+            attached ``MFUMonitor`` or ``DataLoaderStallDetector``, else 2.
         filename: stem of the saved files.
         print_report: print the Markdown at the end of fit.
     """
 
-    def __init__(self, *, warmup_steps: int = 2, filename: str = "perf_report", print_report: bool = True) -> None:
+    def __init__(self, *, warmup_steps: Optional[int] = None, filename: str = "perf_report",
+                 print_report: bool = True) -> None:
         super().__init__()
-        if warmup_steps < 0:
+        if warmup_steps is not None and warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.warmup_steps = warmup_steps
         self.filename = filename
         self.print_report = print_report
         self.summary: Optional[PerfSummary] = None
         self.files: list[str] = []
+        self.ledger = StepLedger()
         self._cuda = False
-        self._events = _throughput.EventPool()
-        self._queue: deque[tuple[Any, Any, Any, int, int]] = deque()
-        self._start: Any = None
-        self._end: Any = None
-        self._tokens = 0
-        self._index = 0
-        self._measured: list[tuple[int, float, float, int]] = []  # (step, step_s, gap_s, tokens)
+        self._unit = "GPU"
+        self._timer: Optional[StepTimer] = None
         self._on_gc = CollectionTimer(tag=self._step_index)  # (step index, seconds) per collection
 
     def _step_index(self) -> int:
-        return self._index - 1
-
-    def _stamp(self) -> Any:
-        if self._cuda:
-            return self._events.record()
-        return _throughput.host_clock()
+        return self._timer.index if self._timer is not None else -1
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._cuda = device_of(trainer, pl_module).type == "cuda"
-        self._events = _throughput.EventPool()
-        self._queue.clear()
-        self._start = self._end = None
-        self._index = 0
-        self._measured = []
+        device = device_of(trainer, pl_module)
+        self._cuda, self._unit = device.type == "cuda", device_unit(device)
+        self._timer = StepTimer(device)
+        self.ledger.clear()
         self._on_gc.pauses = []
         self._on_gc.install()
 
@@ -92,41 +96,29 @@ class PerfReport(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        start = self._stamp()
-        if self._start is not None and self._end is not None:
-            self._queue.append((self._start, self._end, start, self._tokens, self._index - 1))
-        self._index += 1
-        self._start, self._end = start, None
-        self._tokens = batch_size_of(batch)[1]
-        self._drain(block=False)
+        if self._timer is None:
+            return
+        samples, tokens, seq_len = batch_size_of(batch)
+        self._timer.start((samples, tokens if seq_len is not None else None))
+        self._record(self._timer.poll())
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._end = self._stamp()
+        if self._timer is not None:
+            self._timer.end()
 
-    def _drain(self, block: bool) -> None:
-        if block and self._cuda and self._queue:
-            self._queue[-1][2].synchronize()  # end of fit only
-        while self._queue:
-            prev_start, prev_end, start, tokens, index = self._queue[0]
-            if self._cuda:
-                if not start.query():
-                    return
-                step, gap = prev_start.elapsed_time(start) / 1e3, prev_end.elapsed_time(start) / 1e3
-            else:
-                step, gap = start - prev_start, start - prev_end
-            self._queue.popleft()
-            if self._cuda:
-                self._events.release(prev_start)
-                self._events.release(prev_end)
-            if index >= self.warmup_steps:
-                self._measured.append((index, step, gap, tokens))
+    def _record(self, records: list[Any]) -> None:
+        for r in records:
+            samples, tokens = r.payload
+            self.ledger.add(StepRow(index=r.index, seconds=r.seconds, gap_s=r.gap_s, samples=samples, tokens=tokens))
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._on_gc.remove()
-        self._drain(block=True)
+        if self._timer is not None:
+            self._record(self._timer.finish())
+            self._timer = None
         self.summary = self.build_summary(trainer)
         if not trainer.is_global_zero:
             return
@@ -141,35 +133,41 @@ class PerfReport(Callback):
         if self.print_report:
             print(text)
 
-    @staticmethod
-    def _sampled_steps(trainer: Trainer) -> set[int]:
-        """Steps another callback profiled or watched (slower than the others): left out of the means."""
-        out: set[int] = set()
-        for cb in getattr(trainer, "callbacks", []):
-            out.update(getattr(cb, "sampled_steps", []) or [])
-        return out
+    def window_warmup(self, trainer: Trainer) -> int:
+        """The warm-up of the report's window (see ``warmup_steps``)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        found = [cb.warmup_steps for cb in (find_callback(trainer, MFUMonitor),
+                                            find_callback(trainer, DataLoaderStallDetector)) if cb is not None]
+        return max(found, default=2)
 
     def build_summary(self, trainer: Trainer) -> PerfSummary:
-        skip = self._sampled_steps(trainer)
-        rows = [r for r in self._measured if r[0] not in skip] or self._measured
-        steps = len(rows)
-        total = sum(r[1] for r in rows)
-        layout = layout_of(trainer)
-        s = PerfSummary(
-            step_time_s=total / steps if steps else 0.0,
-            steps=steps,
-            between_steps_s=sum(r[2] for r in rows) / steps if steps else None,
-            tokens_per_sec=(sum(r[3] for r in rows) * layout.data_parallel_size / total) if total else None,
-        )
+        skip = sampled_steps_of(trainer)
+        warmup = self.window_warmup(trainer)
+        own = self.ledger.window(warmup=warmup, exclude=skip)
         mfu = find_callback(trainer, MFUMonitor)
-        if mfu is not None and mfu.history:
-            m = mfu.summary()  # the median window: robust to the slow steps other callbacks sample
-            s.mfu, s.hfu, s.tflops_per_gpu = m.get("mfu"), m.get("hfu"), m.get("tflops_per_gpu")
-            s.tokens_per_sec = m.get("tokens_per_sec", s.tokens_per_sec)
-            s.peak = f"{m['peak']}: {m['peak_flops'] / 1e12:.4g} TFLOP/s" if m.get("peak_flops") else None
+        if mfu is not None and (mfu.layout is None or not len(mfu.ledger)):
+            mfu = None  # attached, but it timed no step of this fit
+        window = mfu.run_window(warmup=warmup, exclude=skip) if mfu is not None else own
+        s = PerfSummary(step_time_s=window.mean_step_s or 0.0, steps=window.steps, window=window.describe(),
+                        median_step_s=window.median_step_s, p90_step_s=window.p90_step_s, device_unit=self._unit)
+        if window.steps and window.seconds > 0:
+            if own.steps and own.gap_s is not None:
+                s.between_steps_s = own.gap_s / own.steps
+            if mfu is not None:
+                t, s.mfu_note = mfu.figures(window)
+                if mfu.peak_flops:
+                    s.peak = f"{mfu.peak_name}: {mfu.peak_flops / 1e12:.4g} TFLOP/s"
+            else:
+                t = window_throughput(window, layout=layout_of(trainer))
+            s.tokens_per_sec, s.samples_per_sec, s.tflops_per_device = (t.tokens_per_sec, t.samples_per_sec,
+                                                                        t.tflops_per_device)
+            s.mfu, s.hfu = t.mfu, t.hfu
         stall = find_callback(trainer, DataLoaderStallDetector)
-        if stall is not None and stall.stats.total_steps:
-            s.data_wait_s = stall.mean_wait_s
+        if stall is not None and len(stall.ledger):
+            share = stall.ledger.window(warmup=warmup, exclude=skip).data_wait_share
+            if share is not None and window.steps:
+                s.data_wait_s = share * s.step_time_s  # the detector's share of the same window
             s.dataloader_advice = list(stall.advice)
         else:
             loader = getattr(trainer, "train_dataloader", None)
@@ -185,8 +183,9 @@ class PerfReport(Callback):
         if roof is not None and roof.results:
             r = roof.summary()
             s.bound, s.roofline = r["bound"], r["categories"]
-        measured = {r[0] for r in rows}
+        measured = {r.index for r in self.ledger.rows if r.index >= warmup and r.index not in skip}
         pauses = [dt for index, dt in self._on_gc.pauses if index in measured]
+        steps = len(measured)
         if steps:
             s.gc_pause_s = sum(pauses) / steps
             s.gc_max_pause_s = max(pauses) if pauses else 0.0

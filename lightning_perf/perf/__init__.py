@@ -1,11 +1,11 @@
 """Performance maths and tools, independent of Lightning: device peaks, FLOP and byte
-counting, throughput/MFU under any parallel layout, roofline, overlap of communication,
-host-device sync detection, dataloader stalls, memory by category, advice that knows the
-run's settings, and the end-of-run summary."""
+counting, the measured window of steps, throughput/MFU under any parallel layout, roofline,
+overlap of communication, host-device sync detection, dataloader stalls, memory by category,
+advice that knows the run's settings, and the end-of-run summary."""
 
 from lightning_perf.perf.advice import Advice, advise
 from lightning_perf.perf.comm import BUS_FACTORS, LINKS, CommAnalysis, analyze_comm_trace, bus_bandwidth, expected_link
-from lightning_perf.perf.dataloader import StallWindow, dataloader_advice, exposed_wait
+from lightning_perf.perf.dataloader import dataloader_advice, exposed_wait
 from lightning_perf.perf.flops import CATEGORIES, FlopCount, OpCounter, OpRecord, count_flops, op_category
 from lightning_perf.perf.gpu_time import GPU_TIME_RULES, gpu_time_breakdown, gpu_time_category, kernel_label
 from lightning_perf.perf.intervals import OverlapStats, intersect, overlap_stats, total, union
@@ -28,19 +28,21 @@ from lightning_perf.perf.sync import (
     classify_op,
     detector_plan,
 )
+from lightning_perf.perf.steps import EventPool, StepLedger, StepRecord, StepRow, StepTimer, StepWindow, host_clock
 from lightning_perf.perf.throughput import (
     ParallelLayout,
-    StepClock,
     Throughput,
     compute_throughput,
-    host_clock,
+    device_unit,
     measure_matmul_ceiling,
+    over_reference,
+    window_throughput,
 )
 
 __all__ = [
     "Advice", "advise",
     "BUS_FACTORS", "LINKS", "CommAnalysis", "analyze_comm_trace", "bus_bandwidth", "expected_link",
-    "StallWindow", "dataloader_advice", "exposed_wait",
+    "dataloader_advice", "exposed_wait",
     "CATEGORIES", "FlopCount", "OpCounter", "OpRecord", "count_flops", "op_category",
     "GPU_TIME_RULES", "gpu_time_breakdown", "gpu_time_category", "kernel_label",
     "OverlapStats", "intersect", "overlap_stats", "total", "union",
@@ -51,5 +53,7 @@ __all__ = [
     "RunSettings", "SavedTensorCounter",
     "SYNC_KINDS", "CudaSyncCatcher", "DispatchSyncDetector", "SyncCallCatcher", "SyncPointError", "SyncRecorder",
     "SyncSite", "SyncWatch", "classify_op", "detector_plan",
-    "ParallelLayout", "StepClock", "Throughput", "compute_throughput", "host_clock", "measure_matmul_ceiling",
+    "EventPool", "StepLedger", "StepRecord", "StepRow", "StepTimer", "StepWindow", "host_clock",
+    "ParallelLayout", "Throughput", "compute_throughput", "device_unit", "measure_matmul_ceiling", "over_reference",
+    "window_throughput",
 ]

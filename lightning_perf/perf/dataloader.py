@@ -13,10 +13,9 @@ On CPU nothing runs asynchronously and ``exposed = fetch_host``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["exposed_wait", "StallWindow", "dataloader_advice"]
+__all__ = ["exposed_wait", "dataloader_advice"]
 
 
 def exposed_wait(fetch_host_s: float, device_gap_s: Optional[float]) -> float:
@@ -26,41 +25,6 @@ def exposed_wait(fetch_host_s: float, device_gap_s: Optional[float]) -> float:
     if device_gap_s is None:
         return fetch_host_s
     return max(0.0, min(fetch_host_s, device_gap_s))
-
-
-@dataclass(kw_only=True)
-class StallWindow:
-    """Running sums over a window of steps."""
-
-    size: int = 50
-    steps: int = 0
-    wait_s: float = 0.0
-    step_s: float = 0.0
-    total_wait_s: float = 0.0
-    total_step_s: float = 0.0
-    total_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"window size must be >= 1, got {self.size}")
-
-    def add(self, wait_s: float, step_s: float) -> Optional[float]:
-        """Add one step; returns the window's stall fraction when the window fills, else ``None``."""
-        self.steps += 1
-        self.wait_s += wait_s
-        self.step_s += step_s
-        self.total_steps += 1
-        self.total_wait_s += wait_s
-        self.total_step_s += step_s
-        if self.steps < self.size:
-            return None
-        fraction = self.wait_s / self.step_s if self.step_s > 0 else 0.0
-        self.steps, self.wait_s, self.step_s = 0, 0.0, 0.0
-        return fraction
-
-    @property
-    def overall_fraction(self) -> float:
-        return self.total_wait_s / self.total_step_s if self.total_step_s > 0 else 0.0
 
 
 def dataloader_advice(loader: Any, *, accelerator: str = "cpu", processes_per_node: int = 1,

@@ -23,14 +23,20 @@ __all__ = ["PerfSummary", "breakdown", "recommendations", "render_markdown"]
 
 @dataclass(kw_only=True)
 class PerfSummary:
-    step_time_s: float
+    step_time_s: float  # mean wall time per measured step (0 when no step was measured)
     steps: int = 0
+    window: Optional[str] = None  # which steps the figures are over, in words
+    median_step_s: Optional[float] = None
+    p90_step_s: Optional[float] = None
     data_wait_s: Optional[float] = None
     between_steps_s: Optional[float] = None  # device idle gap between steps (data wait + host work)
     exposed_comm_s: Optional[float] = None
-    tokens_per_sec: Optional[float] = None
-    tflops_per_gpu: Optional[float] = None
+    tokens_per_sec: Optional[float] = None  # None when the batches have no token dimension
+    samples_per_sec: Optional[float] = None
+    tflops_per_device: Optional[float] = None
+    device_unit: str = "GPU"  # what per-device figures are per: "GPU", or "process" off a GPU
     mfu: Optional[float] = None
+    mfu_note: Optional[str] = None  # why MFU is n/a (a reference it beat, an unreliable ceiling)
     hfu: Optional[float] = None
     peak: Optional[str] = None
     bound: Optional[str] = None  # the dominant roofline class by time
@@ -78,23 +84,42 @@ def _fmt(v: Optional[float], scale: float = 1.0, unit: str = "", digits: int = 3
     return "n/a" if v is None else f"{v * scale:.{digits}g}{unit}"
 
 
-def render_markdown(s: PerfSummary) -> str:
-    parts = breakdown(s)
-    lines = ["## Performance report", "", f"Steps measured: {s.steps}; mean step time {_fmt(s.step_time_s, 1e3, ' ms')}",
-             "", "| part | ms / step | share |", "| --- | --- | --- |"]
-    for name, v in parts.items():
+def _measured(s: PerfSummary) -> bool:
+    return s.steps > 0 or s.step_time_s > 0
+
+
+def _figures(s: PerfSummary) -> list[str]:
+    """The window, the step-time breakdown and the throughput rows; a run with no measured step says so."""
+    if not _measured(s):
+        return [f"Too short to measure: {s.window or 'no step measured'}."]
+    spread = (f" (median {_fmt(s.median_step_s, 1e3)}, p90 {_fmt(s.p90_step_s, 1e3)})"
+              if s.median_step_s is not None else "")
+    lines = [f"Steps measured: {s.steps}; mean step time {_fmt(s.step_time_s, 1e3, ' ms')}{spread}"]
+    if s.window:
+        lines.append(f"Window: {s.window}.")
+    lines += ["", "| part | ms / step | share |", "| --- | --- | --- |"]
+    for name, v in breakdown(s).items():
         lines.append(f"| {name.replace('_', ' ')} | {v['seconds'] * 1e3:.3f} | {100 * v['fraction']:.1f}% |")
-    lines += ["", "| metric | value |", "| --- | --- |",
-              f"| tokens/s (global) | {_fmt(s.tokens_per_sec, digits=4)} |",
-              f"| TFLOP/s per GPU | {_fmt(s.tflops_per_gpu, digits=4)} |",
-              f"| MFU | {_fmt(s.mfu, 100, '%')} |",
+    lines += ["", "| metric | value |", "| --- | --- |"]
+    if s.tokens_per_sec is not None:
+        lines.append(f"| tokens/s (global) | {_fmt(s.tokens_per_sec, digits=4)} |")
+    if s.samples_per_sec is not None or s.tokens_per_sec is None:
+        lines.append(f"| samples/s (global) | {_fmt(s.samples_per_sec, digits=4)} |")
+    mfu = _fmt(s.mfu, 100, "%") if s.mfu is not None or not s.mfu_note else f"n/a ({s.mfu_note})"
+    lines += [f"| TFLOP/s per {s.device_unit} | {_fmt(s.tflops_per_device, digits=4)} |",
+              f"| MFU | {mfu} |",
               f"| HFU | {_fmt(s.hfu, 100, '%')} |",
               f"| peak used | {s.peak or 'n/a'} |",
               f"| bound | {s.bound or 'n/a'} |"]
-    if any(x is not None for x in s.exposed_comm_per_rank):
+    return lines
+
+
+def render_markdown(s: PerfSummary) -> str:
+    lines = ["## Performance report", ""] + _figures(s)
+    if _measured(s) and any(x is not None for x in s.exposed_comm_per_rank):
         per_rank = " / ".join("n/a" if x is None else f"{100 * x:.1f}%" for x in s.exposed_comm_per_rank)
         lines.append(f"| exposed comm per rank | {per_rank} |")
-    if s.gc_pause_s is not None:
+    if _measured(s) and s.gc_pause_s is not None:
         kind = "scheduled" if s.gc_scheduled else "automatic"
         lines.append(f"| Python GC | {_fmt(s.gc_pause_s, 1e3, ' ms')} per step ({s.gc_collections} {kind} "
                      f"collections, longest {_fmt(s.gc_max_pause_s, 1e3, ' ms')}) |")

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch.nn.functional as F
 
-import lightning_perf.perf.throughput as throughput
+import lightning_perf.perf.steps as steps
 from callback_toys import T, V, ToyLM, loader, trainer
 from lightning_perf.callbacks import (
     DataLoaderStallDetector,
@@ -30,19 +30,22 @@ class SlowAndSyncing(ToyLM):
 
 def test_report_alone_times_steps_with_the_clock(tmp_path, monkeypatch, capsys):
     ticks = iter(range(10_000))
-    monkeypatch.setattr(throughput, "host_clock", lambda: next(ticks) * 0.5)  # start and end each read once
+    monkeypatch.setattr(steps, "host_clock", lambda: next(ticks) * 0.5)  # start and end each read once
     B = 2
     report = PerfReport(warmup_steps=1)
     trainer(tmp_path, [report], max_steps=5).fit(ToyLM(), loader(batch_size=B))
     s = report.summary
-    assert s.steps == 3  # 4 intervals between 5 batch starts, 1 warm-up
-    assert s.step_time_s == pytest.approx(1.0)  # two clock reads per step
-    assert s.between_steps_s == pytest.approx(0.5)
-    assert s.tokens_per_sec == pytest.approx(B * T / 1.0)
+    assert s.steps == 4  # 5 steps, 1 warm-up
+    # two clock reads per step (1.0 s, of which 0.5 s between its end and the next start); the last
+    # step ends at its batch end (0.5 s, no gap)
+    assert s.step_time_s == pytest.approx((3 * 1.0 + 0.5) / 4)
+    assert s.between_steps_s == pytest.approx(3 * 0.5 / 4)
+    assert s.tokens_per_sec == pytest.approx(B * T / s.step_time_s)
     data = json.load(open(os.path.join(str(tmp_path), "perf_report.json")))
     parts = data["breakdown"]
     assert sum(p["fraction"] for p in parts.values()) == pytest.approx(1.0)
-    assert parts["host_overhead"]["fraction"] == pytest.approx(0.5)  # no stall detector: the gap is host time
+    # no stall detector: the gap is host time
+    assert parts["host_overhead"]["fraction"] == pytest.approx(1.5 / 3.5)
     assert "Performance report" in capsys.readouterr().out
     assert os.path.exists(os.path.join(str(tmp_path), "perf_report.md"))
 
@@ -61,7 +64,10 @@ def test_report_collects_the_other_callbacks(tmp_path):
     assert min(h.mfu for h in mfu.history) <= s.mfu <= max(h.mfu for h in mfu.history)
     assert set(warner.sampled_steps) | set(roof.sampled_steps) == {2, 4, 5}
     assert s.peak.startswith("user peak_flops")
-    assert s.data_wait_s == pytest.approx(stall.mean_wait_s) and s.data_wait_s > 0.03
+    from lightning_perf.perf import breakdown
+
+    # the detector's share of the same window
+    assert breakdown(s)["data_wait"]["fraction"] == pytest.approx(stall.stall_fraction) and s.data_wait_s > 0.03
     assert s.bound in ("compute", "memory", "overhead")
     assert any("test_callbacks_report.py" in site for site in s.user_sync_sites)
     md = open(os.path.join(str(tmp_path), "perf_report.md")).read()

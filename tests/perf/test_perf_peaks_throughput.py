@@ -1,18 +1,28 @@
-"""Peak table name resolution, precision -> dtype, throughput/MFU maths and the step clock."""
+"""Peak table name resolution, precision -> dtype, throughput/MFU maths, the step timer, the measured
+window and the matmul ceiling."""
 
 from __future__ import annotations
 
 import pytest
 
+import torch
+
+import lightning_perf.perf.steps as steps
 import lightning_perf.perf.throughput as throughput
 from lightning_perf.perf import (
     PEAKS,
     DevicePeak,
     ParallelLayout,
-    StepClock,
+    StepLedger,
+    StepRow,
+    StepTimer,
     compute_dtype_name,
     compute_throughput,
+    device_unit,
     lookup_peak,
+    measure_matmul_ceiling,
+    over_reference,
+    window_throughput,
 )
 
 
@@ -83,7 +93,7 @@ def test_throughput_hand_values_under_dp2_tp2():
                            flops_per_token=6e6, peak_flops=1e12, hardware_flops_per_token=8e6, ceiling_flops=5e11)
     assert t.tokens_per_sec == pytest.approx(2 * 1024 / 0.5)
     assert t.samples_per_sec == pytest.approx(2 * 8 / 0.5)
-    assert t.tflops_per_gpu == pytest.approx(6e6 * 4096 / 4 / 1e12)
+    assert t.tflops_per_device == pytest.approx(6e6 * 4096 / 4 / 1e12)
     assert t.mfu == pytest.approx(6e6 * 4096 / 4 / 1e12)
     assert t.hfu == pytest.approx(8e6 * 4096 / 4 / 1e12)
     assert t.mfu_ceiling == pytest.approx(2 * t.mfu)
@@ -97,11 +107,83 @@ def test_layout_errors_show_the_numbers():
                            layout=ParallelLayout(world_size=1, data_parallel_size=1), flops_per_token=1)
 
 
-def test_step_clock_on_cpu_uses_the_host_clock(monkeypatch):
-    times = iter([1.0, 1.5, 2.5, 2.75])
+def test_step_timer_runs_from_batch_start_to_the_next_and_ends_the_last_step_at_its_batch_end(monkeypatch):
+    #         start0 end0 start1 end1 start2 end2
+    times = iter([1.0, 1.5, 2.5, 2.75, 3.0, 3.25])
+    monkeypatch.setattr(steps, "host_clock", lambda: next(times))
+    timer = StepTimer()
+    timer.start("a")
+    timer.end()
+    timer.start("b", after=0.4)
+    assert timer.index == 1
+    timer.end()
+    (first,) = timer.poll()
+    assert (first.index, first.seconds, first.gap_s, first.payload, first.after) == (0, 1.5, 1.0, "a", 0.4)
+    timer.start("c")
+    timer.end()
+    assert [(r.index, r.seconds, r.gap_s, r.payload) for r in timer.poll()] == [(1, 0.5, 0.25, "b")]
+    assert [(r.index, r.seconds, r.gap_s, r.payload) for r in timer.finish()] == [(2, 0.25, 0.0, "c")]
+    assert timer.poll() == []
+
+
+def _ledger() -> StepLedger:
+    ledger = StepLedger()
+    for i, sec in enumerate([9.0, 8.0, 1.0, 2.0, 7.0, 1.0]):  # steps 0-1 warm-up, step 4 sampled
+        ledger.add(StepRow(index=i, seconds=sec, gap_s=0.1 * sec, data_wait_s=0.05 * sec, samples=4, tokens=32,
+                           flops=3.2e6))
+    return ledger
+
+
+def test_window_sums_the_measured_steps_and_states_them():
+    w = _ledger().window(warmup=2, exclude={4})
+    assert (w.steps, w.first, w.last, w.left_out, w.steps_run) == (3, 2, 5, 1, 6)
+    assert w.seconds == pytest.approx(4.0) and w.mean_step_s == pytest.approx(4.0 / 3)
+    assert w.median_step_s == 1.0 and w.p90_step_s == 2.0
+    assert w.tokens == 96 and w.samples == 12 and w.flops == pytest.approx(9.6e6)
+    assert w.data_wait_share == pytest.approx(0.05)
+    assert w.describe() == ("steps 2-5: mean over 3 measured steps after 2 warm-up, 1 sampled by diagnostics left "
+                            "out; wall time, data waits included")
+    last = _ledger().window(warmup=2, exclude={4}, last=2)
+    assert (last.steps, last.first, last.seconds) == (2, 3, pytest.approx(3.0))
+    empty = _ledger().window(warmup=6)
+    assert empty.steps == 0 and empty.mean_step_s is None and empty.data_wait_share is None
+    assert "6 step(s) ran and the first 6 are warm-up; run at least 7 steps" in empty.describe()
+
+
+def test_window_throughput_is_totals_over_total_time():
+    w = _ledger().window(warmup=2, exclude={4})
+    layout = ParallelLayout(world_size=4, data_parallel_size=2)
+    t = window_throughput(w, layout=layout, peak_flops=1e6)
+    # tokens/s = tokens per step * dp / mean step time, exactly the window's totals
+    assert t.tokens_per_sec == pytest.approx(32 * 2 / w.mean_step_s)
+    assert t.step_time_s == pytest.approx(4.0 / 3)
+    assert t.mfu == pytest.approx(9.6e6 * 2 / 4.0 / 4 / 1e6)  # model FLOPs of the window / wall time / devices
+    samples_only = StepLedger()
+    for i in range(3):
+        samples_only.add(StepRow(index=i, seconds=0.5, samples=8, flops=800.0))
+    t = window_throughput(samples_only.window(warmup=1), layout=ParallelLayout(world_size=1, data_parallel_size=1))
+    assert t.tokens_per_sec is None and t.samples_per_sec == pytest.approx(16.0)
+    assert t.tflops_per_device == pytest.approx(800 / 0.5 / 1e12)
+    untimed = StepLedger()
+    untimed.add(StepRow(index=0, seconds=1.0, samples=2, tokens=8))
+    t = window_throughput(untimed.window(warmup=0), layout=ParallelLayout(world_size=1, data_parallel_size=1),
+                          peak_flops=1e9)
+    assert t.tflops_per_device is None and t.mfu is None and t.tokens_per_sec == 8.0
+    with pytest.raises(ValueError, match="no measured step"):
+        window_throughput(untimed.window(warmup=1), layout=layout)
+
+
+def test_ceiling_is_the_best_of_its_trials(monkeypatch):
+    # three trials of one matmul each: 1.0 s on a busy host, then 0.25 s and 0.5 s
+    times = iter([0.0, 1.0, 2.0, 2.25, 3.0, 3.5])
     monkeypatch.setattr(throughput, "host_clock", lambda: next(times))
-    clock = StepClock()
-    for payload in ("a", "b", "c", "d"):
-        clock.mark(payload)
-    assert clock.poll() == [(0.5, "b"), (1.0, "c"), (0.25, "d")]
-    assert clock.poll() == []
+    n = 64
+    assert measure_matmul_ceiling(torch.device("cpu"), torch.float32, n=n, repeats=1, trials=3) == 2 * n**3 / 0.25
+    with pytest.raises(ValueError, match="trials"):
+        measure_matmul_ceiling(torch.device("cpu"), torch.float32, trials=0)
+
+
+def test_over_reference_and_units():
+    assert over_reference(1.38) and not over_reference(0.985) and not over_reference(None)
+    assert device_unit(torch.device("cpu")) == "process"
+    assert device_unit(torch.device("cuda", 0)) == "GPU"

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_perf.perf import PerfSummary, StallWindow, breakdown, dataloader_advice, exposed_wait, recommendations
+from lightning_perf.perf import PerfSummary, breakdown, dataloader_advice, exposed_wait, recommendations
 from lightning_perf.perf import render_markdown
 
 
@@ -66,16 +66,33 @@ def test_uneven_exposure_across_ranks_is_reported():
     assert "exposed comm per rank" not in render_markdown(PerfSummary(step_time_s=1.0))
 
 
-def test_exposed_wait_and_window():
+def test_exposed_wait():
     assert exposed_wait(0.2, None) == 0.2
     assert exposed_wait(0.2, 0.05) == 0.05  # the GPU was busy for the rest of the fetch
     assert exposed_wait(0.2, 0.5) == 0.2
-    w = StallWindow(size=2)
-    assert w.add(0.1, 1.0) is None
-    assert w.add(0.3, 1.0) == pytest.approx(0.2)
-    assert w.overall_fraction == pytest.approx(0.2)
     with pytest.raises(ValueError):
-        StallWindow(size=0)
+        exposed_wait(-0.1, None)
+
+
+def test_report_states_its_window_units_and_an_unreliable_mfu():
+    s = PerfSummary(step_time_s=0.5, steps=10, window="steps 2-11: mean over 10 measured steps after 2 warm-up; "
+                    "wall time, data waits included", median_step_s=0.4, p90_step_s=0.9, tokens_per_sec=None,
+                    samples_per_sec=16.0, tflops_per_device=0.002, device_unit="process",
+                    mfu_note="ceiling unreliable: 0.002 TFLOP/s achieved per process is above the measured ceiling")
+    md = render_markdown(s)
+    assert "mean step time 500 ms (median 400, p90 900)" in md and "Window: steps 2-11: mean over 10" in md
+    assert "tokens/s" not in md and "| samples/s (global) | 16 |" in md
+    assert "| TFLOP/s per process | 0.002 |" in md and "per GPU" not in md
+    assert "| MFU | n/a (ceiling unreliable: 0.002 TFLOP/s achieved" in md
+
+
+def test_a_run_too_short_to_measure_says_so():
+    s = PerfSummary(step_time_s=0.0, steps=0, window="no step measured: 2 step(s) ran and the first 2 are warm-up; "
+                                                     "run at least 3 steps or lower warmup_steps",
+                    exposed_comm_per_rank=[0.1, 0.2], gc_pause_s=0.0)
+    md = render_markdown(s)
+    assert "Too short to measure: no step measured: 2 step(s) ran" in md
+    assert "| part |" not in md and "| MFU |" not in md and "| exposed comm per rank |" not in md
 
 
 def test_dataloader_advice_reads_the_loader():
