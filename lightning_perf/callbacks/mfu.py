@@ -260,17 +260,19 @@ class MFUMonitor(Callback):
         skip = sampled_steps_of(trainer)
         for r in records:
             samples, tokens, flops, hw = r.payload
-            self.ledger.add(StepRow(index=r.index, seconds=r.seconds, gap_s=r.gap_s, samples=samples, tokens=tokens,
-                                    flops=flops, hardware_flops=hw))
+            self.ledger.add(StepRow(index=r.index, seconds=r.seconds, samples=samples, tokens=tokens, flops=flops,
+                                    hardware_flops=hw))
             if r.index >= self.warmup_steps and r.index not in skip:
                 self._new_measured += 1
 
     # ---- figures -----------------------------------------------------------------------------------
 
-    def run_window(self, *, warmup: Optional[int] = None, exclude: Optional[set[int]] = None) -> StepWindow:
-        """The measured window of this fit (by default: after ``warmup_steps``, less every sampled step)."""
+    def run_window(self, *, warmup: Optional[int] = None, exclude: Optional[set[int]] = None,
+                   spread: bool = False) -> StepWindow:
+        """The measured window of this fit (by default: after ``warmup_steps``, less every sampled step);
+        ``spread`` adds the median and p90 step."""
         return self.ledger.window(warmup=self.warmup_steps if warmup is None else warmup,
-                                  exclude=self.excluded if exclude is None else exclude)
+                                  exclude=self.excluded if exclude is None else exclude, spread=spread)
 
     def figures(self, window: StepWindow) -> tuple[Throughput, Optional[str]]:
         """The window's throughput with every utilisation above 100% (or against an unreliable

@@ -144,11 +144,11 @@ class PerfReport(Callback):
     def build_summary(self, trainer: Trainer) -> PerfSummary:
         skip = sampled_steps_of(trainer)
         warmup = self.window_warmup(trainer)
-        own = self.ledger.window(warmup=warmup, exclude=skip)
+        own = self.ledger.window(warmup=warmup, exclude=skip, spread=True)
         mfu = find_callback(trainer, MFUMonitor)
         if mfu is not None and (mfu.layout is None or not len(mfu.ledger)):
             mfu = None  # attached, but it timed no step of this fit
-        window = mfu.run_window(warmup=warmup, exclude=skip) if mfu is not None else own
+        window = mfu.run_window(warmup=warmup, exclude=skip, spread=True) if mfu is not None else own
         s = PerfSummary(step_time_s=window.mean_step_s or 0.0, steps=window.steps, window=window.describe(),
                         median_step_s=window.median_step_s, p90_step_s=window.p90_step_s, device_unit=self._unit)
         if window.steps and window.seconds > 0:
@@ -183,7 +183,7 @@ class PerfReport(Callback):
         if roof is not None and roof.results:
             r = roof.summary()
             s.bound, s.roofline = r["bound"], r["categories"]
-        measured = {r.index for r in self.ledger.rows if r.index >= warmup and r.index not in skip}
+        measured = set(self.ledger.indices(warmup=warmup, exclude=skip))
         pauses = [dt for index, dt in self._on_gc.pauses if index in measured]
         steps = len(measured)
         if steps:

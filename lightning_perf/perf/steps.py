@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Collection, Optional
@@ -162,10 +164,6 @@ class StepRow:
     hardware_flops: Optional[float] = None
 
 
-def _sum(values: list[Optional[float]]) -> Optional[float]:
-    return None if not values or any(v is None for v in values) else float(sum(values))  # type: ignore[arg-type]
-
-
 def _percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile (``q`` in [0, 1]) of a sorted, non-empty list."""
     return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
@@ -214,40 +212,110 @@ class StepWindow:
                 "wall time, data waits included")
 
 
-class StepLedger:
-    """Every timed step of a run, in order; ``window()`` sums the measured ones."""
+_FIELDS = ("seconds", "gap_s", "data_wait_s", "samples", "tokens", "flops", "hardware_flops")
+
+
+class _Sums:
+    """Totals of the ``_FIELDS`` over some rows, and how many rows left each one uncounted."""
+
+    __slots__ = ("total", "missing", "rows")
 
     def __init__(self) -> None:
-        self.rows: list[StepRow] = []
+        self.total = [0.0] * len(_FIELDS)
+        self.missing = [0] * len(_FIELDS)
+        self.rows = 0
 
-    def __len__(self) -> int:
-        return len(self.rows)
+    def add(self, values: list[float], sign: int = 1) -> None:
+        self.rows += sign
+        for f, v in enumerate(values):
+            if v != v:  # NaN: not counted in this row
+                self.missing[f] += sign
+            else:
+                self.total[f] += sign * v
 
-    def add(self, row: StepRow) -> None:
-        self.rows.append(row)
+    def value(self, field: str) -> Optional[float]:
+        f = _FIELDS.index(field)
+        return None if self.missing[f] or not self.rows else self.total[f]
+
+
+class StepLedger:
+    """Every timed step of a run, in order of index, stored column-wise (a few bytes a step) with
+    running totals: ``window()`` over the whole run costs the warm-up and the left-out steps, not
+    the length of the run, so a callback can ask for it every few steps."""
+
+    def __init__(self) -> None:
+        self.clear()
 
     def clear(self) -> None:
-        self.rows = []
+        self._index = array("q")
+        self._columns = [array("d") for _ in _FIELDS]
+        self._all = _Sums()
 
-    def window(self, *, warmup: int, exclude: Collection[int] = (), last: Optional[int] = None) -> StepWindow:
-        """Sums over the steps with ``index >= warmup`` not in ``exclude`` (only the ``last`` such
-        steps when given)."""
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def add(self, row: StepRow) -> None:
+        if self._index and row.index <= self._index[-1]:
+            raise ValueError(f"steps are added in order: index {row.index} after {self._index[-1]}")
+        values = [math.nan if getattr(row, f) is None else float(getattr(row, f)) for f in _FIELDS]
+        self._index.append(row.index)
+        for column, v in zip(self._columns, values):
+            column.append(v)
+        self._all.add(values)
+
+    def _values(self, pos: int) -> list[float]:
+        return [column[pos] for column in self._columns]
+
+    def indices(self, *, warmup: int, exclude: Collection[int] = ()) -> list[int]:
+        """Indices of the measured steps."""
+        return [i for i in self._index[bisect_left(self._index, warmup):] if i not in exclude]
+
+    def window(self, *, warmup: int, exclude: Collection[int] = (), last: Optional[int] = None,
+               spread: bool = False) -> StepWindow:
+        """Sums over the steps with ``index >= warmup`` not in ``exclude`` (only the ``last`` such steps
+        when given); ``spread`` adds the median and p90 step (a sort of the window's step times)."""
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {warmup}")
-        after = [r for r in self.rows if r.index >= warmup]
-        rows = [r for r in after if r.index not in exclude]
-        left_out = len(after) - len(rows)
-        if last is not None:
-            rows = rows[-last:] if last > 0 else []
-        if not rows:
-            return StepWindow(steps=0, steps_run=len(self.rows), warmup=warmup, left_out=left_out)
-        times = sorted(r.seconds for r in rows)
-        tokens = _sum([r.tokens for r in rows])  # type: ignore[misc]
+        start = bisect_left(self._index, warmup)
+        excluded = sorted({bisect_left(self._index, i) for i in exclude if i >= warmup and self._has(i)})
+        sums = _Sums()
+        if last is None:
+            sums.total, sums.missing, sums.rows = list(self._all.total), list(self._all.missing), self._all.rows
+            for pos in range(start):
+                sums.add(self._values(pos), -1)
+            for pos in excluded:
+                sums.add(self._values(pos), -1)
+            skip = set(excluded)
+            first = next((p for p in range(start, len(self._index)) if p not in skip), None)
+            final = next((p for p in range(len(self._index) - 1, start - 1, -1) if p not in skip), None)
+        else:
+            skip = set(excluded)
+            taken: list[int] = []
+            for pos in range(len(self._index) - 1, start - 1, -1):
+                if len(taken) >= last:
+                    break
+                if pos not in skip:
+                    taken.append(pos)
+            for pos in taken:
+                sums.add(self._values(pos))
+            first, final = (taken[-1], taken[0]) if taken else (None, None)
+        base = dict(steps_run=len(self._index), warmup=warmup, left_out=len(excluded))
+        if not sums.rows or first is None or final is None:
+            return StepWindow(steps=0, **base)
+        median = p90 = None
+        if spread:
+            times = sorted(self._columns[0][p] for p in range(first, final + 1) if p not in skip)
+            median, p90 = _percentile(times, 0.5), _percentile(times, 0.9)
+        tokens = sums.value("tokens")
         return StepWindow(
-            steps=len(rows), steps_run=len(self.rows), warmup=warmup, left_out=left_out,
-            first=rows[0].index, last=rows[-1].index, seconds=float(sum(times)),
-            median_step_s=_percentile(times, 0.5), p90_step_s=_percentile(times, 0.9),
-            gap_s=_sum([r.gap_s for r in rows]), data_wait_s=_sum([r.data_wait_s for r in rows]),
-            samples=sum(r.samples for r in rows), tokens=None if tokens is None else int(tokens),
-            flops=_sum([r.flops for r in rows]), hardware_flops=_sum([r.hardware_flops for r in rows]),
+            steps=sums.rows, **base, first=self._index[first], last=self._index[final],
+            seconds=sums.total[0], median_step_s=median, p90_step_s=p90,
+            gap_s=sums.value("gap_s"), data_wait_s=sums.value("data_wait_s"),
+            samples=int(round(sums.total[_FIELDS.index("samples")])),
+            tokens=None if tokens is None else int(round(tokens)),
+            flops=sums.value("flops"), hardware_flops=sums.value("hardware_flops"),
         )
+
+    def _has(self, index: int) -> bool:
+        pos = bisect_left(self._index, index)
+        return pos < len(self._index) and self._index[pos] == index

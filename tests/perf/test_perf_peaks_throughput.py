@@ -135,7 +135,7 @@ def _ledger() -> StepLedger:
 
 
 def test_window_sums_the_measured_steps_and_states_them():
-    w = _ledger().window(warmup=2, exclude={4})
+    w = _ledger().window(warmup=2, exclude={4}, spread=True)
     assert (w.steps, w.first, w.last, w.left_out, w.steps_run) == (3, 2, 5, 1, 6)
     assert w.seconds == pytest.approx(4.0) and w.mean_step_s == pytest.approx(4.0 / 3)
     assert w.median_step_s == 1.0 and w.p90_step_s == 2.0
@@ -148,6 +148,38 @@ def test_window_sums_the_measured_steps_and_states_them():
     empty = _ledger().window(warmup=6)
     assert empty.steps == 0 and empty.mean_step_s is None and empty.data_wait_share is None
     assert "6 step(s) ran and the first 6 are warm-up; run at least 7 steps" in empty.describe()
+    assert _ledger().window(warmup=5).describe().startswith("step 5: mean over 1 measured step after 5 warm-up")
+    with pytest.raises(ValueError, match="in order"):
+        _ledger().add(StepRow(index=3, seconds=1.0))
+
+
+@pytest.mark.parametrize("warmup, exclude, last", [(0, set(), None), (3, {3, 7, 8, 40}, None), (5, {6, 19}, 4),
+                                                    (2, {17, 18, 19}, 30), (25, set(), None)])
+def test_window_running_totals_match_a_plain_sum(warmup, exclude, last):
+    """The ledger keeps running totals; a window must equal the sum over its rows done by hand."""
+    g = torch.Generator().manual_seed(0)
+    ledger, rows = StepLedger(), []
+    for i in range(20):
+        sec = float(torch.rand(1, generator=g)) + 0.1
+        row = StepRow(index=i, seconds=sec, gap_s=sec / 3, samples=i + 1, tokens=8 * (i + 1), flops=1e3 * sec,
+                      hardware_flops=None if i == 1 else 2e3)
+        ledger.add(row)
+        rows.append(row)
+    kept = [r for r in rows if r.index >= warmup and r.index not in exclude]
+    kept = kept[-last:] if last is not None else kept
+    w = ledger.window(warmup=warmup, exclude=exclude, last=last, spread=True)
+    assert w.steps == len(kept)
+    if not kept:
+        return
+    assert (w.first, w.last) == (kept[0].index, kept[-1].index)
+    assert w.seconds == pytest.approx(sum(r.seconds for r in kept), rel=1e-12)
+    assert w.gap_s == pytest.approx(sum(r.gap_s for r in kept), rel=1e-12)
+    assert (w.samples, w.tokens) == (sum(r.samples for r in kept), sum(r.tokens for r in kept))
+    assert w.flops == pytest.approx(sum(r.flops for r in kept), rel=1e-12)
+    assert w.data_wait_s is None  # never counted
+    assert w.hardware_flops == (None if any(r.index == 1 for r in kept) else pytest.approx(2e3 * len(kept)))
+    times = sorted(r.seconds for r in kept)
+    assert w.median_step_s == times[(len(times) + 1) // 2 - 1]
 
 
 def test_window_throughput_is_totals_over_total_time():
