@@ -225,8 +225,10 @@ class MFUMonitor(Callback):
         samples, count, seq_len = batch_size_of(batch)
         self._counted = False
         model, hw = self._flops_per_token(pl_module, batch, batch_idx, count, seq_len)
-        if self._counted and self._timer.index >= 0:
-            self.sampled_steps.append(self._timer.index)  # the count ran an extra forward in the step ending here
+        if self._counted:
+            # the count ran an extra forward between two steps; a callback that stamps its batch start before
+            # this one sees it in the next step, one that stamps after in the previous: both leave the window
+            self.sampled_steps += [i for i in (self._timer.index, self._timer.index + 1) if i >= 0]
         row = (samples, count if seq_len is not None else None, model * count, None if hw is None else hw * count)
         self._timer.start(row)
 

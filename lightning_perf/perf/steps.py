@@ -144,11 +144,6 @@ class StepTimer:
             self._pending[-1][3].synchronize()
         return self.poll()
 
-    def reset(self) -> None:
-        self._pending.clear()
-        self._open = None
-        self._next = 0
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepRow:

@@ -30,6 +30,7 @@ def test_mfu_counted_flops_match_hand_values(tmp_path, fake_clock):
     trainer(tmp_path, [mon], max_steps=7).fit(ToyLM(STEP, fake_clock), loader(batch_size=B))
     # 7 steps, 1 warm-up: logged after steps 1-3, and the final figures over steps 1-6 at the end
     assert len(mon.history) == 2 and mon.summary()["window"].startswith("steps 1-6: mean over 6 measured steps")
+    assert mon.sampled_steps == [0]  # the FLOP count ran before step 0: that step leaves any window
     fpt = 3 * forward_flops_per_token()
     last = mon.history[-1]
     assert last.step_time_s == pytest.approx(STEP)
@@ -85,7 +86,7 @@ def test_full_attention_convention_is_logged_beside(tmp_path, fake_clock):
 
 def test_logged_metrics_are_cpu_scalars(tmp_path, fake_clock):
     mon = MFUMonitor(peak_flops=1e9, warmup_steps=0, window=2)
-    tr = trainer(tmp_path, [mon], max_steps=3)
+    tr = trainer(tmp_path, [mon], max_steps=4)  # step 0 ran the FLOP count: steps 1-2 are logged in the loop
     tr.fit(ToyLM(STEP, fake_clock), loader())
     metrics = tr.callback_metrics
     assert {"perf/mfu", "perf/tokens_per_sec", "perf/tflops_per_process"} <= set(metrics)  # a CPU: per process
