@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Callback
 
 from callback_toys import V, ToyLM, WallTimes, loader, trainer
 from lightning_perf.callbacks import DataLoaderStallDetector, SyncPointError, SyncPointWarner, SyncPointWarning
