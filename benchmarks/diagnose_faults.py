@@ -8,10 +8,11 @@
    sites reported there, and the framework's own sites beside them.
 2. stall + MFU: the same model on a dataset that sleeps a known time per batch, with
    SyncPointWarner, DataLoaderStallDetector, MFUMonitor, PerfReport, RooflineMonitor(traces=True)
-   and MemoryMonitor when the package has it. The data-wait share expected (sleep / host-clock
-   step) against the reported one; MFU from MFUMonitor, from PerfReport and by hand (model FLOPs
-   per step from the shapes, step time from the host clock); the files that appeared in the log
-   dir next to the report (traces, memory snapshot).
+   and MemoryMonitor when the package has it. The data-wait share expected (sleeps / host-clock
+   wall time of the measured steps) against the detector's and the report's; MFU from MFUMonitor,
+   from PerfReport and by hand (model FLOPs per step from the shapes, wall time of the same steps
+   from the host clock); the files that appeared in the log dir next to the report (traces,
+   memory snapshot).
 3. flight recorder: RankWatchdog's settings, a one-rank group (NCCL on a GPU, gloo on a CPU), two
    collectives, this rank's dump, and torch's analyser run on it (NCCL dumps only).
 4. oom (GPU only): a batch sized so that one activation needs 1.5x the GPU's memory, in its own
@@ -32,7 +33,6 @@ import gc
 import json
 import os
 import pickle
-import statistics
 import subprocess
 import sys
 import time
@@ -168,16 +168,36 @@ class SleepyBatches(Dataset):
 
 
 class HostSteps(L.Callback):
-    """Host clock at every batch start: step i = start(i+1) - start(i)."""
+    """Host clock at every batch start and end: step i = start(i+1) - start(i), the last step
+    start to end (the pack's step). With ``first`` the device is drained before the start of that
+    step and after the last step, so a sum over steps from ``first`` on is the device's time too."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: Optional[int] = None) -> None:
+        self.first = first
         self.starts: list[float] = []
+        self.end = 0.0
+
+    @staticmethod
+    def _sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if len(self.starts) == self.first:
+            self._sync()
         self.starts.append(time.perf_counter())
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if len(self.starts) == trainer.max_steps:
+            if self.first is not None:
+                self._sync()
+            self.end = time.perf_counter()
+
     def steps(self) -> dict[int, float]:
-        return {i: b - a for i, (a, b) in enumerate(zip(self.starts, self.starts[1:]))}
+        out = {i: b - a for i, (a, b) in enumerate(zip(self.starts, self.starts[1:]))}
+        if self.starts and self.end:
+            out[len(self.starts) - 1] = self.end - self.starts[-1]
+        return out
 
 
 def fit(cfg: dict[str, Any], name: str, callbacks: list, *, steps: int, plants: frozenset, sleep: float = 0.0,
@@ -254,7 +274,7 @@ def part_stall_mfu(cfg: dict[str, Any], res: dict[str, Any]) -> None:
     gpu = cfg["accelerator"] == "gpu"
     peaks = {} if gpu else CPU_PEAKS
     steps, warmup, sleep = cfg["steps"], cfg["warmup"], cfg["sleep"]
-    clock = HostSteps()
+    clock = HostSteps(first=warmup)
     warner = SyncPointWarner(every_n_steps=0, start_step=4)
     stall = DataLoaderStallDetector(window=5, warmup_steps=warmup)
     mfu = MFUMonitor(peak_flops=peaks.get("peak_flops"), window=5, warmup_steps=warmup)
@@ -272,16 +292,11 @@ def part_stall_mfu(cfg: dict[str, Any], res: dict[str, Any]) -> None:
         warnings.simplefilter("ignore")
         trainer, model, root = fit(cfg, "stall_mfu", callbacks, steps=steps, plants=frozenset(cfg["kinds"]),
                                    sleep=sleep)
-    sampled = set(warner.sampled_steps) | set(roof.sampled_steps)
+    sampled = set().union(*(getattr(cb, "sampled_steps", None) or [] for cb in callbacks))
     host = clock.steps()
     measured = {i: t for i, t in host.items() if i >= warmup and i not in sampled}
-    detector_steps = {i: t for i, t in host.items() if i >= warmup}
-    step_s = statistics.fmean(measured.values())
-    # MFUMonitor's rule on the host clock: windows of consecutive steps after warm-up, the median window's mean
-    ordered = [t for i, t in sorted(host.items()) if i >= warmup]
-    windows = sorted(statistics.fmean(ordered[k:k + mfu.window]) for k in range(0, len(ordered) - mfu.window + 1,
-                                                                                 mfu.window))
-    median_window_s = windows[len(windows) // 2] if windows else None
+    wall_s = sum(measured.values())
+    last = max(host) if host else -1
     tokens = cfg["batch"] * cfg["seq_len"]
     hand_fpt = model.model_flops_per_token()
     m = mfu.summary()
@@ -289,37 +304,38 @@ def part_stall_mfu(cfg: dict[str, Any], res: dict[str, Any]) -> None:
     peak = mfu.peak_flops
     res["stall"] = {
         "sleep_ms": 1e3 * sleep,
-        "host_step_ms_mean": 1e3 * step_s,
-        "expected_share": sleep * len(detector_steps) / sum(detector_steps.values()),
-        "expected_share_unsampled_steps": sleep / step_s,
+        "host_step_ms_mean": 1e3 * wall_s / len(measured) if measured else None,
+        # every measured step but the last waits for the next batch
+        "expected_share": sleep * sum(i != last for i in measured) / wall_s if wall_s else None,
         "reported_share": stall.stall_fraction,
+        "report_share": None if s is None or s.data_wait_s is None or not s.step_time_s
+        else s.data_wait_s / s.step_time_s,
         "reported_window_shares": stall.fractions,
         "reported_mean_wait_ms": 1e3 * stall.mean_wait_s,
-        "report_data_wait_ms": None if s is None or s.data_wait_s is None else 1e3 * s.data_wait_s,
+        "window": stall.summary()["window"],
         "warned": stall.warned,
-        "note": "expected_share: the sleeps over the host-clock time of the steps the detector measured (every "
-                "step after its warm-up, the sampled ones too); expected_share_unsampled_steps: the sleep over the "
-                "mean step no callback sampled; on a GPU only the part of the sleep the device sat idle for is "
-                "exposed",
+        "note": "expected_share: the sleeps over the host-clock wall time of the measured steps (after warm-up, "
+                "less every step a callback sampled); on a GPU only the part of the sleep the device sat idle for "
+                "is exposed",
     }
     res["mfu"] = {
         "peak_flops": peak, "peak": m.get("peak"), "tokens_per_step": tokens,
-        "hand": {"flops_per_token": hand_fpt, "flops_per_step": hand_fpt * tokens, "step_ms": 1e3 * step_s,
-                 "mfu": hand_fpt * tokens / step_s / peak if peak else None,
-                 "mfu_median_window": hand_fpt * tokens / median_window_s / peak if peak and median_window_s else None,
+        "hand": {"flops_per_token": hand_fpt, "flops_per_step": hand_fpt * tokens,
+                 "step_ms": 1e3 * wall_s / len(measured) if measured else None,
+                 "mfu": hand_fpt * tokens * len(measured) / wall_s / peak if peak and wall_s else None,
                  "steps": sorted(measured)},
-        "mfu_monitor": {"flops_per_token": 1e12 * m["tflops_per_gpu"] / m["tokens_per_sec"]
-                        if m.get("tokens_per_sec") else None, "step_ms": 1e3 * m["step_time_s"]
-                        if m.get("step_time_s") else None, "mfu": m.get("mfu"), "windows": m.get("windows"),
+        "mfu_monitor": {"flops_per_token": 1e12 * m["tflops_per_device"] / m["tokens_per_sec"]
+                        if m.get("tokens_per_sec") and m.get("tflops_per_device") else None,
+                        "step_ms": 1e3 * m["step_time_s"] if m.get("step_time_s") else None, "mfu": m.get("mfu"),
+                        "mfu_note": m.get("mfu_note"), "window": m.get("window"),
                         "tokens_per_sec": m.get("tokens_per_sec")},
         "perf_report": {"mfu": None if s is None else s.mfu, "step_ms": None if s is None else 1e3 * s.step_time_s,
-                        "steps": None if s is None else s.steps,
-                        "mfu_from_its_step_time": (hand_fpt * tokens / s.step_time_s / peak)
-                        if s is not None and s.step_time_s and peak else None},
-        "note": "hand: model FLOPs from the shapes over the mean host-clock step (steps after warm-up no callback "
-                "sampled), and over the median window of the host-clock steps as MFUMonitor windows them; "
-                "MFUMonitor: FLOPs it counted on the first batch over its median window; PerfReport: the "
-                "MFU it prints (MFUMonitor's) and the MFU its own step time gives",
+                        "steps": None if s is None else s.steps, "window": None if s is None else s.window,
+                        "tokens_per_sec": None if s is None else s.tokens_per_sec},
+        "note": "hand: model FLOPs from the shapes x tokens x measured steps over their host-clock wall time (steps "
+                "after warm-up that no callback sampled; the device drained at the window's first step and at the "
+                "end); MFUMonitor: the FLOPs it counted on the first batch over the same steps timed on the device; "
+                "PerfReport: what it prints (MFUMonitor's measurement of its stated window)",
     }
     written = files_under(root)
     res["files_next_to_report"] = {
@@ -483,17 +499,16 @@ def print_summary(res: dict[str, Any], path: str) -> None:
               f"{len(row['framework_sites'])} framework sites")
     st = res.get("stall")
     if st:
-        print(f"  stall: expected {st['expected_share']:.1%} (sleep {st['sleep_ms']:.0f} ms per step; "
-              f"{st['expected_share_unsampled_steps']:.1%} of an unsampled step), reported "
-              f"{st['reported_share']:.1%} (mean wait {st['reported_mean_wait_ms']:.1f} ms)")
+        print(f"  stall: expected {st['expected_share']:.1%} (sleep {st['sleep_ms']:.0f} ms per step), reported "
+              f"{st['reported_share']:.1%} by the detector, {st['report_share']:.1%} by the report "
+              f"(mean wait {st['reported_mean_wait_ms']:.1f} ms)")
     m = res.get("mfu")
     if m:
         def pct(x: Optional[float]) -> str:
             return "n/a" if x is None else f"{x:.2%}"
 
-        print(f"  MFU: hand {pct(m['hand']['mfu'])} (median window {pct(m['hand']['mfu_median_window'])}) | "
-              f"MFUMonitor {pct(m['mfu_monitor']['mfu'])} | PerfReport "
-              f"{pct(m['perf_report']['mfu'])} (its step time: {pct(m['perf_report']['mfu_from_its_step_time'])})")
+        print(f"  MFU: hand {pct(m['hand']['mfu'])} | MFUMonitor {pct(m['mfu_monitor']['mfu'])} | PerfReport "
+              f"{pct(m['perf_report']['mfu'])} ({m['perf_report']['window']})")
     f = res.get("files_next_to_report")
     if f:
         print(f"  next to the report: {len(f['chrome_trace'])} Chrome trace(s), {len(f['tensorboard_trace'])} "
