@@ -20,7 +20,10 @@ Inputs have the GPT's layout: q / k / v (B, nh, T, hd) transposed from (B, T, nh
 Each variant's output is compared with SDPA's on its first call (relative error). Times are the median
 of ``--reps`` runs, each between two CUDA events, after warm-up. Per shape the JSON records the best
 backend (``auto`` and SDPA's own choice left out) and ``auto / best``, the time of auto's choice over
-the best time in the same run.
+the best time in the same run; then ``auto_over_best_again``: auto and the best backend timed again,
+interleaved call by call (the order rotating), so both see the same clocks. Variants timed one after
+another drift: an H100 under minutes of attention lowers its clocks, and the slow candidates auto
+times just before its own measurement (the memory-efficient backend at T = 16k) make it worse.
 
 Writes ``bench_attention_<device>_<date>.json`` under ``--out`` (default ``$OUT`` or
 ``benchmarks/results``) and prints a table. A failing or missing backend is recorded with its error
@@ -146,6 +149,43 @@ def time_fwd_bwd(fn: Callable, q, k, v, warmup: int, reps: int, cuda: bool) -> d
             "warmup_s": warmup_s}
 
 
+def time_interleaved(fns: dict[str, Callable], q, k, v, warmup: int, reps: int, cuda: bool) -> dict[str, Any]:
+    """Median milliseconds of each ``fn(q, k, v)`` forward + backward, the functions called in turn
+    (the order rotating every round), so each sees the same clock and allocator state."""
+    grads: dict[str, torch.Tensor] = {}
+
+    def step(name):
+        out = fns[name](q, k, v)
+        if name not in grads:
+            grads[name] = torch.randn_like(out)
+        torch.autograd.grad(out, (q, k, v), grads[name])
+
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            step(name)
+    times: dict[str, list] = {name: [] for name in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step(name)
+                end.record()
+                times[name].append((start, end))
+            else:
+                t = time.perf_counter()
+                step(name)
+                times[name].append(time.perf_counter() - t)
+    if cuda:
+        torch.cuda.synchronize()
+    out = {}
+    for name, ts in times.items():
+        ms = sorted(s.elapsed_time(e) for s, e in ts) if cuda else sorted(1e3 * t for t in ts)
+        out[name] = {"ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1], "reps": len(ms)}
+    return out
+
+
 def causal_fwd_bwd_flops(B: int, nh: int, T: int, hd: int) -> float:
     """Forward: q k^T and p v, 2 * 2 * B * nh * T^2 * hd, halved by the causal mask; backward 2.5x that."""
     return 3.5 * 4 * B * nh * T * T * hd / 2
@@ -230,14 +270,16 @@ def run_shape(args, device, dtype, hd: int, T: int, backends: AttentionBackends,
     summarize(row)
     best = row.get("best")
     if best in variants and "ms" in row["variants"].get("auto", {}) and time.time() < deadline:
-        # the best backend timed again right after auto (same clocks and allocator state): tells a real
-        # gap from drift over the run
+        # auto against the best backend, interleaved call by call: both see the same clocks (a GPU
+        # under sustained load lowers its clocks, which skews variants timed one after another)
         spec = variants[best]
         context = spec.get("context", contextlib.nullcontext)
         with context():
-            again = time_fwd_bwd(spec["fn"], q, k, v, args.warmup, args.reps, cuda)
-        row["best_ms_again"] = again["ms"]
-        row["auto_over_best_again"] = row["variants"]["auto"]["ms"] / again["ms"]
+            paired = time_interleaved({"auto": variants["auto"]["fn"], best: spec["fn"]}, q, k, v,
+                                      args.warmup, 2 * args.reps, cuda)
+        row["best_ms_again"] = paired[best]["ms"]
+        row["auto_ms_paired"] = paired["auto"]["ms"]
+        row["auto_over_best_again"] = paired["auto"]["ms"] / paired[best]["ms"]
     key = selector.key(q, k, True)
     if key in selector.choices:
         row["auto_choice"] = selector.choices[key]
@@ -361,7 +403,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{time.time() - t_start:6.1f}s] hd{hd} T={T} {phase}: "
                   + ", ".join(f"{n}={r['ms']:.3f}" if "ms" in r else f"{n}=-" for n, r in row["variants"].items())
                   + f" | best {row.get('best')}, auto {row.get('auto_choice')}"
-                  + (f" x{row['auto_over_best']:.3f}" if row.get("auto_over_best") else ""), flush=True)
+                  + (f" x{row['auto_over_best']:.3f}" if row.get("auto_over_best") else "")
+                  + (f", interleaved x{row['auto_over_best_again']:.3f}" if row.get("auto_over_best_again") else ""),
+                  flush=True)
             save()
     save()
     print_table(result["rows"])
