@@ -39,6 +39,22 @@ class StepTimer:
         return times[skip:]
 
 
+class StepTimes(Callback):
+    """A step mark at every batch start (a :class:`StepTimer` on the trainer's device); read after the fit."""
+
+    def __init__(self) -> None:
+        self.timer = StepTimer(False)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.timer = StepTimer(trainer.strategy.root_device.type == "cuda")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.timer.mark()
+
+    def step_times(self, skip: int) -> list[float]:
+        return self.timer.step_times(skip)
+
+
 def graph_breaks() -> dict[str, Any]:
     """Dynamo's graph breaks in this process since its last ``counters.clear()``: the count and the
     three most frequent reasons (a compiled variant should show none)."""
@@ -147,7 +163,6 @@ class WallClockWindow(Callback):
         self._sync(trainer)
         self._t1 = time.perf_counter()
         self._host.append(self._t1)
-        steps = len(self._host) - 1
         wall = self._t1 - self._t0
         device = [a.elapsed_time(b) / 1e3 for a, b in zip(self._events, self._events[1:])]
         host = [b - a for a, b in zip(self._host, self._host[1:])]

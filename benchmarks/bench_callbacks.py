@@ -52,7 +52,7 @@ from lightning_perf.callbacks import (  # noqa: E402
     SyncPointWarner,
     SyncPointWarning,
 )
-from _timing import StepTimer  # noqa: E402
+from _timing import StepTimes  # noqa: E402
 from lightning_perf.data import TokenDataModule  # noqa: E402
 from lightning_perf.models.gpt.module import GPTLightningModule  # noqa: E402
 
@@ -60,20 +60,6 @@ HERE = Path(__file__).resolve()
 CPU_PEAKS = dict(peak_flops=1e11, peak_bandwidth=2e10)  # --smoke only: a rough CPU, so MFU/roofline have numbers
 
 
-class StepTimes(L.Callback):
-    """A step mark at every batch start; all read after the fit."""
-
-    def __init__(self) -> None:
-        self.timer = StepTimer(False)
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.timer = StepTimer(trainer.strategy.root_device.type == "cuda")
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.timer.mark()
-
-    def step_times(self, skip: int) -> list[float]:
-        return self.timer.step_times(skip)
 
 
 class HookTimer:

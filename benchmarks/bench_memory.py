@@ -40,23 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning as L  # noqa: E402
 
-from _timing import StepTimer  # noqa: E402
+from _timing import StepTimes  # noqa: E402
 from lightning_perf.callbacks import MemoryMonitor  # noqa: E402
 from lightning_perf.data import TokenDataModule  # noqa: E402
 from lightning_perf.models.gpt.module import GPTLightningModule  # noqa: E402
 
 GB = 1e9
-
-
-class StepTimes(L.Callback):
-    def __init__(self) -> None:
-        self.timer = StepTimer(False)
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.timer = StepTimer(trainer.strategy.root_device.type == "cuda")
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.timer.mark()
 
 
 def fit(args: argparse.Namespace, *, batch: int, steps: int, callbacks: list, ac: str = "none",
