@@ -3,6 +3,7 @@
 Imports here are light; the engines (FSDP2, DCP, DeepSpeed) are imported when used.
 """
 
+from lightning_perf.parallel.async_checkpoint import AsyncCheckpointer
 from lightning_perf.parallel.checkpoint import consolidate, load_checkpoint, save_checkpoint
 from lightning_perf.parallel.dims import ParallelDims
 from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks
@@ -10,6 +11,7 @@ from lightning_perf.parallel.loss_scaler import DistributedLossScaler
 from lightning_perf.parallel.ddp import apply_ddp, shard_optimizer
 
 __all__ = [
+    "AsyncCheckpointer",
     "DistributedLossScaler",
     "ParallelDims",
     "apply_ddp",

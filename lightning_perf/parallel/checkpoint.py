@@ -53,8 +53,11 @@ __all__ = [
     "verify_files",
     "consolidate",
     "update_link",
+    "remove",
     "prepare_tmp",
     "commit_tmp",
+    "sharded_state",
+    "finish_save",
     "resolve",
     "full_model_state_dict",
     "main",
@@ -170,32 +173,47 @@ def save_checkpoint(
     ``checksum``: record each file's CRC-32 (sizes are always recorded).
     """
     import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = prepare_tmp(path, group=group)
+    state, blob = sharded_state(model, optimizers, extra)
+    dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _dist())
+    finish_save(tmp, path, blob, checksum=checksum, group=group)
+    return path
+
+
+def sharded_state(
+    model: nn.Module, optimizers: Sequence[Optimizer] = (), extra: Optional[dict[str, Any]] = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a save writes: the DCP state (this rank's shards) and rank 0's ``extra.pt`` blob, less the manifest."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     from lightning_perf.parallel.fp8_all_gather import plain_state_dict
 
-    path = Path(path)
-    rank = _rank(group)
-    tmp = prepare_tmp(path, group=group)
     optims = _local_optimizers(optimizers)
     msd, osd = get_state_dict(model, optims) if optims else (get_model_state_dict(model), {})
     state: dict[str, Any] = {"model": plain_state_dict(msd)}  # FP8-gathering shards as plain tensors
     if optims:
         state["optim"] = {"state": osd["state"]}
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _dist())
-    files = _manifest(tmp, checksum, group)  # every rank's files are complete once dcp.save returns
-    if rank == 0:
-        blob = {
-            "format": _FORMAT,
-            "backend": "dcp",
-            "extra": extra or {},
-            "param_groups": _hyperparams(osd),
-            "has_optim": bool(optims),
-            "files": files,
-        }
-        torch.save(blob, tmp / EXTRA_FILE)
+    blob = {
+        "format": _FORMAT,
+        "backend": "dcp",
+        "extra": extra or {},
+        "param_groups": _hyperparams(osd),
+        "has_optim": bool(optims),
+    }
+    return state, blob
+
+
+def finish_save(
+    tmp: Path, path: PathLike, blob: dict[str, Any], *, checksum: bool = True,
+    group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """After every rank's shards are in ``tmp``: the manifest, rank 0's ``extra.pt``, the rename (collective)."""
+    files = _manifest(tmp, checksum, group)
+    if _rank(group) == 0:
+        torch.save({**blob, "files": files}, tmp / EXTRA_FILE)
     commit_tmp(tmp, path, group=group)
-    return path
 
 
 def prepare_tmp(path: PathLike, *, group: Optional[dist.ProcessGroup] = None) -> Path:
@@ -312,6 +330,15 @@ def load_checkpoint(
     else:
         set_model_state_dict(model, state["model"], options=options)
     return blob["extra"]
+
+
+def remove(path: PathLike) -> None:
+    """Delete a checkpoint: a sharded directory as a whole, a file or a link (no collective)."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def update_link(link: PathLike, target: PathLike) -> None:

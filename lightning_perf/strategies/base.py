@@ -14,7 +14,10 @@ keep only what differs:
   flight recorder's variables there, which torch reads when the group is created);
 - collectives over the whole world: ``barrier``, ``broadcast``, ``reduce``;
 - checkpoints: a sharded DCP directory (``lightning_perf.parallel.checkpoint``) that every
-  rank writes and reads, model and optimizer state together, resharded on load.
+  rank writes and reads, model and optimizer state together, resharded on load; written in the
+  background with ``async_checkpoint`` (``lightning_perf.parallel.async_checkpoint``): the save
+  in flight is polled at each batch start, waited for before the next save, a load, the end of
+  the fit and on an exception, and ``remove_checkpoint`` waits for it to be final before deleting.
 
 A strategy names where it differs by overriding the small methods below:
 ``_build_device_mesh`` (required), ``_check_world_size``, ``_check_before_launch``,
@@ -29,7 +32,6 @@ that dict nested as ``extra["lightning"]`` load too.
 
 from __future__ import annotations
 
-import shutil
 from abc import abstractmethod
 from collections.abc import Mapping
 from datetime import timedelta
@@ -53,13 +55,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_perf.parallel import checkpoint as ckpt
+from lightning_perf.parallel.async_checkpoint import AsyncCheckpointer, async_save_supported
 from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
 
 if TYPE_CHECKING:
@@ -143,6 +146,9 @@ class PerfParallelStrategy(ParallelStrategy):
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
         timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
             fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
+        async_checkpoint: write checkpoints in the background (``True``), in the save call
+            (``False``), or ``None``: in the background on CUDA devices, where staging is a copy to
+            host memory and the write overlaps GPU compute, in the save call on the CPU.
         The others are Lightning's ``ParallelStrategy`` arguments.
     """
 
@@ -155,7 +161,13 @@ class PerfParallelStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+        async_checkpoint: Optional[bool] = None,
     ) -> None:
+        if async_checkpoint and not async_save_supported():
+            raise ValueError(
+                "async_checkpoint=True needs torch.distributed.checkpoint.async_save and the gloo backend, "
+                "which this torch build lacks: pass async_checkpoint=False or None"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -167,6 +179,8 @@ class PerfParallelStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._device_mesh: Optional[DeviceMesh] = None
         self.num_nodes = 1
+        self._async_option = async_checkpoint
+        self._checkpointer: Optional[AsyncCheckpointer] = None
 
     # ---- what each strategy names ------------------------------------------------------------
 
@@ -209,7 +223,12 @@ class PerfParallelStrategy(ParallelStrategy):
     def _write_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         """Every rank writes its model and optimizer shards to ``path``, rank 0 ``extra`` beside them."""
         assert self.lightning_module is not None
-        ckpt.save_checkpoint(path, self.lightning_module, self.optimizers, extra=extra)
+        if self.async_checkpoint:
+            if self._checkpointer is None:  # every rank saves together: it may create its group now
+                self._checkpointer = AsyncCheckpointer(timeout=self._timeout)
+            self._checkpointer.save(path, self.lightning_module, self.optimizers, extra=extra)
+        else:
+            ckpt.save_checkpoint(path, self.lightning_module, self.optimizers, extra=extra)
 
     def _read_checkpoint(self, path: Path, weights_only: bool) -> dict[str, Any]:
         """Every rank loads its shards from ``path`` (resharding as needed); returns the saved ``extra``."""
@@ -221,6 +240,17 @@ class PerfParallelStrategy(ParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+
+    @property
+    def async_checkpoint(self) -> bool:
+        """Whether ``save_checkpoint`` writes in the background (``async_checkpoint=None``: on CUDA devices)."""
+        if self._async_option is not None:
+            return self._async_option
+        return self.parallel_devices is not None and self.root_device.type == "cuda" and async_save_supported()
+
+    def wait_for_checkpoint(self) -> Optional[Path]:
+        """Block until the checkpoint being written in the background is final; its path (None: none was)."""
+        return self._checkpointer.wait() if self._checkpointer is not None else None
 
     # ---- precision: one rule for every strategy of the pack ------------------------------------
 
@@ -372,8 +402,28 @@ class PerfParallelStrategy(ParallelStrategy):
         return tensor
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._checkpointer is not None:
+            self._checkpointer.poll()  # no wait: finishes the bookkeeping of a save that became final
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.wait_for_checkpoint()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        try:  # a save whose write completed still becomes final; one that cannot, fails within the timeout
+            self.wait_for_checkpoint()
+        except Exception as e:
+            rank_zero_warn(f"{e}", category=RuntimeWarning)
+
+    @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        self.wait_for_checkpoint()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -406,6 +456,7 @@ class PerfParallelStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()  # the newest checkpoint may still be in flight
         path = Path(self.broadcast(str(checkpoint_path)))
         extra = self._read_checkpoint(path, weights_only=True if weights_only is None else weights_only)
         self._refresh_fp8_scales()  # the weights just changed
@@ -413,10 +464,8 @@ class PerfParallelStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if not self.is_global_zero:
+        if self._checkpointer is not None:  # deferred while the newer checkpoint is being written
+            self._checkpointer.remove(filepath)
             return
-        path = Path(filepath)
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.is_dir():  # a sharded checkpoint: the directory as a whole
-            shutil.rmtree(path)
+        if self.is_global_zero:
+            ckpt.remove(filepath)

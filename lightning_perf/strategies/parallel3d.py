@@ -93,6 +93,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
         compile_backend: the ``torch.compile`` backend (``"aot_eager"`` isolates inductor).
         timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
             fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
+        async_checkpoint: write checkpoints in the background while training goes on (``None``:
+            on CUDA devices); see ``PerfParallelStrategy``.
 
     The 3D model protocol: data parallelism and ZeRO need nothing from the model; tensor and
     pipeline parallelism need methods on the network (the LightningModule or a submodule, such
@@ -139,6 +141,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
         compile_backend: str = "inductor",
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+        async_checkpoint: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         # numbers only: a bad layout fails here, long before any process group exists
@@ -161,7 +164,9 @@ class Parallel3DStrategy(PerfParallelStrategy):
             compile=compile,
             compile_backend=compile_backend,
         )
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        super().__init__(
+            process_group_backend=process_group_backend, timeout=timeout, async_checkpoint=async_checkpoint, **kwargs
+        )
         self.meta_init = meta_init
         self._parallel: Optional[Parallelized3D] = None
         self._pp_grads: Optional[list[Optional[Tensor]]] = None

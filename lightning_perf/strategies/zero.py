@@ -78,6 +78,9 @@ class ZeroStrategy(PerfParallelStrategy):
             at once). Default 1: one unit per block.
         timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
             fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
+        async_checkpoint: write checkpoints in the background while training goes on (``None``:
+            on CUDA devices with the native backend); the DeepSpeed backend writes its engine's
+            checkpoint in the save call.
     """
 
     strategy_name = "zero"
@@ -106,6 +109,7 @@ class ZeroStrategy(PerfParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+        async_checkpoint: Optional[bool] = None,
     ) -> None:
         self.config = ZeroConfig(
             stage=stage,
@@ -131,7 +135,13 @@ class ZeroStrategy(PerfParallelStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            async_checkpoint=async_checkpoint,
         )
+        if async_checkpoint and self.config.backend == "deepspeed":
+            raise ValueError(
+                "async_checkpoint=True needs backend='native': the DeepSpeed backend writes its engine's "
+                "checkpoint in the save call (pass async_checkpoint=False or None)"
+            )
         self._sharded: Optional[nn.Module] = None  # the FSDP2 root
         self._engine: Optional[Any] = None  # the DeepSpeed engine
         self._prepared: Optional[nn.Module] = None  # the LightningModule already sharded
@@ -346,6 +356,11 @@ class ZeroStrategy(PerfParallelStrategy):
         return result
 
     # ---- checkpoints: the DeepSpeed engine writes its own shards ---------------------------------
+
+    @property
+    @override
+    def async_checkpoint(self) -> bool:
+        return self.config.backend != "deepspeed" and super().async_checkpoint
 
     @override
     def _write_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
