@@ -146,9 +146,9 @@ class PerfParallelStrategy(ParallelStrategy):
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
         timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
             fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
-        async_checkpoint: write checkpoints in the background (``True``), in the save call
-            (``False``), or ``None``: in the background on CUDA devices, where staging is a copy to
-            host memory and the write overlaps GPU compute, in the save call on the CPU.
+        async_checkpoint: write checkpoints in the background (``True``) or in the save call
+            (``False``; ``None`` means the same for now: the background write is opt-in until its
+            stall and its behaviour on NCCL jobs are measured on GPUs).
         The others are Lightning's ``ParallelStrategy`` arguments.
     """
 
@@ -243,10 +243,8 @@ class PerfParallelStrategy(ParallelStrategy):
 
     @property
     def async_checkpoint(self) -> bool:
-        """Whether ``save_checkpoint`` writes in the background (``async_checkpoint=None``: on CUDA devices)."""
-        if self._async_option is not None:
-            return self._async_option
-        return self.parallel_devices is not None and self.root_device.type == "cuda" and async_save_supported()
+        """Whether ``save_checkpoint`` writes in the background (opt-in: ``async_checkpoint=True``)."""
+        return bool(self._async_option)
 
     def wait_for_checkpoint(self) -> Optional[Path]:
         """Block until the checkpoint being written in the background is final; its path (None: none was)."""

@@ -228,15 +228,16 @@ def test_checkpoints_load_across_strategies(tmp_path: Path) -> None:
             _equal(r["zero"]["final"], r[loaded]["final"], loaded)
 
 
-# ---- async_checkpoint: where it is on by default ---------------------------------------------------
+# ---- async_checkpoint: opt-in ---------------------------------------------------
 
 
 @pytest.mark.parametrize("cls", ["ZeroStrategy", "Parallel3DStrategy"])
-def test_async_checkpoint_default_is_on_for_cuda_only(cls: str) -> None:
+def test_async_checkpoint_is_opt_in(cls: str) -> None:
     import lightning_perf.strategies as strategies
 
     strategy_cls = getattr(strategies, cls)
     assert strategy_cls(parallel_devices=[torch.device("cpu")] * 2).async_checkpoint is False
-    assert strategy_cls(parallel_devices=[torch.device("cuda", 0)]).async_checkpoint is True
+    assert strategy_cls(parallel_devices=[torch.device("cuda", 0)]).async_checkpoint is False
+    assert strategy_cls(parallel_devices=[torch.device("cuda", 0)], async_checkpoint=True).async_checkpoint is True
     assert strategy_cls(parallel_devices=[torch.device("cuda", 0)], async_checkpoint=False).async_checkpoint is False
     assert strategy_cls(parallel_devices=[torch.device("cpu")], async_checkpoint=True).async_checkpoint is True
