@@ -21,9 +21,26 @@ from _spawn import spawn
 from test_parallel3d import PER_EPOCH, S, _check_run, fit
 
 
+def _record_query_lengths() -> list[int]:
+    """Patch (in this worker process) the cp attention to record each call's local query length."""
+    from lightning_perf.parallel import context_parallel as cp
+
+    seen: list[int] = []
+    attention = cp.context_parallel_attention
+
+    def recording(q, k, v, *, group):
+        seen.append(q.shape[2])
+        return attention(q, k, v, group=group)
+
+    cp.context_parallel_attention = recording
+    return seen
+
+
 def _worker2(rank: int, world: int, out: Path) -> dict:
     res: dict[str, Any] = {}
+    seen = _record_query_lengths()
     res["cp2"] = fit(S(context_parallel_size=2), world, val=True)
+    res["cp2_query_lengths"] = sorted(set(seen))
     res["cp2_zero0"] = fit(S(context_parallel_size=2, zero_stage=0), world)
     res["cp2_gpt2"] = fit(S(context_parallel_size=2, zero_stage=3), world, kind="gpt2")
     ckpt = out / "cp2.ckpt"
@@ -61,6 +78,7 @@ def test_cp2_layouts_and_resume(references, tmp_path) -> None:
         _check_run(results, key, ref)
     _check_run(results, "cp2_gpt2", references["gpt2"])
     for r in results:  # both cp ranks report the loss of the whole sequences
+        assert r["cp2_query_lengths"] == [8]  # each rank attended from its 8 of the 16 tokens
         assert r["cp2"]["losses"] == results[0]["cp2"]["losses"]
         assert r["cp2"]["val"] == pytest.approx(ref["val"], rel=1e-4)
     losses = torch.tensor([r["cp2_save"]["losses"] for r in results]).mean(0)
