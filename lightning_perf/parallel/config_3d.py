@@ -106,13 +106,13 @@ class Parallel3DConfig:
         if cp == 1:
             return
         # the pipeline schedule calls the stages itself, with no global positions and no place to
-        # combine the cp ranks' losses; tensor parallelism's hooks are not checked against the cut sequence
-        for name, what in (("pipeline_parallel_size", "pipeline"), ("tensor_parallel_size", "tensor")):
-            if getattr(self, name) > 1:
-                raise ValueError(
-                    f"context parallelism (context_parallel_size={cp}) does not combine with {what} parallelism "
-                    f"({name}={getattr(self, name)}) yet: use one of them, with data parallelism"
-                )
+        # combine the cp ranks' losses
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"context parallelism (context_parallel_size={cp}) does not combine with pipeline parallelism "
+                f"(pipeline_parallel_size={self.pipeline_parallel_size}) yet: use one of them (each combines "
+                "with data and tensor parallelism)"
+            )
 
     def dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(

@@ -144,6 +144,15 @@ class _GlobalMean(torch.autograd.Function):
         return grad * weight.to(grad.dtype), None, None
 
 
+def _local(out: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel model's DTensor output (a replicated loss, vocabulary-sharded logits) as a plain tensor."""
+    if type(out) is torch.Tensor:
+        return out
+    from lightning_perf.parallel.tensor_parallel import to_local_output
+
+    return to_local_output(out)
+
+
 class ContextParallelForward:
     """``model.forward`` under context parallelism: cut the batch, run the local tokens, combine.
 
@@ -167,10 +176,10 @@ class ContextParallelForward:
         positions = load_balanced_positions(T, self.cp, self.rank, device=idx.device)
         local_idx = split_sequence(idx, self.cp, self.rank)
         if targets is None:
-            logits = self.forward(local_idx, positions=positions, **kwargs)  # (B, 2c, V)
+            logits = _local(self.forward(local_idx, positions=positions, **kwargs))  # (B, 2c, V)
             return gather_sequence(logits, self.group, dim=1)  # (B, T, V)
         local_targets = split_sequence(targets, self.cp, self.rank)
-        loss = self.forward(local_idx, local_targets, positions=positions, **kwargs)
+        loss = _local(self.forward(local_idx, local_targets, positions=positions, **kwargs))
         count = (local_targets != self.ignore_index).sum().to(torch.float32)
         # (sum of this rank's losses, its target count), summed over cp
         totals = torch.stack([loss.detach().float() * count, count])

@@ -59,6 +59,12 @@ def check_data_layout(
         from lightning_perf.parallel.context_parallel import check_context_parallel_seq_len
 
         check_context_parallel_seq_len(seq_len, cp)
+        if sequence_parallel is True and tp > 1 and (seq_len // cp) % tp:
+            raise ValueError(
+                f"each context-parallel rank holds seq_len / cp = {seq_len} / {cp} = {seq_len // cp} tokens, which "
+                f"sequence parallelism splits over tp={tp}: {seq_len // cp} / {tp} = {seq_len // cp / tp:.3g}; use "
+                f"a seq_len divisible by {cp * tp} (and {2 * cp}) or sequence_parallel='batch'"
+            )
     if sequence_parallel == "batch":
         if batch_size is not None and tp > 1:
             from lightning_perf.parallel.tensor_parallel import tp_sequence_check

@@ -64,7 +64,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
             chunks and rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` (equal causal work);
             attention all-gathers keys and values over "cp". Parameters are replicated over "cp":
             gradients are averaged, and ZeRO shards, over "dp" and "cp" together. The sequence length
-            must divide by ``2 * cp``; not combined with tensor or pipeline parallelism yet.
+            must divide by ``2 * cp``; combines with data and tensor parallelism, not with pipeline
+            parallelism yet.
         zero_stage: 0 = replicated parameters, gradients all-reduced over "dp" after backward;
             1 and 2 = FSDP2 with parameters kept gathered between forward and backward
             (gradients and optimizer state sharded: stage 1 gives stage 2 here);

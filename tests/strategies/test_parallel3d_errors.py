@@ -41,7 +41,6 @@ def _meta_gpt(**kw) -> GPT:
         (dict(context_parallel_size=0), "context_parallel_size must be a positive integer"),
         (dict(context_parallel_size=2, pipeline_parallel_size=2),
          r"context parallelism \(context_parallel_size=2\) does not combine with pipeline parallelism"),
-        (dict(context_parallel_size=2, tensor_parallel_size=2), "does not combine with tensor parallelism"),
     ],
 )
 def test_construction_rejects_bad_options(kwargs, match) -> None:
@@ -75,6 +74,12 @@ def test_context_parallel_sequence_must_cut_into_2cp_chunks_before_launch() -> N
     with pytest.raises(ValueError, match=r"2 \* cp = 4 chunks .*seq_len=18 / 4 = 4.5"):
         strategy._check_before_launch(module, SimpleNamespace(batch_size=2, seq_len=18))
     strategy._check_before_launch(module, SimpleNamespace(batch_size=2, seq_len=16))
+    # with tensor parallelism, each cp rank's 2 chunks are split again over tp by sequence parallelism
+    four_kv = GPTLightningModule(GPTConfig.from_name("tiny-llama", n_kv_head=4))
+    cp_tp = Parallel3DStrategy(context_parallel_size=2, tensor_parallel_size=4, parallel_devices=[torch.device("cpu")] * 8)
+    with pytest.raises(ValueError, match=r"seq_len / cp = 12 / 2 = 6 tokens, which sequence parallelism splits over tp=4"):
+        cp_tp._check_before_launch(four_kv, SimpleNamespace(batch_size=4, seq_len=12))
+    cp_tp._check_before_launch(four_kv, SimpleNamespace(batch_size=4, seq_len=16))
 
 
 @pytest.mark.parametrize(
