@@ -17,8 +17,8 @@ global positions, and only attention needs the other ranks:
   each local query chunk's causal attention against the keys before and up to it: one SDPA
   call per chunk, keys ``[0, (g + 1) c)`` for global chunk ``g``, with a causal mask aligned to
   the bottom right (``causal_lower_right``: the query block is the last ``c`` rows, so its
-  ``i``-th query sees keys up to ``g c + i``). No mask is materialised; grouped-query attention
-  gathers the ``n_kv_head`` heads as they are.
+  ``i``-th query sees keys up to ``g c + i``; SDPA's memory-efficient kernel applies it without
+  building a mask). Grouped-query attention gathers the ``n_kv_head`` heads as they are.
 - :class:`ContextParallelForward` wraps the model's ``forward(idx, targets)``: it cuts the
   batch, calls the model with ``positions=`` (the global positions of the local tokens, for
   rotary and learned position embeddings) and returns the mean loss over every token of the
@@ -181,8 +181,10 @@ class ContextParallelForward:
         local_targets = split_sequence(targets, self.cp, self.rank)
         loss = _local(self.forward(local_idx, local_targets, positions=positions, **kwargs))
         count = (local_targets != self.ignore_index).sum().to(torch.float32)
-        # (sum of this rank's losses, its target count), summed over cp
-        totals = torch.stack([loss.detach().float() * count, count])
+        # (sum of this rank's losses, its target count), summed over cp; a rank whose targets are all
+        # ignored has a NaN mean and adds nothing
+        local_sum = torch.where(count > 0, loss.detach().float() * count, torch.zeros_like(count))
+        totals = torch.stack([local_sum, count])
         dist.all_reduce(totals, group=self.group)
         global_mean = (totals[0] / totals[1]).to(loss.dtype)
         weight = self.cp * count / totals[1]
