@@ -102,7 +102,21 @@ def _cp2_worker(rank: int, world: int, out: Path) -> dict:
         with torch.no_grad():
             logits = (model(x), full(x))
         res[positions] = {"loss": (loss.detach(), ref_loss.detach()), "grads": grads, "logits": logits,
-                          "seen": seen}
+                          "seen": list(seen)}
+    # every target of cp rank 0's tokens ignored: the loss is rank 1's mean alone, gradients finite
+    t0 = t.clone()
+    t0[:, load_balanced_positions(16, world, 0)] = -100
+    full.zero_grad()
+    model.zero_grad()
+    ref_loss = full(x, t0)
+    ref_loss.backward()
+    loss = model(x, t0)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    res["rank0_ignored"] = {"loss": (loss.detach(), ref_loss.detach()),
+                            "grads": {n: (p.grad, full.get_parameter(n).grad) for n, p in model.named_parameters()}}
     return res
 
 
@@ -119,3 +133,7 @@ def test_attention_and_gpt_under_cp2_equal_one_process(tmp_path) -> None:
             torch.testing.assert_close(*res["logits"], rtol=1e-5, atol=1e-6)
             for name, (got, want) in res["grads"].items():
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{positions} {name}: {m}")
+        res = r["rank0_ignored"]
+        torch.testing.assert_close(*res["loss"], rtol=1e-5, atol=0)
+        for name, (got, want) in res["grads"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank 0 ignored, {name}: {m}")
