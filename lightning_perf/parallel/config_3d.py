@@ -1,4 +1,4 @@
-"""The layout of 3D parallelism (pp x dp x tp) and its checks, before any process group exists.
+"""The layout of 3D parallelism (pp x dp x tp, with context parallelism "cp") and its checks, before any process group exists.
 
 :class:`Parallel3DConfig` is checked with numbers alone at construction; :func:`check_model`
 and :func:`check_model_config` check a model against it before any collective. A model
@@ -6,6 +6,8 @@ states what it can do through the 3D model protocol: ``pipeline_stage`` and
 ``tensor_parallel_plan`` on the module, and optionally
 ``check_parallel_layout(tensor_parallel_size=..., pipeline_parallel_size=..., stages_per_rank=...)``
 on its ``config``, which raises ``ValueError`` for a layout the model cannot be split into.
+Context parallelism needs ``enable_context_parallel`` and a ``forward`` that takes ``positions=``
+(see ``parallel.context_parallel``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Parallel3DConfig:
     data_parallel_size: Union[int, str] = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
     zero_stage: int = 2
     pipeline_schedule: str = "1f1b"
     num_microbatches: Optional[int] = None
@@ -52,7 +55,7 @@ class Parallel3DConfig:
         dp = self.data_parallel_size
         if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
             raise ValueError(f"data_parallel_size must be 'auto' or a positive integer, got {dp!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "stages_per_rank"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "stages_per_rank"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -87,6 +90,7 @@ class Parallel3DConfig:
                     "fp8_all_gather changes FSDP2's parameter all-gather: it needs data parallelism with ZeRO "
                     f"(zero_stage 1-3 and data_parallel_size > 1), got zero_stage={self.zero_stage}, "
                     f"data_parallel_size={self.data_parallel_size!r}")
+        self._check_context_parallel()
         # the schedule is checked even without pipeline parallelism, so a typo never waits for a pp run
         self.pipeline = PipelineConfig(
             pp=self.pipeline_parallel_size,
@@ -97,11 +101,25 @@ class Parallel3DConfig:
         if self.pipeline_parallel_size == 1 and self.stages_per_rank > 1:
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
 
+    def _check_context_parallel(self) -> None:
+        cp = self.context_parallel_size
+        if cp == 1:
+            return
+        # the pipeline schedule calls the stages itself, with no global positions and no place to
+        # combine the cp ranks' losses
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"context parallelism (context_parallel_size={cp}) does not combine with pipeline parallelism "
+                f"(pipeline_parallel_size={self.pipeline_parallel_size}) yet: use one of them (each combines "
+                "with data and tensor parallelism)"
+            )
+
     def dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(
             dp=self.data_parallel_size,  # type: ignore[arg-type]
             tp=self.tensor_parallel_size,
             pp=self.pipeline_parallel_size,
+            cp=self.context_parallel_size,
             world_size=world_size,
         )
 
@@ -113,9 +131,11 @@ def check_model(model: nn.Module, config: Parallel3DConfig) -> nn.Module:
     nothing from it); with them, the model must implement the protocol method.
     A model whose ``config`` has ``check_parallel_layout`` is checked against the layout too.
     """
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
     # the inner network (a LightningModule's ``model``), so FSDP2's root hooks fire on its forward
     target = find_model(model)
+    if cp > 1:
+        target = require_protocol(model, "enable_context_parallel", f"context parallelism (cp={cp})")
     if pp > 1:
         target = require_protocol(model, "pipeline_stage", f"pipeline parallelism (pp={pp})")
     if tp > 1:

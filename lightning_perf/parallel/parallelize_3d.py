@@ -1,11 +1,13 @@
-"""Compose pipeline, tensor and data parallelism on one model, in a fixed order.
+"""Compose pipeline, tensor, context and data parallelism on one model, in a fixed order.
 
     1. pipeline split   model.pipeline_stage(i, n) for this rank's stages
     2. activation ckpt  per block (parameter names unchanged)
     3. tensor parallel  model.tensor_parallel_plan(tp_mesh) on every stage
-    4. compile          torch.compile per block (with its TP hooks under TP: see ``parallel.compile``)
-    5. data parallel    FSDP2 over the "dp" mesh (ZeRO 1-3), or a plain gradient all-reduce (ZeRO 0)
-    6. materialise      meta tensors -> device, the model's own init (only if built on meta)
+    4. context parallel attention over the "cp" ranks, forward cuts the sequence (``parallel.context_parallel``)
+    5. compile          torch.compile per block (with its TP hooks under TP: see ``parallel.compile``)
+    6. data parallel    FSDP2 over the "dp" mesh, flattened with "cp" (ZeRO 1-3), or a plain
+                        gradient all-reduce over the same ranks (ZeRO 0)
+    7. materialise      meta tensors -> device, the model's own init (only if built on meta)
 
 Each step is a small function below; :func:`parallelize_3d` calls them in this order.
 The layout and its checks are in ``parallel.config_3d``, the gradient all-reduce and
@@ -24,6 +26,8 @@ import torch.nn as nn
 from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_perf.parallel.compile import compile_blocks, compile_head_loss
 from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model
+from lightning_perf.parallel.context_parallel import apply_context_parallel
+from lightning_perf.parallel.dims import data_parallel_mesh
 from lightning_perf.parallel.fsdp import find_blocks
 from lightning_perf.parallel.init import has_meta_tensors, materialize_local
 from lightning_perf.parallel.pipeline import PipelineRunner, build_stage_modules, lm_cross_entropy, prune_to_stages
@@ -60,12 +64,14 @@ def parallelize_3d(
 ) -> Parallelized3D:
     """Split, shard and (if built on meta) materialise ``model`` for this rank of ``mesh``.
 
-    ``mesh`` is the (pp, dp, tp) mesh of :meth:`ParallelDims.build_mesh`. With pipeline
+    ``mesh`` is the (pp, dp, cp, tp) mesh of :meth:`ParallelDims.build_mesh`. With pipeline
     parallelism ``model`` is pruned in place to this rank's stages (names unchanged).
     """
     target = check_model(model, config)
     pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
-    use_fsdp = mesh["dp"].size() > 1 and config.zero_stage > 0
+    # parameters are replicated over "cp" as over "dp": FSDP2 shards over both
+    dp_mesh = data_parallel_mesh(mesh)
+    use_fsdp = dp_mesh.size() > 1 and config.zero_stage > 0
     if config.fp8_all_gather and not use_fsdp:  # "auto" resolved to one replica (every rank alike)
         raise ValueError(f"fp8_all_gather needs data parallelism with ZeRO; this layout has dp={mesh['dp'].size()}")
     # 1. every later step works on this rank's stages (the whole model without pp)
@@ -77,14 +83,17 @@ def parallelize_3d(
     #    then shards the TP DTensors over "dp"
     if tp > 1:
         apply_tensor_parallel(stages, mesh["tp"], config, device=device, whole_model=pp == 1)
-    # 4. a module compiled by the user's code is re-scoped first (see _compile_mode)
+    # 4. the attention hook is read inside each block's forward, so compiled blocks trace it
+    if config.context_parallel_size > 1:
+        apply_context_parallel(target, mesh["cp"])
+    # 5. a module compiled by the user's code is re-scoped first (see _compile_mode)
     mode = _compile_mode(model, stages, config)
     if mode is not None:
         apply_compile_3d(stages, mode, config, device=device)
-    # 5. data parallelism over "dp" (without FSDP2 the strategy all-reduces gradients itself)
+    # 6. data parallelism over "dp" x "cp" (without FSDP2 the strategy all-reduces gradients itself)
     if use_fsdp:
-        apply_data_parallel(stages, mesh["dp"], config, mp_policy=mp_policy)
-    # 6. after sharding: each rank allocates only its own stages and shards
+        apply_data_parallel(stages, dp_mesh, config, mp_policy=mp_policy)
+    # 7. after sharding: each rank allocates only its own stages and shards
     if pp > 1:
         prune_to_stages(target, stages)
     if has_meta_tensors(target):
@@ -133,7 +142,8 @@ def apply_compile_3d(stages: dict[int, nn.Module], mode: str, config: Parallel3D
 
 def apply_data_parallel(stages: dict[int, nn.Module], dp_mesh: Any, config: Parallel3DConfig, *,
                         mp_policy: Optional[Any] = None) -> None:
-    """FSDP2 over ``dp_mesh`` on every stage, one unit per ``fsdp_blocks_per_unit`` blocks."""
+    """FSDP2 over ``dp_mesh`` (``"dp"``, or ``"dp_cp"`` with context parallelism) on every stage,
+    one unit per ``fsdp_blocks_per_unit`` blocks."""
     from lightning_perf.parallel.fsdp import apply_fsdp
 
     # under pp every microbatch would re-gather a resharded stage: keep it gathered (ZeRO-2 memory)

@@ -68,6 +68,8 @@ def residual_layout(sequence_parallel: Any) -> Any:
 _PROTOCOL_HINT = {
     "tensor_parallel_plan": "tensor_parallel_plan(self, tp_mesh) -> dict (a parallelize_module plan)",
     "pipeline_stage": "pipeline_stage(self, stage_idx, num_stages) -> nn.Module (this stage's part)",
+    "enable_context_parallel": "enable_context_parallel(self, attention) (route attention through it) and "
+                               "forward(idx, targets=None, *, positions=None)",
 }
 
 
@@ -152,7 +154,7 @@ def require_protocol(root: nn.Module, method: str, why: str) -> nn.Module:
             f"{why} needs the model to implement `{_PROTOCOL_HINT.get(method, method)}`; "
             f"no submodule of {type(root).__name__} defines `{method}`. Implement it (the 3D model protocol: "
             f"help(lightning_perf.strategies.Parallel3DStrategy)) or use data parallelism / ZeRO only "
-            f"(tensor and pipeline sizes 1)."
+            f"(tensor, pipeline and context sizes 1)."
         )
     return found
 

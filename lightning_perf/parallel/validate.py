@@ -4,7 +4,7 @@ The layout (:class:`~lightning_perf.parallel.dims.ParallelDims`,
 :class:`~lightning_perf.parallel.pipeline.PipelineConfig`), the GPT config and the ZeRO
 options are validated when they are built. What only shows once data arrives (a batch
 the pipeline cannot cut into microbatches, a sequence longer than the model's context or
-not divisible over sequence-parallel ranks) is checked here from the data module's
+not divisible over sequence-parallel or context-parallel ranks) is checked here from the data module's
 numbers, so the strategies can call it in ``setup_environment`` before the process
 group exists: every rank raises the same ``ValueError`` instead of failing inside a
 collective on the first batch.
@@ -36,6 +36,7 @@ def check_data_layout(
     tp: int = 1,
     sequence_parallel: Any = False,
     pipeline: Any = None,
+    cp: int = 1,
 ) -> None:
     """Raise ``ValueError`` (with the numbers) if batches of this shape cannot train.
 
@@ -46,6 +47,7 @@ def check_data_layout(
         tp, sequence_parallel: tensor parallelism and whether it shards the sequence (True) or
             the batch (``"batch"``).
         pipeline: a ``PipelineConfig`` (its microbatches must divide the batch) or ``None``.
+        cp: context-parallel ranks (the sequence is cut into ``2 * cp`` chunks).
     """
     block_size = getattr(model_config, "block_size", None)
     if seq_len is not None and isinstance(block_size, int) and seq_len > block_size:
@@ -53,6 +55,16 @@ def check_data_layout(
             f"seq_len={seq_len} is longer than the model's block_size={block_size}: lower the data "
             f"module's seq_len or build the model with block_size >= {seq_len}"
         )
+    if seq_len is not None and cp > 1:
+        from lightning_perf.parallel.context_parallel import check_context_parallel_seq_len
+
+        check_context_parallel_seq_len(seq_len, cp)
+        if sequence_parallel is True and tp > 1 and (seq_len // cp) % tp:
+            raise ValueError(
+                f"each context-parallel rank holds seq_len / cp = {seq_len} / {cp} = {seq_len // cp} tokens, which "
+                f"sequence parallelism splits over tp={tp}: {seq_len // cp} / {tp} = {seq_len // cp / tp:.3g}; use "
+                f"a seq_len divisible by {cp * tp} (and {2 * cp}) or sequence_parallel='batch'"
+            )
     if sequence_parallel == "batch":
         if batch_size is not None and tp > 1:
             from lightning_perf.parallel.tensor_parallel import tp_sequence_check

@@ -1,4 +1,4 @@
-"""``Parallel3DStrategy``: data x tensor x pipeline parallelism inside the Lightning Trainer.
+"""``Parallel3DStrategy``: data x tensor x pipeline (x context) parallelism inside the Lightning Trainer.
 
 A thin adapter: the layout maths, the model split and the schedule live in
 ``lightning_perf.parallel`` (``parallelize_3d``); this class wires them to the
@@ -14,6 +14,10 @@ closure calls ``optimizer.zero_grad()`` *after* ``training_step`` and before
 aside in ``training_step`` and put back in ``backward``, which skips autograd but
 still fires the precision and callback hooks. Gradient accumulation scales each
 microbatch loss by ``1 / accumulate_grad_batches``. Validation runs forward only.
+
+Under context parallelism the protocol model's ``forward(inputs, targets)`` cuts the sequence,
+runs this rank's part and returns the loss over the whole sequences (``parallel.context_parallel``),
+so a ``training_step`` needs no change there either.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model, check_model_config
+from lightning_perf.parallel.dims import data_parallel_mesh
 from lightning_perf.parallel.gradients import allreduce_gradients, clip_grad_norm_3d
 from lightning_perf.parallel.parallelize_3d import Parallelized3D, parallelize_3d
 from lightning_perf.parallel.optim import localize_optimizers
@@ -49,12 +54,18 @@ __all__ = ["Parallel3DStrategy"]
 
 
 class Parallel3DStrategy(PerfParallelStrategy):
-    """Pipeline x data (ZeRO) x tensor parallelism over one ("pp", "dp", "tp") device mesh.
+    """Pipeline x data (ZeRO) x context x tensor parallelism over one ("pp", "dp", "cp", "tp") device mesh.
 
     Args:
-        data_parallel_size: replicas of the model (``"auto"``: world size / (tp * pp)).
+        data_parallel_size: replicas of the model (``"auto"``: world size / (tp * pp * cp)).
         tensor_parallel_size: ranks sharing each layer (the model's ``tensor_parallel_plan``).
         pipeline_parallel_size: ranks holding consecutive stages (the model's ``pipeline_stage``).
+        context_parallel_size: ranks sharing each sequence: the sequence is cut into ``2 * cp``
+            chunks and rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` (equal causal work);
+            attention all-gathers keys and values over "cp". Parameters are replicated over "cp":
+            gradients are averaged, and ZeRO shards, over "dp" and "cp" together. The sequence length
+            must divide by ``2 * cp``; combines with data and tensor parallelism, not with pipeline
+            parallelism yet.
         zero_stage: 0 = replicated parameters, gradients all-reduced over "dp" after backward;
             1 and 2 = FSDP2 with parameters kept gathered between forward and backward
             (gradients and optimizer state sharded: stage 1 gives stage 2 here);
@@ -105,6 +116,9 @@ class Parallel3DStrategy(PerfParallelStrategy):
     - ``pipeline_stage(self, stage_idx, num_stages) -> nn.Module``: this stage's part, the first
       stage owning the embedding and the last the final norm, head and loss (for
       ``pipeline_parallel_size > 1``);
+    - ``enable_context_parallel(self, attention)``: route every attention core through
+      ``attention(q, k, v)``, with ``forward(idx, targets=None, *, positions=None)`` taking the
+      tokens' global positions (for ``context_parallel_size > 1``);
     - optionally, on the model's ``config``, ``check_parallel_layout(tensor_parallel_size=...,
       pipeline_parallel_size=..., stages_per_rank=...)``, raising ``ValueError`` for a layout the
       model cannot be split into;
@@ -139,6 +153,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
         fp8_all_gather: bool = False,
         compile: Optional[str] = None,
         compile_backend: str = "inductor",
+        context_parallel_size: int = 1,
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         async_checkpoint: Optional[bool] = None,
@@ -149,6 +164,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
             zero_stage=zero_stage,
             pipeline_schedule=pipeline_schedule,
             num_microbatches=num_microbatches,
@@ -182,7 +198,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Each dp replica loads its own part of the data; tp and pp ranks of a replica load the same."""
+        """Each dp replica loads its own part of the data; tp, pp and cp ranks of a replica load the same."""
         dp_mesh = self.device_mesh["dp"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
@@ -209,6 +225,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
             tp=self.config.tensor_parallel_size,
             sequence_parallel=self.config.sequence_parallel,
             pipeline=self.config.pipeline,
+            cp=self.config.context_parallel_size,
         )
 
     @override
@@ -376,8 +393,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
         else:
             with self._tp_loss_context():
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        if not self.parallel.fsdp:
-            allreduce_gradients(self._params(), self.device_mesh["dp"].get_group())
+        if not self.parallel.fsdp:  # replicated over "dp" and "cp": one average over both
+            allreduce_gradients(self._params(), data_parallel_mesh(self.device_mesh).get_group())
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -228,7 +228,7 @@ def _worker8(rank: int, world: int, out: Path) -> dict:
     # gradient clipping by the global norm over all stages and shards (active: the norm is > 0.05)
     res = {"pp2_tp2_dp2": fit(strategy, world, dp=2, clip=0.05)}
     mesh = strategy.device_mesh
-    res["coords"] = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
+    res["coords"] = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "cp", "tp")}
     res["sampler"] = strategy.distributed_sampler_kwargs
     return res
 

@@ -38,6 +38,9 @@ def _meta_gpt(**kw) -> GPT:
         (dict(fsdp_blocks_per_unit=0), "fsdp_blocks_per_unit must be an int >= 1, got 0"),
         (dict(fsdp_blocks_per_unit=True), "fsdp_blocks_per_unit must be an int >= 1, got True"),
         (dict(fsdp_blocks_per_unit=2, zero_stage=0), "needs zero_stage 1-3, got zero_stage=0"),
+        (dict(context_parallel_size=0), "context_parallel_size must be a positive integer"),
+        (dict(context_parallel_size=2, pipeline_parallel_size=2),
+         r"context parallelism \(context_parallel_size=2\) does not combine with pipeline parallelism"),
     ],
 )
 def test_construction_rejects_bad_options(kwargs, match) -> None:
@@ -51,6 +54,32 @@ def test_world_size_mismatch_fails_when_the_trainer_is_built() -> None:
     strategy = Parallel3DStrategy(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=3)
     with pytest.raises(ValueError, match=r"dp\(2\) \* tp\(2\) \* pp\(3\) = 12 != world size 8"):
         L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+
+
+def test_context_parallel_world_size_mismatch_shows_every_dimension() -> None:
+    import lightning as L
+
+    strategy = Parallel3DStrategy(data_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pp\(1\) \* dp\(2\) \* cp\(2\) \* tp\(1\) = 4 != world size 8"):
+        L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+
+
+def test_context_parallel_sequence_must_cut_into_2cp_chunks_before_launch() -> None:
+    from types import SimpleNamespace
+
+    from lightning_perf.models.gpt.module import GPTLightningModule
+
+    strategy = Parallel3DStrategy(context_parallel_size=2, parallel_devices=[torch.device("cpu")] * 2)
+    module = GPTLightningModule("tiny-llama")
+    with pytest.raises(ValueError, match=r"2 \* cp = 4 chunks .*seq_len=18 / 4 = 4.5"):
+        strategy._check_before_launch(module, SimpleNamespace(batch_size=2, seq_len=18))
+    strategy._check_before_launch(module, SimpleNamespace(batch_size=2, seq_len=16))
+    # with tensor parallelism, each cp rank's 2 chunks are split again over tp by sequence parallelism
+    four_kv = GPTLightningModule(GPTConfig.from_name("tiny-llama", n_kv_head=4))
+    cp_tp = Parallel3DStrategy(context_parallel_size=2, tensor_parallel_size=4, parallel_devices=[torch.device("cpu")] * 8)
+    with pytest.raises(ValueError, match=r"seq_len / cp = 12 / 2 = 6 tokens, which sequence parallelism splits over tp=4"):
+        cp_tp._check_before_launch(four_kv, SimpleNamespace(batch_size=4, seq_len=12))
+    cp_tp._check_before_launch(four_kv, SimpleNamespace(batch_size=4, seq_len=16))
 
 
 @pytest.mark.parametrize(
@@ -78,6 +107,10 @@ def test_user_model_without_protocol_gets_data_parallel_only() -> None:
         check_model(model, Parallel3DConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match=r"pipeline parallelism \(pp=2\) needs .*pipeline_stage"):
         check_model(model, Parallel3DConfig(pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match=r"context parallelism \(cp=2\) needs .*enable_context_parallel"):
+        check_model(model, Parallel3DConfig(context_parallel_size=2))
+    gpt = _meta_gpt()
+    assert check_model(gpt, Parallel3DConfig(context_parallel_size=2)) is gpt
 
 
 def test_module_config_is_checked_before_the_process_group() -> None:

@@ -10,7 +10,7 @@ can keep a contiguous range of them under their original names.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -79,6 +79,8 @@ class Attention(nn.Module):
         self.impl = config.attention
         self.kernels = config.kernels
         self.fused_qkv = config.fused_qkv
+        # set by GPT.enable_context_parallel: attention over keys held by other ranks too
+        self.attention_fn: Optional[Callable[..., torch.Tensor]] = None
         _to_fp8(self, config)
 
     def _fused_qkv_ok(self) -> bool:
@@ -147,7 +149,10 @@ class Attention(nn.Module):
         if self.rope:
             assert rope is not None
             q, k = ops.rope(q, *rope, impl=self.kernels), ops.rope(k, *rope, impl=self.kernels)
-        y = ops.attention(q, k, v, causal=True, impl=self.impl)  # (B, nh, T, hd)
+        if self.attention_fn is not None:
+            y = self.attention_fn(q, k, v)  # (B, nh, T, hd), causal over the global positions
+        else:
+            y = ops.attention(q, k, v, causal=True, impl=self.impl)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.o_proj(y)
 
@@ -263,35 +268,41 @@ class GPT(nn.Module):
             raise RuntimeError("this stage has a tied head but no embedding to tie it to")
         return self.tok_emb.weight
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, d)."""
+    def embed(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, d); ``positions`` (T,): the tokens' positions (default 0..T-1)."""
         T = idx.shape[1]
-        if T > self.config.block_size:
+        if positions is None and T > self.config.block_size:
             raise ValueError(
                 f"sequence length {T} exceeds the model's block_size {self.config.block_size}; "
                 f"use a shorter seq_len or a config with block_size >= {T}"
             )
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+            x = x + self.pos_emb(torch.arange(T, device=idx.device) if positions is None else positions)
         return x
 
-    def rope(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def rope(self, positions: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin tables: rows 0.. (the attention takes the first T), or the rows of ``positions``."""
         if self.config.positions != "rope":
             return None
         if self.rope_cos.numel() == 0 or self.rope_cos.device != self._device():
             self.init_rope()
+        if positions is not None:
+            return self.rope_cos[positions], self.rope_sin[positions]
         return self.rope_cos, self.rope_sin
 
-    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        rope = self.rope()
+    def forward_blocks(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rope = self.rope(positions)
         for block in self.blocks.values():
             x = block(x, rope)
         return x
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embed(idx) if self.tok_emb is not None else idx  # (B, T, d)
-        x = self.forward_blocks(x)
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``positions`` (T,): the global positions of ``idx``'s tokens when they are a part of longer
+        sequences (context parallelism); default 0..T-1."""
+        x = self.embed(idx, positions) if self.tok_emb is not None else idx  # (B, T, d)
+        x = self.forward_blocks(x, positions)
         if self.norm is None:
             return x  # an inner pipeline stage hands hidden states on
         x = self.norm(x)
@@ -310,6 +321,11 @@ class GPT(nn.Module):
         from lightning_perf.models.gpt.parallelize import gpt_tensor_parallel_plan
 
         return gpt_tensor_parallel_plan(self, tp_mesh, sequence_parallel=sequence_parallel)
+
+    def enable_context_parallel(self, attention: Optional[Callable[..., torch.Tensor]]) -> None:
+        """Every block's attention core becomes ``attention(q, k, v)`` (None: the local causal one)."""
+        for block in self.blocks.values():
+            block.attn.attention_fn = attention
 
     def pipeline_stage(self, stage_idx: int, num_stages: int) -> "GPT":
         """Stage ``stage_idx`` of ``num_stages``: a GPT sharing this one's modules under their names."""
