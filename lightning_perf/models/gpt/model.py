@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_perf.kernels._utils import is_dtensor
+from lightning_perf.kernels.document_mask import document_positions
 from lightning_perf.models.gpt import ops
 from lightning_perf.models.gpt.config import GPTConfig
 
@@ -134,7 +135,8 @@ class Attention(nn.Module):
         q, k, v = y.split(widths, dim=-1)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
         # heads are read from the projection width so a tensor-parallel shard sees its local heads
         if self.fused_qkv and self._fused_qkv_ok():
@@ -147,7 +149,7 @@ class Attention(nn.Module):
         if self.rope:
             assert rope is not None
             q, k = ops.rope(q, *rope, impl=self.kernels), ops.rope(k, *rope, impl=self.kernels)
-        y = ops.attention(q, k, v, causal=True, impl=self.impl)  # (B, nh, T, hd)
+        y = ops.attention(q, k, v, causal=True, impl=self.impl, doc_ids=doc_ids)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.o_proj(y)
 
@@ -183,8 +185,11 @@ class Block(nn.Module):
         self.mlp_norm = Norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        # doc_ids only as a keyword, only when given: tensor-parallel plans describe (x, rope)
+        x = x + (self.attn(h, rope) if doc_ids is None else self.attn(h, rope, doc_ids=doc_ids))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -193,6 +198,9 @@ class GPT(nn.Module):
 
     ``forward(idx)`` returns logits (B, T, V_padded); ``forward(idx, targets)`` returns the
     mean cross-entropy without materialising logits outside the loss entry point.
+    ``forward(idx, targets, doc_ids=...)`` trains on packed documents: ``doc_ids`` (B, T) numbers the
+    documents of each row (``kernels.document_mask``), attention is document-causal and positions
+    (learned or rotary) restart at 0 where each document starts.
     A pipeline stage keeps a subset: ``tok_emb`` / ``pos_emb`` on the first stage,
     ``norm`` / ``lm_head`` on the last; a missing embedding means the input is already
     hidden states, a missing head means the output is hidden states.
@@ -263,8 +271,8 @@ class GPT(nn.Module):
             raise RuntimeError("this stage has a tied head but no embedding to tie it to")
         return self.tok_emb.weight
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, d)."""
+    def embed(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, d); ``positions`` (B, T) for learned positions that restart per document."""
         T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(
@@ -273,25 +281,39 @@ class GPT(nn.Module):
             )
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+            x = x + self.pos_emb(torch.arange(T, device=idx.device) if positions is None else positions)
         return x
 
-    def rope(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def rope(self, positions: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The (block_size, hd / 2) cos / sin tables, or with ``positions`` (B, T) the angles of each
+        token, (B, 1, T, hd / 2)."""
         if self.config.positions != "rope":
             return None
         if self.rope_cos.numel() == 0 or self.rope_cos.device != self._device():
             self.init_rope()
+        if positions is not None:
+            return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         return self.rope_cos, self.rope_sin
 
-    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        rope = self.rope()
+    def forward_blocks(self, x: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                       positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if doc_ids is not None and positions is None:
+            positions = document_positions(doc_ids)
+        rope = self.rope(positions)
         for block in self.blocks.values():
-            x = block(x, rope)
+            x = block(x, rope) if doc_ids is None else block(x, rope, doc_ids=doc_ids)
         return x
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embed(idx) if self.tok_emb is not None else idx  # (B, T, d)
-        x = self.forward_blocks(x)
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        positions = None
+        if doc_ids is not None:
+            if doc_ids.shape != idx.shape[:2]:
+                raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must have the (B, T) shape of the tokens "
+                                 f"{tuple(idx.shape[:2])}")
+            positions = document_positions(doc_ids)  # (B, T), 0 at each document's first token
+        x = self.embed(idx, positions) if self.tok_emb is not None else idx  # (B, T, d)
+        x = self.forward_blocks(x, doc_ids, positions)
         if self.norm is None:
             return x  # an inner pipeline stage hands hidden states on
         x = self.norm(x)
