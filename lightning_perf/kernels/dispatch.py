@@ -132,13 +132,14 @@ class AttentionSelector:
     def _time_all(self, names, q, k, v, causal: bool,
                   doc_ids: Optional[torch.Tensor] = None) -> tuple[dict[str, float], dict[str, str]]:
         timings, skipped = {}, {}
+        extra = () if doc_ids is None else (doc_ids,)  # subclasses written for causal attention take no doc_ids
         for name in names:
-            reason = self.backends.unsupported(name, q, k, v, doc_ids)
+            reason = self.backends.unsupported(name, q, k, v, *extra)
             if reason is not None:
                 skipped[name] = reason
                 continue
             try:
-                timings[name] = self._time(name, q, k, v, causal, doc_ids)
+                timings[name] = self._time(name, q, k, v, causal, *extra)
             except Exception as err:  # the library refused the shape / GPU
                 skipped[name] = f"{type(err).__name__}: {err}"
         return timings, skipped
