@@ -8,7 +8,12 @@ loader (``loader.py``) hold the logic. Three sources:
 - ``"synthetic"``: uniform random tokens of ``vocab_size``, or of the model's vocabulary
   (benchmarks).
 
-Batches are ``(inputs, targets)``, int64 tensors of shape ``(batch_size, seq_len)``.
+Batches are ``(inputs, targets)``, int64 tensors of shape ``(batch_size, seq_len)``. With
+``pack_documents=True`` they are ``(inputs, targets, doc_ids)``: ``doc_ids`` (batch_size, seq_len)
+int32 numbers the documents inside each window (from the tokenizer's ``<eos>`` / ``<bos>``; see
+``documents.py``), and the target of each document's last token is -100 (ignored by the loss)
+unless ``cross_document_targets=True``. ``GPTLightningModule`` passes ``doc_ids`` to the model, whose
+attention is then document-causal and whose positions restart at each document.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing_extensions import override
 
 from lightning_perf.data.builtin import DEFAULT_MAX_BYTES, build_stdlib_corpus
 from lightning_perf.data.datasets import SyntheticTokenDataset, TokenWindowDataset
+from lightning_perf.data.documents import DocumentBoundaries
 from lightning_perf.data.loader import ResumableDataLoader, ResumableSampler
 from lightning_perf.data.memmap import MemmapTokenDataset, read_meta, read_token_file, scan_max_token_id
-from lightning_perf.data.tokenizer import ByteTokenizer
+from lightning_perf.data.tokenizer import TOKENIZERS, ByteTokenizer
 
 __all__ = ["SOURCES", "TokenDataModule"]
 
@@ -66,12 +72,17 @@ class TokenDataModule(L.LightningDataModule):
         synthetic_train_samples, synthetic_val_samples: sizes of the synthetic splits.
         builtin_max_bytes: cap on the stdlib source bytes read for ``"builtin"``.
         shuffle: shuffle the training windows each epoch.
+        pack_documents: samples are ``(inputs, targets, doc_ids)``: the documents inside each window,
+            for document-causal attention (``"builtin"`` and ``"memmap"``; synthetic tokens have none).
+        cross_document_targets: with ``pack_documents``, keep the target of each document's last
+            token (the next document's first token); by default it is ignored by the loss.
 
     Example::
 
         data = TokenDataModule(source="synthetic", vocab_size=320, seq_len=64, batch_size=8)
         data = TokenDataModule(source="synthetic", seq_len=64)  # the model's vocabulary, at setup
         data = TokenDataModule(source="builtin", seq_len=128, batch_size=8)
+        data = TokenDataModule(source="builtin", seq_len=2048, pack_documents=True)
     """
 
     def __init__(
@@ -88,6 +99,8 @@ class TokenDataModule(L.LightningDataModule):
         synthetic_val_samples: int = 64,
         builtin_max_bytes: int = DEFAULT_MAX_BYTES,
         shuffle: bool = True,
+        pack_documents: bool = False,
+        cross_document_targets: bool = False,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -110,6 +123,11 @@ class TokenDataModule(L.LightningDataModule):
                 f"vocab_size={vocab_size} is smaller than the byte tokenizer's {ByteTokenizer.vocab_size}"
                 " (256 bytes + 4 special tokens) used by the built-in corpus"
             )
+        if pack_documents and source == "synthetic":
+            raise ValueError(
+                "pack_documents=True needs documents: source='synthetic' is uniform random tokens with no"
+                " <eos>; use source='builtin' or 'memmap'"
+            )
         if source == "memmap" and data_dir is None:
             raise ValueError("source='memmap' needs data_dir: a directory with train.bin/val.bin from `prepare`")
         self.save_hyperparameters()
@@ -127,6 +145,8 @@ class TokenDataModule(L.LightningDataModule):
         self.synthetic_val_samples = synthetic_val_samples
         self.builtin_max_bytes = builtin_max_bytes
         self.shuffle = shuffle
+        self.pack_documents = pack_documents
+        self.cross_document_targets = cross_document_targets
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
 
@@ -189,18 +209,44 @@ class TokenDataModule(L.LightningDataModule):
             self.val_dataset = SyntheticTokenDataset(vocab, self.seq_len, self.synthetic_val_samples, seed=self.seed, stream=1)
         elif self.source == "builtin":
             corpus = build_stdlib_corpus(self.builtin_max_bytes)
-            self.train_dataset = TokenWindowDataset(corpus.train_tokens, self.seq_len, name="builtin corpus (train)")
-            self.val_dataset = TokenWindowDataset(corpus.val_tokens, self.seq_len, name="builtin corpus (val)")
+            docs = self.document_boundaries()
+            self.train_dataset = TokenWindowDataset(
+                corpus.train_tokens, self.seq_len, name="builtin corpus (train)", documents=docs
+            )
+            self.val_dataset = TokenWindowDataset(
+                corpus.val_tokens, self.seq_len, name="builtin corpus (val)", documents=docs
+            )
         else:
             assert self.data_dir is not None
-            self.train_dataset = MemmapTokenDataset(self.data_dir / "train", self.seq_len)
-            self.val_dataset = MemmapTokenDataset(self.data_dir / "val", self.seq_len)
+            docs = self.document_boundaries()
+            self.train_dataset = MemmapTokenDataset(self.data_dir / "train", self.seq_len, documents=docs)
+            self.val_dataset = MemmapTokenDataset(self.data_dir / "val", self.seq_len, documents=docs)
         for split, ds in (("train", self.train_dataset), ("val", self.val_dataset)):
             if len(ds) == 0:  # type: ignore[arg-type]
                 raise ValueError(
                     f"the {split} split of the {self.source} data ({ds!r}) has fewer than seq_len + 1 ="
                     f" {self.seq_len + 1} tokens: lower seq_len or provide more data"
                 )
+
+    def document_boundaries(self) -> DocumentBoundaries | None:
+        """How samples find their documents (the tokenizer's ``<eos>`` / ``<bos>`` ids), or None
+        without ``pack_documents``. For ``"memmap"`` the tokenizer is the one the metadata names."""
+        if not self.pack_documents:
+            return None
+        tokenizer = ByteTokenizer
+        if self.source == "memmap":
+            assert self.data_dir is not None
+            names = {read_meta(self.data_dir / split).tokenizer for split in ("train", "val")}
+            unknown = sorted(names - set(TOKENIZERS))
+            if unknown or len(names) != 1:
+                raise ValueError(
+                    f"pack_documents=True needs the <eos> id of the token files' tokenizer; {self.data_dir} names"
+                    f" {sorted(names)}, known: {sorted(TOKENIZERS)} (one tokenizer for both splits)"
+                )
+            tokenizer = TOKENIZERS[names.pop()]
+        return DocumentBoundaries(
+            eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id, cross_document_targets=self.cross_document_targets
+        )
 
     def _check_token_ids(self, model_vocab: int | None) -> None:
         """Largest id of each token file below its metadata's vocabulary and the model's,

@@ -7,6 +7,8 @@ shape ``(seq_len,)`` cut from one window of ``seq_len + 1`` tokens::
 
 Windows do not overlap (stride ``seq_len``; only the boundary token is shared), so
 sample ``i`` is a pure function of ``i``: shuffling and resuming only need indices.
+With packed documents (``documents=DocumentBoundaries(...)``) a sample is
+``(inputs, targets, doc_ids)`` from the same window (see ``documents.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from lightning_perf.data.documents import DocumentBoundaries
 
 __all__ = ["SyntheticTokenDataset", "TokenWindowDataset"]
 
@@ -36,9 +40,19 @@ class TokenWindowDataset(Dataset):
         vocab_size: if given, every sample is checked to hold ids below it (one ``max``
             per sample), so a corrupted file fails with its name and the sample index
             instead of an out-of-range embedding lookup on the device.
+        documents: packed documents: samples are ``(inputs, targets, doc_ids)``, the targets
+            that cross a document boundary ignored unless it says otherwise.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, *, name: str = "tokens", vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        *,
+        name: str = "tokens",
+        vocab_size: int | None = None,
+        documents: DocumentBoundaries | None = None,
+    ) -> None:
         _check_positive("seq_len", seq_len)
         if tokens.ndim != 1:
             raise ValueError(f"{name}: expected a 1-D token array, got shape {tuple(tokens.shape)}")
@@ -46,6 +60,7 @@ class TokenWindowDataset(Dataset):
         self.seq_len = seq_len
         self.name = name
         self.vocab_size = vocab_size
+        self.documents = documents
         self.num_samples = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
@@ -64,12 +79,17 @@ class TokenWindowDataset(Dataset):
             )
         return window
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = torch.from_numpy(self.window(int(index)).astype(np.int64))
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        window = self.window(int(index))
+        if self.documents is not None:
+            return self.documents.sample(window)
+        w = torch.from_numpy(window.astype(np.int64))
         return w[:-1], w[1:]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name}, tokens={len(self.tokens)}, seq_len={self.seq_len}, samples={len(self)})"
+        packed = ", packed documents" if self.documents is not None else ""
+        return (f"{type(self).__name__}({self.name}, tokens={len(self.tokens)}, seq_len={self.seq_len},"
+                f" samples={len(self)}{packed})")
 
 
 class SyntheticTokenDataset(Dataset):

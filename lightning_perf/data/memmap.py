@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from lightning_perf.data.datasets import TokenWindowDataset
+from lightning_perf.data.documents import DocumentBoundaries
 
 __all__ = [
     "MAGIC",
@@ -164,11 +165,12 @@ def write_token_file(
 
 
 class MemmapTokenDataset(TokenWindowDataset):
-    """:class:`TokenWindowDataset` over a validated, memory-mapped token file."""
+    """:class:`TokenWindowDataset` over a validated, memory-mapped token file (``documents``: packed
+    documents, see :class:`TokenWindowDataset`)."""
 
-    def __init__(self, path: str | os.PathLike, seq_len: int) -> None:
+    def __init__(self, path: str | os.PathLike, seq_len: int, *, documents: DocumentBoundaries | None = None) -> None:
         tokens, meta = read_token_file(path)
-        super().__init__(tokens, seq_len, name=str(_paths(path)[0]), vocab_size=meta.vocab_size)
+        super().__init__(tokens, seq_len, name=str(_paths(path)[0]), vocab_size=meta.vocab_size, documents=documents)
         self.path = Path(path)
         self.meta = meta
 

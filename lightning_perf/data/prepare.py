@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from lightning_perf.data.memmap import TokenFileMeta, dtype_for_vocab
-from lightning_perf.data.tokenizer import ByteTokenizer
+from lightning_perf.data.tokenizer import TOKENIZERS
 
 __all__ = ["collect_documents", "main", "prepare"]
 
-_TOKENIZERS = {"byte": ByteTokenizer}
+_TOKENIZERS = TOKENIZERS
 
 
 def _is_binary(path: Path) -> bool:

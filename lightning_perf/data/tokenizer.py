@@ -11,7 +11,7 @@ from typing import overload
 
 import numpy as np
 
-__all__ = ["ByteTokenizer"]
+__all__ = ["TOKENIZERS", "ByteTokenizer"]
 
 
 class ByteTokenizer:
@@ -71,3 +71,7 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+#: tokenizers by the name a token file's metadata records (``TokenFileMeta.tokenizer``)
+TOKENIZERS: dict[str, type[ByteTokenizer]] = {ByteTokenizer.name: ByteTokenizer}

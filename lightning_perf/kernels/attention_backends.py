@@ -19,6 +19,13 @@ over j <= i when causal, over every j otherwise. The backends differ in who comp
   trace: inside ``torch.compile`` a call is a graph break (see :attr:`AttentionBackends.TRACEABLE`).
 - ``"triton"``: lightning_perf's own kernel (``kernels.ops.flash_attention``).
 
+Packed documents (``doc_ids`` (B, T), see ``kernels.document_mask``): token i attends to j iff both
+lie in the same document and j <= i. :attr:`AttentionBackends.DOCUMENT_MASKED` are the backends that
+take it: FlexAttention with a document ``mask_mod`` (one ``BlockMask`` per batch, shared by the
+layers), the Triton kernel with per-token ids, and SDPA's memory-efficient backend with an explicit
+(B, 1, T, T) boolean mask (:func:`sdpa_documents`, also the reference and CPU path). cuDNN, flash,
+FA3 and FA4 here take only causal / full attention.
+
 The GPT's q / k / v come from (B, T, nh, hd) projections transposed to (B, nh, T, hd), so the
 (B, T, nh, hd) view the flash-attention packages take is a transpose back, not a copy.
 
@@ -44,6 +51,7 @@ __all__ = [
     "BACKENDS",
     "missing_requirement",
     "sdpa",
+    "sdpa_documents",
     "expand_kv",
 ]
 
@@ -100,6 +108,25 @@ def sdpa(q, k, v, causal: bool, backend: Optional[str] = None) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
 
 
+def sdpa_documents(q, k, v, doc_ids: torch.Tensor, backend: Optional[str] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Document-causal ``F.scaled_dot_product_attention`` with an explicit boolean mask (built from
+    ``doc_ids`` unless ``mask``, (B, 1, T, T), is given), optionally pinned to one SDPA backend."""
+    from lightning_perf.kernels.document_mask import check_doc_ids, document_mask
+
+    check_doc_ids(doc_ids, q)
+    mask = document_mask(doc_ids) if mask is None else mask
+    if backend is not None and backend not in _SDPA_NATIVE_GQA:
+        k, v = expand_kv(q, k, v)
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([_sdpa_backend(backend)]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+
+
 @torch.compiler.disable  # importing inside a traced model: a graph break, not a trace of importlib
 def _import_first(names: tuple[str, ...]) -> Any:
     """The first of ``names`` that imports, else raise the last error (any error: a wheel built for
@@ -154,11 +181,15 @@ class AttentionBackends:
 
     #: backends Dynamo traces into a graph (custom ops, higher-order ops or SDPA itself)
     TRACEABLE = ("cudnn", "flash", "efficient", "flex", "fa3", "triton")
+    #: backends that take packed-document masks (``doc_ids``)
+    DOCUMENT_MASKED = ("efficient", "flex", "triton")
 
     compile_flex: bool = True
     _flex_fn: Optional[Callable] = field(default=None, init=False, repr=False)
     _block_masks: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False)
     _modules: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    # one batch's document masks, kept while the layers of one forward (and its recomputation) reuse them
+    _doc_masks: dict[str, tuple] = field(default_factory=dict, init=False, repr=False)
 
     # ---- what can run ------------------------------------------------------------------------
 
@@ -168,7 +199,10 @@ class AttentionBackends:
             self._modules[name] = _import_first(_FA_MODULES[name])
         return self._modules[name]
 
-    def unsupported(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    def unsupported(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    doc_ids: Optional[torch.Tensor] = None) -> Optional[str]:
+        if doc_ids is not None and name not in self.DOCUMENT_MASKED:
+            return f"{name} does not take document masks (doc_ids); those that do: {self.DOCUMENT_MASKED}"
         if name in SDPA_BACKENDS:
             return None
         if name == "triton":
@@ -194,8 +228,12 @@ class AttentionBackends:
 
     # ---- running ------------------------------------------------------------------------------
 
-    def __call__(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd) [causal]) v by backend ``name``; q (B, nh, T, hd) -> (B, nh, T, hd)."""
+    def __call__(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd) [causal]) v by backend ``name``; q (B, nh, T, hd) -> (B, nh, T, hd).
+        With ``doc_ids`` (B, T): document-causal (``causal`` is implied), by one of :attr:`DOCUMENT_MASKED`."""
+        if doc_ids is not None:
+            return self.documents(name, q, k, v, doc_ids)
         if name in SDPA_BACKENDS:
             return sdpa(q, k, v, causal, name)
         if name == "flex":
@@ -210,6 +248,37 @@ class AttentionBackends:
             return flash_attention(q, k, v, causal=causal)
         raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
 
+    def documents(self, name: str, q, k, v, doc_ids: torch.Tensor) -> torch.Tensor:
+        """Document-causal attention by ``name`` (one of :attr:`DOCUMENT_MASKED`, or ``"sdpa"`` for SDPA's
+        own choice with the explicit mask)."""
+        if name == "sdpa":
+            return sdpa_documents(q, k, v, doc_ids, mask=self._doc_mask("sdpa", doc_ids))
+        if name == "efficient":
+            return sdpa_documents(q, k, v, doc_ids, "efficient", mask=self._doc_mask("sdpa", doc_ids))
+        if name == "flex":
+            return self.flex(q, k, v, True, block_mask=self._doc_mask("flex", doc_ids))
+        if name == "triton":
+            from lightning_perf.kernels.ops.flash_attention import flash_attention
+
+            return flash_attention(q, k, v, causal=True, doc_ids=doc_ids)
+        raise ValueError(f"attention backend {name!r} does not take document masks; use one of "
+                         f"{self.DOCUMENT_MASKED} or 'sdpa'")
+
+    def _doc_mask(self, kind: str, doc_ids: torch.Tensor) -> Any:
+        """The SDPA boolean mask or the Flex ``BlockMask`` of ``doc_ids``, built once per batch: kept
+        while the same, unmodified ``doc_ids`` tensor comes back (every layer of a forward)."""
+        from lightning_perf.kernels.document_mask import document_block_mask, document_mask
+
+        build = document_mask if kind == "sdpa" else document_block_mask
+        if torch.compiler.is_compiling():
+            return build(doc_ids)
+        held = self._doc_masks.get(kind)
+        if held is not None and held[0] is doc_ids and held[1] == doc_ids._version:
+            return held[2]
+        mask = build(doc_ids)
+        self._doc_masks[kind] = (doc_ids, doc_ids._version, mask)
+        return mask
+
     def block_mask(self, T: int, device: torch.device) -> Any:
         """The causal ``BlockMask`` for T queries and T keys on ``device``, built once and kept
         (B and H broadcast: one mask serves every batch and head)."""
@@ -220,10 +289,12 @@ class AttentionBackends:
             self._block_masks[key] = create_block_mask(_causal, None, None, T, T, device=device)
         return self._block_masks[key]
 
-    def flex(self, q, k, v, causal: bool) -> torch.Tensor:
+    def flex(self, q, k, v, causal: bool, block_mask: Any = None) -> torch.Tensor:
         from torch.nn.attention.flex_attention import flex_attention
 
-        mask = self.block_mask(q.shape[-2], q.device) if causal else None
+        mask = block_mask
+        if mask is None and causal:
+            mask = self.block_mask(q.shape[-2], q.device)
         gqa = k.shape[1] != q.shape[1]
         if torch.compiler.is_compiling() or not self.compile_flex:
             # inside a traced model the enclosing compile lowers it

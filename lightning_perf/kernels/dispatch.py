@@ -8,6 +8,13 @@ dtype / shape a kernel does not take. Attention by name (``impl="flex"``, ``"fa3
 backend (cuDNN, flash, efficient), FlexAttention and the installed flash-attention
 packages once per (shape, dtype, device, causal), forward + backward, keeps the
 fastest and logs the choice.
+
+Packed documents (``doc_ids``): only the backends that take a document mask run
+(``AttentionBackends.DOCUMENT_MASKED``: FlexAttention, the Triton kernel, SDPA's memory-efficient
+backend); ``"auto"`` times only those, and a named backend that cannot take the mask (FA3, FA4, or
+any on a CPU tensor but the Triton kernel) is replaced by FlexAttention on CUDA, else SDPA with an
+explicit mask, with one log line per (backend, device). The reference path never drops the mask:
+with ``doc_ids`` the dispatcher always returns a result.
 """
 
 from __future__ import annotations
@@ -81,63 +88,71 @@ class AttentionSelector:
             raise ValueError(f"warmup ({self.warmup}) must be >= 0 and repeat ({self.repeat}) >= 1")
 
     @staticmethod
-    def key(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
-        return (tuple(q.shape), k.shape[1], q.dtype, str(q.device), causal)
+    def key(q: torch.Tensor, k: torch.Tensor, causal: bool, documents: bool = False) -> tuple:
+        return (tuple(q.shape), k.shape[1], q.dtype, str(q.device), "documents" if documents else causal)
 
-    def run(self, choice: str, q, k, v, causal: bool) -> torch.Tensor:
+    def run(self, choice: str, q, k, v, causal: bool, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if doc_ids is not None:
+            return self.backends.documents(choice, q, k, v, doc_ids)
         return self.backends(choice, q, k, v, causal)
 
     def can_time(self, q: torch.Tensor) -> bool:
         """Timing needs CUDA events; elsewhere SDPA's default runs untimed."""
         return q.is_cuda
 
-    def choose(self, q, k, v, causal: bool) -> Optional[str]:
-        """The backend to run, ``"sdpa"`` for SDPA's own dispatch, or None where nothing was timed."""
-        key = self.key(q, k, causal)
+    def choose(self, q, k, v, causal: bool, doc_ids: Optional[torch.Tensor] = None) -> Optional[str]:
+        """The backend to run, ``"sdpa"`` for SDPA's own dispatch, or None where nothing was timed.
+        With ``doc_ids`` only backends that take document masks are candidates (timed on this batch's
+        layout once per shape)."""
+        key = self.key(q, k, causal, doc_ids is not None)
         if torch.compiler.is_compiling():
             return self.traced_choices.get(key)
         if key in self.choices:
             return self.choices[key]
         if not self.can_time(q):
             return None
-        timings, skipped = self._time_all(self.candidates, q, k, v, causal)
+        timings, skipped = self._time_all(self.candidates, q, k, v, causal, doc_ids)
         if not timings:
-            timings, more = self._time_all(tuple(n for n in self.fallback if n not in self.candidates), q, k, v, causal)
+            timings, more = self._time_all(tuple(n for n in self.fallback if n not in self.candidates), q, k, v, causal,
+                                           doc_ids)
             skipped.update(more)
         best = min(timings, key=timings.get) if timings else "sdpa"
         traced = [n for n in timings if n in AttentionBackends.TRACEABLE]
         self.choices[key] = best
         self.traced_choices[key] = min(traced, key=timings.get) if traced else "sdpa"
         self.timings[key], self.skipped[key] = timings, skipped
-        log.info("attention='auto' for q%s kv_heads=%d %s causal=%s: %s (fwd+bwd ms: %s)%s", tuple(q.shape),
-                 k.shape[1], q.dtype, causal, best, ", ".join(f"{n}={t:.3f}" for n, t in timings.items()) or "none ran",
+        log.info("attention='auto' for q%s kv_heads=%d %s %s: %s (fwd+bwd ms: %s)%s", tuple(q.shape),
+                 k.shape[1], q.dtype, "document-causal" if doc_ids is not None else f"causal={causal}", best,
+                 ", ".join(f"{n}={t:.3f}" for n, t in timings.items()) or "none ran",
                  "" if self.traced_choices[key] == best else f"; under torch.compile: {self.traced_choices[key]}")
         for name, reason in skipped.items():
             log.debug("attention candidate %s unavailable for %s: %s", name, key, reason)
         return best
 
-    def _time_all(self, names, q, k, v, causal: bool) -> tuple[dict[str, float], dict[str, str]]:
+    def _time_all(self, names, q, k, v, causal: bool,
+                  doc_ids: Optional[torch.Tensor] = None) -> tuple[dict[str, float], dict[str, str]]:
         timings, skipped = {}, {}
+        extra = () if doc_ids is None else (doc_ids,)  # subclasses written for causal attention take no doc_ids
         for name in names:
-            reason = self.backends.unsupported(name, q, k, v)
+            reason = self.backends.unsupported(name, q, k, v, *extra)
             if reason is not None:
                 skipped[name] = reason
                 continue
             try:
-                timings[name] = self._time(name, q, k, v, causal)
+                timings[name] = self._time(name, q, k, v, causal, *extra)
             except Exception as err:  # the library refused the shape / GPU
                 skipped[name] = f"{type(err).__name__}: {err}"
         return timings, skipped
 
-    def _time(self, name: str, q, k, v, causal: bool) -> float:
+    def _time(self, name: str, q, k, v, causal: bool, doc_ids: Optional[torch.Tensor] = None) -> float:
         """Milliseconds of one forward + backward of backend ``name`` on tensors shaped like q, k, v."""
         qs, ks, vs = (torch.randn_like(t).requires_grad_(True) for t in (q, k, v))
         with torch.enable_grad():
-            out = self.run(name, qs, ks, vs, causal)
+            out = self.run(name, qs, ks, vs, causal, doc_ids)
             grad = torch.randn_like(out)
 
             def step():
-                o = self.run(name, qs, ks, vs, causal)
+                o = self.run(name, qs, ks, vs, causal, doc_ids)
                 torch.autograd.grad(o, (qs, ks, vs), grad)
 
             for _ in range(self.warmup):
@@ -162,6 +177,7 @@ class KernelDispatcher:
     #: which it cannot fuse across, and each costs a dispatch on the host. "triton" keeps ours inside
     #: compiled graphs too.
     elementwise_under_compile: str = "inductor"
+    _rerouted: set = field(default_factory=set, init=False, repr=False)  # (impl, device) already logged
 
     def __post_init__(self) -> None:
         if self.elementwise_under_compile not in ("inductor", "triton"):
@@ -171,9 +187,13 @@ class KernelDispatcher:
     def _leave_to_inductor(self) -> bool:
         return self.elementwise_under_compile == "inductor" and torch.compiler.is_compiling()
 
-    def attention(self, q, k, v, *, causal: bool = True, impl: str = "triton") -> Optional[torch.Tensor]:
+    def attention(self, q, k, v, *, causal: bool = True, impl: str = "triton",
+                  doc_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """``impl`` one of ``ATTENTION_IMPLS``: a backend by name where it can take the tensors, the
-        selector's choice for "auto"; None for SDPA's own dispatch (the reference path)."""
+        selector's choice for "auto"; None for SDPA's own dispatch (the reference path).
+        With ``doc_ids`` (B, T): document-causal attention, never None (see the module docstring)."""
+        if doc_ids is not None:
+            return self._documents(q, k, v, impl, doc_ids)
         if _is_dtensor(q, k, v) or impl == "sdpa":
             return None
         selector = self.attention_selector
@@ -189,6 +209,27 @@ class KernelDispatcher:
         if selector.backends.unsupported(impl, q, k, v) is not None:
             return None
         return selector.run(impl, q, k, v, causal)
+
+    def _documents(self, q, k, v, impl: str, doc_ids: torch.Tensor) -> torch.Tensor:
+        selector = self.attention_selector
+        backends = selector.backends
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
+        if _is_dtensor(q, k, v) or impl == "sdpa":
+            return backends.documents("sdpa", q, k, v, doc_ids)
+        if impl == "auto":
+            choice = selector.choose(q, k, v, True, doc_ids)
+            return backends.documents(choice or "sdpa", q, k, v, doc_ids)
+        runs_here = q.device.type != "cpu" or impl == "triton"  # FlexAttention has no CPU backward
+        if runs_here and backends.unsupported(impl, q, k, v, doc_ids) is None:
+            return backends.documents(impl, q, k, v, doc_ids)
+        instead = "flex" if q.is_cuda and backends.unsupported("flex", q, k, v, doc_ids) is None else "sdpa"
+        if (impl, q.device.type) not in self._rerouted:
+            self._rerouted.add((impl, q.device.type))
+            reason = backends.unsupported(impl, q, k, v, doc_ids) or f"{impl} is not used on {q.device.type}"
+            log.info("attention=%r cannot run packed documents here (%s): %s runs them with a document mask",
+                     impl, reason, "FlexAttention" if instead == "flex" else "SDPA")
+        return backends.documents(instead, q, k, v, doc_ids)
 
     def norm(self, x, weight, bias, *, kind: str, eps: float) -> Optional[torch.Tensor]:
         if self._leave_to_inductor() or _is_dtensor(x, weight, bias):

@@ -172,6 +172,8 @@ class ContextParallelForward:
 
     def __call__(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
         T = idx.shape[1]
+        if kwargs.get("doc_ids") is not None:
+            raise ValueError("packed documents (doc_ids) are not supported under context parallelism")
         check_context_parallel_seq_len(T, self.cp)  # every cp rank raises alike, before a collective
         positions = load_balanced_positions(T, self.cp, self.rank, device=idx.device)
         local_idx = split_sequence(idx, self.cp, self.rank)

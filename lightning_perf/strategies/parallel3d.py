@@ -301,7 +301,13 @@ class Parallel3DStrategy(PerfParallelStrategy):
         assert runner is not None
         strategy = self
 
-        def pipeline_forward(inputs: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        def pipeline_forward(inputs: Tensor, targets: Optional[Tensor] = None,
+                             doc_ids: Optional[Tensor] = None) -> Tensor:
+            if doc_ids is not None:
+                raise ValueError(
+                    "packed documents (doc_ids) are not supported under pipeline parallelism: the schedule sends"
+                    " only the tokens between stages; use TokenDataModule(pack_documents=False) or no pipeline"
+                )
             if targets is None:
                 raise ValueError(
                     "under pipeline parallelism the model is called as model(inputs, targets) and returns the "

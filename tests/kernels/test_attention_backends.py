@@ -31,18 +31,6 @@ def _reference(q, k, v, causal):
     return (s.softmax(-1) @ v).to(q.dtype)
 
 
-@pytest.fixture
-def flex_backward_on_cpu(monkeypatch, device):
-    """torch refuses FlexAttention's backward on CPU at its entry check (torch 2.11 - 2.13); the dense
-    backward underneath, which the test needs, runs. On a GPU nothing is changed."""
-    if device == "cpu":
-        from torch.nn.attention import flex_attention as flex_module
-
-        if not hasattr(flex_module, "_validate_device"):
-            pytest.fail("torch.nn.attention.flex_attention._validate_device is gone: update this fixture")
-        monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
-
-
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_h{}_kv{}_T{}_d{}".format(*s))
 def test_flex_matches_sdpa(shape, causal, close, device, flex_backward_on_cpu):

@@ -839,12 +839,25 @@ def flash_attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """softmax(scale * q k^T [causal mask]) v for q (B, H, T, D), k / v (B, Hkv, T, D); scale 1/sqrt(D) by default."""
+                    softmax_scale: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(scale * q k^T [causal mask]) v for q (B, H, T, D), k / v (B, Hkv, T, D); scale 1/sqrt(D) by default.
+
+    ``doc_ids`` (B, T) integer: document-causal attention over packed documents (token i sees j iff
+    ``doc_ids[b, i] == doc_ids[b, j]`` and j <= i; see ``kernels.ops.flash_attention_documents``);
+    it implies ``causal``.
+    """
     _check(q, k, v)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not (scale > 0 and math.isfinite(scale)):  # the kernels scale row maxima: a positive scale keeps them maxima
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if doc_ids is not None:
+        from lightning_perf.kernels.document_mask import check_doc_ids
+        from lightning_perf.kernels.ops.flash_attention_documents import flash_attention_documents
+
+        if not causal:
+            raise ValueError("doc_ids gives document-causal attention; causal=False cannot be combined with it")
+        check_doc_ids(doc_ids, q)
+        return flash_attention_documents(q, k, v, doc_ids, scale)
     if torch.compiler.is_compiling():
         return _flash_op(q, k, v, causal, scale)[0]
     return FlashAttentionFunction.apply(q, k, v, causal, scale)

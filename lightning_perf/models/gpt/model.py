@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_perf.kernels._utils import is_dtensor
+from lightning_perf.kernels.document_mask import document_positions
 from lightning_perf.models.gpt import ops
 from lightning_perf.models.gpt.config import GPTConfig
 
@@ -136,7 +137,8 @@ class Attention(nn.Module):
         q, k, v = y.split(widths, dim=-1)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
         # heads are read from the projection width so a tensor-parallel shard sees its local heads
         if self.fused_qkv and self._fused_qkv_ok():
@@ -150,9 +152,11 @@ class Attention(nn.Module):
             assert rope is not None
             q, k = ops.rope(q, *rope, impl=self.kernels), ops.rope(k, *rope, impl=self.kernels)
         if self.attention_fn is not None:
+            if doc_ids is not None:
+                raise ValueError("packed documents (doc_ids) are not supported under context parallelism")
             y = self.attention_fn(q, k, v)  # (B, nh, T, hd), causal over the global positions
         else:
-            y = ops.attention(q, k, v, causal=True, impl=self.impl)  # (B, nh, T, hd)
+            y = ops.attention(q, k, v, causal=True, impl=self.impl, doc_ids=doc_ids)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.o_proj(y)
 
@@ -188,8 +192,11 @@ class Block(nn.Module):
         self.mlp_norm = Norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        # doc_ids only as a keyword, only when given: tensor-parallel plans describe (x, rope)
+        x = x + (self.attn(h, rope) if doc_ids is None else self.attn(h, rope, doc_ids=doc_ids))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -198,6 +205,9 @@ class GPT(nn.Module):
 
     ``forward(idx)`` returns logits (B, T, V_padded); ``forward(idx, targets)`` returns the
     mean cross-entropy without materialising logits outside the loss entry point.
+    ``forward(idx, targets, doc_ids=...)`` trains on packed documents: ``doc_ids`` (B, T) numbers the
+    documents of each row (``kernels.document_mask``), attention is document-causal and positions
+    (learned or rotary) restart at 0 where each document starts.
     A pipeline stage keeps a subset: ``tok_emb`` / ``pos_emb`` on the first stage,
     ``norm`` / ``lm_head`` on the last; a missing embedding means the input is already
     hidden states, a missing head means the output is hidden states.
@@ -269,7 +279,9 @@ class GPT(nn.Module):
         return self.tok_emb.weight
 
     def embed(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, d); ``positions`` (T,): the tokens' positions (default 0..T-1)."""
+        """(B, T) token ids -> (B, T, d); ``positions``: the tokens' positions, (T,) (context
+        parallelism: a part of longer sequences) or (B, T) (packed documents: restarting per document);
+        default 0..T-1."""
         T = idx.shape[1]
         if positions is None and T > self.config.block_size:
             raise ValueError(
@@ -282,27 +294,41 @@ class GPT(nn.Module):
         return x
 
     def rope(self, positions: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """cos, sin tables: rows 0.. (the attention takes the first T), or the rows of ``positions``."""
+        """cos, sin tables: rows 0.. (the attention takes the first T); with ``positions`` (T,) their
+        rows, with ``positions`` (B, T) the angles of each token, (B, 1, T, hd / 2)."""
         if self.config.positions != "rope":
             return None
         if self.rope_cos.numel() == 0 or self.rope_cos.device != self._device():
             self.init_rope()
         if positions is not None:
-            return self.rope_cos[positions], self.rope_sin[positions]
+            if positions.dim() == 1:
+                return self.rope_cos[positions], self.rope_sin[positions]
+            return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         return self.rope_cos, self.rope_sin
 
-    def forward_blocks(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward_blocks(self, x: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                       positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if doc_ids is not None and positions is None:
+            positions = document_positions(doc_ids)
         rope = self.rope(positions)
         for block in self.blocks.values():
-            x = block(x, rope)
+            x = block(x, rope) if doc_ids is None else block(x, rope, doc_ids=doc_ids)
         return x
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``positions`` (T,): the global positions of ``idx``'s tokens when they are a part of longer
-        sequences (context parallelism); default 0..T-1."""
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                doc_ids: Optional[torch.Tensor] = None, *, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``doc_ids`` (B, T): packed documents (positions restart at each one); ``positions`` (T,): the
+        global positions of ``idx``'s tokens when they are a part of longer sequences (context
+        parallelism); default 0..T-1. The two do not combine."""
+        if doc_ids is not None:
+            if positions is not None:
+                raise ValueError("packed documents (doc_ids) are not supported under context parallelism")
+            if doc_ids.shape != idx.shape[:2]:
+                raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must have the (B, T) shape of the tokens "
+                                 f"{tuple(idx.shape[:2])}")
+            positions = document_positions(doc_ids)  # (B, T), 0 at each document's first token
         x = self.embed(idx, positions) if self.tok_emb is not None else idx  # (B, T, d)
-        x = self.forward_blocks(x, positions)
+        x = self.forward_blocks(x, doc_ids, positions)
         if self.norm is None:
             return x  # an inner pipeline stage hands hidden states on
         x = self.norm(x)

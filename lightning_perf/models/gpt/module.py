@@ -141,8 +141,11 @@ class GPTLightningModule(L.LightningModule):
         return self.model
 
     @override
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self._gpt()(idx, targets)
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if doc_ids is None:  # the plain call: a pipeline schedule's forward takes (inputs, targets)
+            return self._gpt()(idx, targets)
+        return self._gpt()(idx, targets, doc_ids=doc_ids)
 
     def init_weights(self) -> None:
         """Initialise the GPT's parameters in place (after a strategy materialised them from meta)."""
@@ -172,23 +175,29 @@ class GPTLightningModule(L.LightningModule):
 
     # ---- steps ---------------------------------------------------------------------------
 
-    def _check_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError("GPTLightningModule expects batches of (inputs, targets) token tensors")
-        x, y = batch
+    def _check_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``(inputs, targets, doc_ids or None)`` of a batch ``(inputs, targets)``, ``(inputs, targets,
+        doc_ids)`` (packed documents) or a dict with those keys (``doc_ids`` optional)."""
+        if isinstance(batch, dict) and "inputs" in batch and "targets" in batch:
+            x, y, doc_ids = batch["inputs"], batch["targets"], batch.get("doc_ids")
+        elif isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+            x, y, doc_ids = batch[0], batch[1], batch[2] if len(batch) == 3 else None
+        else:
+            raise ValueError("GPTLightningModule expects batches of (inputs, targets) or (inputs, targets, doc_ids)"
+                             " token tensors, or a dict with keys 'inputs', 'targets' and optionally 'doc_ids'")
         T = x.shape[-1]
         if T > self.config.block_size:
             raise ValueError(
                 f"batch sequence length {T} exceeds the model's block_size {self.config.block_size}: "
                 f"lower the data module's seq_len or raise block_size"
             )
-        return x, y
+        return x, y, doc_ids
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = self._check_batch(batch)
+        x, y, doc_ids = self._check_batch(batch)
         self._batch_shape = (x.shape[0], x.shape[1])
-        loss = self(x, y)
+        loss = self(x, y, doc_ids)
         self._log_train_loss(loss)
         return loss
 
@@ -218,9 +227,9 @@ class GPTLightningModule(L.LightningModule):
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = self._check_batch(batch)
-        loss = self(x, y)
-        self.val_loss.update(loss, weight=y.numel())
+        x, y, doc_ids = self._check_batch(batch)
+        loss = self(x, y, doc_ids)
+        self.val_loss.update(loss, weight=(y != GPT.batch_padding_target).sum())
         return loss
 
     @override
@@ -232,15 +241,18 @@ class GPTLightningModule(L.LightningModule):
 
     @override
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = self._check_batch(batch)
-        loss = self(x, y)
+        x, y, doc_ids = self._check_batch(batch)
+        loss = self(x, y, doc_ids)
         self.log("test/loss", loss, sync_dist=True)
         return loss
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self(x).argmax(dim=-1)
+        if isinstance(batch, dict):
+            return self(batch["inputs"], None, batch.get("doc_ids")).argmax(dim=-1)
+        if isinstance(batch, (tuple, list)):
+            return self(batch[0], None, batch[2] if len(batch) == 3 else None).argmax(dim=-1)
+        return self(batch).argmax(dim=-1)
 
     # ---- optimisation --------------------------------------------------------------------
 

@@ -16,12 +16,19 @@ __all__ = ["attention", "norm", "rope", "mlp_activation", "lm_loss", "lm_logits"
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, impl: str = "sdpa"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, impl: str = "sdpa",
+    doc_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention. q: (B, nh, T, hd); k, v: (B, nkv, T, hd) with nh % nkv == 0.
 
     ``impl``: "sdpa", or a backend of ``lightning_perf.kernels.attention_backends`` ("flex", "fa3",
-    "fa4", "triton") or "auto" (the fastest, timed), each falling back to SDPA where it cannot run."""
+    "fa4", "triton") or "auto" (the fastest, timed), each falling back to SDPA where it cannot run.
+    ``doc_ids`` (B, T): packed documents, document-causal attention (token i sees j iff same document
+    and j <= i) by a backend that takes the mask (``kernels.dispatch``; SDPA with a boolean mask)."""
+    if doc_ids is not None:
+        from lightning_perf.kernels import dispatch
+
+        return dispatch.attention(q, k, v, causal=True, impl=impl, doc_ids=doc_ids)
     if impl != "sdpa":
         from lightning_perf.kernels import dispatch
 
@@ -56,15 +63,18 @@ def norm(
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "torch") -> torch.Tensor:
     """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) by the position angle. x: (B, nh, T, hd);
-    cos / sin: (>= T, hd / 2). Never in place: selective activation checkpointing may keep x."""
+    cos / sin: (>= T, hd / 2), or (B, 1, T, hd / 2) for per-token positions. Never in place: selective
+    activation checkpointing may keep x."""
     if impl == "triton":
         from lightning_perf.kernels import dispatch
 
         out = dispatch.rope(x, cos, sin)
         if out is not None:
             return out
-    T = x.shape[-2]
-    cos, sin = cos[:T].to(x.dtype), sin[:T].to(x.dtype)
+    if cos.dim() == 2:  # a table (>= T, hd / 2); else per-token angles already gathered (B, 1, T, hd / 2)
+        T = x.shape[-2]
+        cos, sin = cos[:T], sin[:T]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
