@@ -78,3 +78,13 @@ def test_module_takes_packed_dict_and_plain_batches():
     with pytest.raises(ValueError, match="doc_ids"):
         module.validation_step((x,), 0)
 
+
+
+def test_global_positions_equal_the_default_and_do_not_combine_with_doc_ids():
+    # context parallelism passes the tokens' global positions (T,); 0..T-1 is the default
+    model = _model("rope", "sdpa")
+    idx = torch.randint(0, 100, (1, T), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx, positions=torch.arange(T)), model(idx))
+        with pytest.raises(ValueError, match="not supported under context parallelism"):
+            model(idx, doc_ids=_doc_ids(), positions=torch.arange(T))
