@@ -402,7 +402,9 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
     if "config" not in hparams:
         raise SystemExit(f"{path} holds no GPT config under 'hyper_parameters': not a lightning_perf checkpoint")
     # the CLI adds private keys (e.g. its instantiator) that are no constructor arguments
-    module = GPTLightningModule(**{k: v for k, v in hparams.items() if not k.startswith("_")})
+    # the checkpoint's weights replace any Hugging Face initialisation: that folder is not read again
+    kwargs = {k: v for k, v in hparams.items() if not k.startswith("_") and k != "init_from_hf"}
+    module = GPTLightningModule(**kwargs)
     module.configure_model()
     state = ckpt["state_dict"]
     module.load_state_dict(state, strict=False)
