@@ -136,7 +136,7 @@ def test_errors_name_what_exists(tmp_path):
 
 def test_help_lists_every_subcommand_and_recipe(tmp_path):
     out = _run(["--help"], tmp_path).stdout
-    for word in ("fit", "validate", "test", "predict", "generate", "prepare", "consolidate", *recipe_names()):
+    for word in ("fit", "validate", "test", "predict", "generate", "prepare", "consolidate", "convert", *recipe_names()):
         assert word in out
 
 

@@ -156,6 +156,17 @@ class GPTLightningModule(L.LightningModule):
         arguments as for the constructor (``learning_rate=1e-5``, ``config_overrides={...}``, ...)."""
         return cls(init_from_hf=str(path), **module_kwargs)
 
+    @property
+    def tokenizer_hash(self) -> Optional[str]:
+        """Hash of the ``tokenizer.json`` beside the Hugging Face weights this module starts from (None when
+        there is none): ``TokenDataModule`` refuses token files another tokenizer made."""
+        folder = self.hparams.get("init_from_hf")
+        if folder is None or not (Path(folder) / "tokenizer.json").is_file():
+            return None
+        from lightning_perf.data.hf_tokenizer import tokenizer_hash
+
+        return tokenizer_hash(folder)
+
     def save_hf(self, path: Union[str, Path], *, dtype: Optional[torch.dtype] = None) -> Path:
         """The GPT as a Hugging Face checkpoint folder: see :meth:`GPT.save_hf`."""
         return self._gpt().save_hf(path, dtype=dtype)
