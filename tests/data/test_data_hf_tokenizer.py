@@ -80,7 +80,8 @@ def test_data_module_refuses_a_model_with_another_tokenizer(tmp_path):
 
     def setup(data_dir):
         data = TokenDataModule(source="memmap", data_dir=str(data_dir), seq_len=16, batch_size=2)
-        data.trainer = SimpleNamespace(lightning_module=module, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+        cpu = SimpleNamespace(root_device=torch.device("cpu"))
+        data.trainer = SimpleNamespace(lightning_module=module, strategy=cpu)
         data.setup("fit")
         return data
 
@@ -103,5 +104,6 @@ def test_prepare_cli_rejects_a_missing_tokenizer(tmp_path, capsys):
     from lightning_perf.data.prepare import main
 
     with pytest.raises(SystemExit):
-        main(["--input", str(_texts(tmp_path / "t")), "--out_dir", str(tmp_path / "d"), "--tokenizer", str(tmp_path / "no")])
+        texts = str(_texts(tmp_path / "t"))
+        main(["--input", texts, "--out_dir", str(tmp_path / "d"), "--tokenizer", str(tmp_path / "no")])
     assert "no such folder" in capsys.readouterr().err

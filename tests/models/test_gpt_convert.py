@@ -14,7 +14,8 @@ VOCAB = 300
 
 def _hf_gpt2(path):
     torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64))
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)
+    hf = transformers.GPT2LMHeadModel(cfg)
     hf.save_pretrained(str(path), safe_serialization=True)
     return hf.eval()
 
@@ -69,7 +70,7 @@ def test_convert_to_hf_from_sharded_and_consolidated_checkpoints(tmp_path):
 
 
 def test_generate_from_a_hf_folder_uses_its_tokenizer(tmp_path, capsys):
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

@@ -49,7 +49,8 @@ class GPTConfig:
     rope_scaling: Optional[dict[str, Any]] = None
     tie_embeddings: bool = True
     bias: bool = True
-    qkv_bias: Optional[bool] = None  # bias on the q/k/v projections alone; None = ``bias`` (Qwen2: True with bias=False)
+    # bias on the q/k/v projections alone; None = ``bias`` (Qwen2: True with bias=False)
+    qkv_bias: Optional[bool] = None
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # "torch": PyTorch ops; "triton": lightning_perf.kernels' fused norms, MLP activations and the chunked

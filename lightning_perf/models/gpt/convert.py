@@ -1,13 +1,13 @@
 """``lightning-perf convert``: Hugging Face checkpoint folders <-> the pack's checkpoints.
 
-    lightning-perf convert --from_hf hf/Llama-3.2-1B --out llama-1b.ckpt    # weights for generate / validate
+    lightning-perf convert --from_hf hf/Llama-3.2-1B --out llama-1b.ckpt    # weights for generate
     lightning-perf convert --to_hf last.ckpt --out hf/my-model               # a Lightning .ckpt
     lightning-perf convert --to_hf ckpts/step=100 --out hf/my-model          # a sharded checkpoint directory
     lightning-perf convert --to_hf model.pt --config gpt2-124m --out hf/m    # a consolidated state dict
 
 Fine-tuning needs no conversion: ``--model.init_from_hf <folder>`` starts ``fit`` from the folder.
-The ``.ckpt`` written here holds weights and hyper-parameters (no optimizer state): ``generate``,
-``validate`` and ``test`` take it as ``--ckpt_path``.
+The ``.ckpt`` written here holds weights and hyper-parameters (no optimizer state): ``generate``
+takes it as ``--ckpt_path``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ the ``hf`` extra, imported when a checkpoint is read or written.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,10 +271,12 @@ def weight_table(config: GPTConfig, family: str, *, prefix: str = "") -> dict[st
             for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
                 table[f"{gpt}{ours}.weight"] = S(key=f"{hf}{theirs}.weight")
                 table[f"{gpt}{ours}.bias"] = S(key=f"{hf}{theirs}.bias")
-            for j, (proj, (a, b)) in enumerate(zip(("q_proj", "k_proj", "v_proj"), ((0, d), (d, d + kv), (d + kv, d + 2 * kv)))):
+            rows = ((0, d), (d, d + kv), (d + kv, d + 2 * kv))  # c_attn's output: [q; k; v]
+            for proj, (a, b) in zip(("q_proj", "k_proj", "v_proj"), rows):
                 table[f"{gpt}attn.{proj}.weight"] = S(key=f"{hf}attn.c_attn.weight", transpose=True, rows=(a, b))
                 table[f"{gpt}attn.{proj}.bias"] = S(key=f"{hf}attn.c_attn.bias", rows=(a, b))
-            for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
+            linears = (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj"))
+            for ours, theirs in linears:
                 table[f"{gpt}{ours}.weight"] = S(key=f"{hf}{theirs}.weight", transpose=True)
                 table[f"{gpt}{ours}.bias"] = S(key=f"{hf}{theirs}.bias")
         table["norm.weight"] = S(key=p + "ln_f.weight")
@@ -462,8 +463,4 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     return {k: (v.full_tensor() if is_dtensor(v) else v) for k, v in model.state_dict().items()}
 
-
-def unknown_overrides(overrides: dict[str, Any]) -> list[str]:
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    return sorted(set(overrides) - known)
 
