@@ -107,3 +107,14 @@ def test_prepare_cli_rejects_a_missing_tokenizer(tmp_path, capsys):
         texts = str(_texts(tmp_path / "t"))
         main(["--input", texts, "--out_dir", str(tmp_path / "d"), "--tokenizer", str(tmp_path / "no")])
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_data_module_refuses_a_model_vocabulary_smaller_than_the_tokenizers(tmp_path):
+    _train_tokenizer(tmp_path / "tok")
+    metas = prepare([_texts(tmp_path / "texts")], tmp_path / "bpe", val_fraction=0.2, tokenizer=str(tmp_path / "tok"))
+    small = metas["train"].max_token_id  # ids up to max_token_id occur: a model one smaller cannot embed them
+    data = TokenDataModule(source="memmap", data_dir=str(tmp_path / "bpe"), seq_len=16, batch_size=2)
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=small, block_size=64))
+    data.trainer = SimpleNamespace(lightning_module=model, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    with pytest.raises(ValueError, match=rf"token id {small} but the model's vocab_size is {small}"):
+        data.setup("fit")
