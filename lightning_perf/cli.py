@@ -6,6 +6,7 @@
     lightning-perf generate --ckpt_path last.ckpt --prompt "def main("
     lightning-perf prepare --input my_texts/ --out_dir data/mine
     lightning-perf consolidate --ckpt_dir ckpts/step=100 --out model.pt
+    lightning-perf convert --from_hf hf/Llama-3.2-1B --out llama.ckpt    # or --to_hf last.ckpt --out hf/mine
 
 What the CLI adds to Lightning's:
 
@@ -43,6 +44,7 @@ _OWN_SUBCOMMANDS = {
     "generate": "sample text from a checkpoint (--ckpt_path, --prompt)",
     "prepare": "tokenize text files into train.bin / val.bin for source: memmap (--input, --out_dir)",
     "consolidate": "turn a sharded checkpoint directory into one model.pt (--ckpt_dir, --out)",
+    "convert": "Hugging Face folder <-> checkpoint (--from_hf DIR or --to_hf CKPT, --out)",
 }
 
 
@@ -318,7 +320,7 @@ class PerfCLI(LightningCLI):
             print("lightning-perf: wrote\n  " + "\n  ".join(lines))
 
 
-_HELP = """usage: lightning-perf {{fit,validate,test,predict,generate,prepare,consolidate}} [options]
+_HELP = """usage: lightning-perf {{fit,validate,test,predict,generate,prepare,consolidate,convert}} [options]
 
 lightning_perf: train, evaluate and sample the pack's GPT.
 
@@ -356,10 +358,12 @@ def _run_lightning_cli(argv: list[str]) -> None:
 def _generate(argv: list[str]) -> None:
     import torch
 
-    from lightning_perf.data import ByteTokenizer
-
     p = argparse.ArgumentParser(prog="lightning-perf generate", description="Sample text from a checkpoint")
-    p.add_argument("--ckpt_path", required=True, help="a Lightning .ckpt file or a consolidated .pt file")
+    p.add_argument("--ckpt_path", required=True, help="a Lightning .ckpt file or a Hugging Face checkpoint folder")
+    p.add_argument(
+        "--tokenizer", default=None,
+        help="'byte' or a folder holding tokenizer.json (default: the Hugging Face folder's, else byte)",
+    )
     p.add_argument("--prompt", default="")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -367,14 +371,29 @@ def _generate(argv: list[str]) -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    module = load_module(args.ckpt_path, map_location=args.device)
-    tok = ByteTokenizer()
+    from lightning_perf.data import load_tokenizer
+
+    path = Path(args.ckpt_path)
+    hf_folder = path.is_dir() and (path / "config.json").is_file()
+    if hf_folder:
+        module = GPTLightningModule.from_hf(path).to(args.device).eval()
+    else:
+        module = load_module(args.ckpt_path, map_location=args.device)
+    spec = args.tokenizer
+    if spec is None:
+        spec = path if hf_folder and (path / "tokenizer.json").is_file() else "byte"
+    try:
+        tok = load_tokenizer(spec)
+    except (ImportError, ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"lightning-perf generate: {err}") from err
     if module.config.vocab_size < tok.vocab_size:
         raise SystemExit(
-            f"this model's vocabulary ({module.config.vocab_size}) is not the byte tokenizer's ({tok.vocab_size}): "
-            "generate supports byte-level models"
+            f"this model's vocabulary ({module.config.vocab_size}) is smaller than the tokenizer's "
+            f"({tok.vocab_size}, {tok.name}): pass the model's own with --tokenizer"
         )
     ids = tok.encode(args.prompt, bos=True)
+    if not ids:
+        raise SystemExit("lightning-perf generate: the tokenizer has no begin-of-text token: give a --prompt")
     idx = torch.tensor([list(ids)], dtype=torch.long, device=args.device)
     out = module.generate(
         idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, eos_id=tok.eos_id, seed=args.seed
@@ -402,7 +421,9 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
     if "config" not in hparams:
         raise SystemExit(f"{path} holds no GPT config under 'hyper_parameters': not a lightning_perf checkpoint")
     # the CLI adds private keys (e.g. its instantiator) that are no constructor arguments
-    module = GPTLightningModule(**{k: v for k, v in hparams.items() if not k.startswith("_")})
+    # the checkpoint's weights replace any Hugging Face initialisation: that folder is not read again
+    kwargs = {k: v for k, v in hparams.items() if not k.startswith("_") and k != "init_from_hf"}
+    module = GPTLightningModule(**kwargs)
     module.configure_model()
     state = ckpt["state_dict"]
     module.load_state_dict(state, strict=False)
@@ -422,6 +443,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         from lightning_perf.data.prepare import main as prepare_main
 
         return prepare_main(args[1:])
+    if args[0] == "convert":
+        from lightning_perf.models.gpt.convert import main as convert_main
+
+        return convert_main(args[1:])
     if args[0] == "consolidate":
         from lightning_perf.parallel.checkpoint import main as consolidate_main
 

@@ -77,9 +77,13 @@ def test_every_recipe_parses_and_builds_its_strategy(recipe, tmp_path):
     assert "model:" in proc.stdout
     recipe_args = yaml.safe_load(path.read_text())
     # the module builds from the recipe's arguments (preset + overrides validated; the GPT is built later)
-    from lightning_perf.models import GPTLightningModule
+    from lightning_perf.models import GPT, GPTConfig, GPTLightningModule
 
-    module = GPTLightningModule(**recipe_args.get("model", {}))
+    model_args = dict(recipe_args.get("model", {}))
+    if model_args.get("init_from_hf"):  # a stand-in Hugging Face folder of the same family
+        GPT(GPTConfig.from_name("tiny-llama", n_layer=1, n_embd=64)).save_hf(tmp_path / "hf")
+        model_args["init_from_hf"] = str(tmp_path / "hf")
+    module = GPTLightningModule(**model_args)
     for field, value in (recipe_args.get("model", {}).get("config_overrides") or {}).items():
         assert getattr(module.config, field) == value
     strategy = recipe_args.get("trainer", {}).get("strategy")
@@ -136,7 +140,7 @@ def test_errors_name_what_exists(tmp_path):
 
 def test_help_lists_every_subcommand_and_recipe(tmp_path):
     out = _run(["--help"], tmp_path).stdout
-    for word in ("fit", "validate", "test", "predict", "generate", "prepare", "consolidate", *recipe_names()):
+    for word in ("fit", "validate", "test", "predict", "generate", "prepare", "consolidate", "convert", *recipe_names()):
         assert word in out
 
 

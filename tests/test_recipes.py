@@ -33,7 +33,16 @@ STAND_IN_MODEL = {
 }
 
 
-def _stand_in(recipe: dict) -> dict:
+def _tiny_hf_folder(path: Path) -> Path:
+    """A Hugging Face checkpoint folder of the stand-in model, for recipes that start from one."""
+    from lightning_perf.models import GPT, GPTConfig
+
+    cfg = GPTConfig.from_name(STAND_IN_MODEL["config"], **STAND_IN_MODEL["config_overrides"])
+    GPT(cfg).save_hf(path)
+    return path
+
+
+def _stand_in(recipe: dict, side: Path) -> dict:
     """The overrides that make ``recipe`` fit a CPU, as a second ``--config`` layered on the recipe."""
     trainer = recipe.get("trainer") or {}
     data = recipe.get("data") or {}
@@ -47,7 +56,7 @@ def _stand_in(recipe: dict) -> dict:
             "log_every_n_steps": 1,
             "enable_progress_bar": False,
         },
-        "model": dict(STAND_IN_MODEL),
+        "model": _stand_in_model(recipe, side),
         "data": {
             "source": "synthetic",
             "data_dir": None,
@@ -76,6 +85,14 @@ def _stand_in(recipe: dict) -> dict:
     return stand_in
 
 
+def _stand_in_model(recipe: dict, side: Path) -> dict:
+    model = dict(STAND_IN_MODEL)
+    hf = (recipe.get("model") or {}).get("init_from_hf")
+    if hf is not None:  # the stand-in's weights in a Hugging Face folder; its config comes from there
+        model.update(config=None, config_overrides=None, init_from_hf=str(_tiny_hf_folder(side / "hf")))
+    return model
+
+
 def _tree(root: Path) -> set[Path]:
     return {p.relative_to(root) for p in root.rglob("*") if p.is_file()}
 
@@ -95,7 +112,7 @@ def test_recipe_runs_through_the_cli_on_cpu(name, tmp_path):
     cwd.mkdir()
     side.mkdir()
     stand_in = side / "cpu.yaml"
-    stand_in.write_text(yaml.safe_dump(_stand_in(recipe)))
+    stand_in.write_text(yaml.safe_dump(_stand_in(recipe, side)))
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_perf", "fit", "--config", name, "--config", str(stand_in)],
         cwd=cwd, capture_output=True, text=True, timeout=900,

@@ -19,7 +19,7 @@ attention is then document-causal and whose positions restart at each document.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -198,6 +198,7 @@ class TokenDataModule(L.LightningDataModule):
             self._model_vocab_for_synthetic = model_vocab
         vocab = self.vocab_size  # validates files / vocabulary before anything is built
         if self.source == "memmap":
+            self._check_tokenizer(getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None)
             self._check_token_ids(self._model_vocab_size())
         self._check_against_model(vocab)
         if self.train_dataset is not None:
@@ -289,6 +290,24 @@ class TokenDataModule(L.LightningDataModule):
         block_size = getattr(config, "block_size", None)
         if isinstance(block_size, int) and self.seq_len > block_size:
             raise ValueError(f"seq_len={self.seq_len} is longer than the model's block_size={block_size}")
+
+    def _check_tokenizer(self, module: Any) -> None:
+        """Memmap data made by another tokenizer than the one the model's checkpoint ships is refused:
+        the ids would mean other tokens. A model states its tokenizer as ``tokenizer_hash`` (e.g. the
+        hash of the ``tokenizer.json`` beside the Hugging Face weights it was imported from)."""
+        model_hash = getattr(module, "tokenizer_hash", None)
+        if self.source != "memmap" or not isinstance(model_hash, str):
+            return
+        assert self.data_dir is not None
+        for split in ("train", "val"):
+            meta = read_meta(self.data_dir / split)
+            if meta.tokenizer_hash != model_hash:
+                made_by = f"{meta.tokenizer} (hash {meta.tokenizer_hash})" if meta.tokenizer_hash else meta.tokenizer
+                raise ValueError(
+                    f"{self.data_dir / split}.bin was tokenized by {made_by}, but the model's checkpoint ships "
+                    f"another tokenizer (tokenizer.json hash {model_hash}); re-run `lightning-perf prepare "
+                    f"--tokenizer <the model's folder>` so the ids mean the tokens the model learnt"
+                )
 
     def _trainer_attached(self) -> bool:
         return self.trainer is not None

@@ -2,11 +2,14 @@
 sidecar describing it::
 
     {"magic": "lightning_perf.tokens", "version": 1, "dtype": "uint16",
-     "num_tokens": 1234567, "vocab_size": 260, "tokenizer": "byte", "max_token_id": 257}
+     "num_tokens": 1234567, "vocab_size": 260, "tokenizer": "byte", "max_token_id": 257,
+     "tokenizer_hash": null}
 
 ``max_token_id`` (the largest id in the file, ``null`` when it is empty) lets a reader
 check the ids against a vocabulary without reading the file. It is optional: a sidecar
 without it is still read, and :func:`scan_max_token_id` computes it from the file.
+``tokenizer_hash`` identifies a ``tokenizer.json`` tokenizer (``tokenizer`` then names its
+folder); ``null`` for the byte tokenizer.
 
 A dataset directory holds ``train.bin`` / ``train.json`` and ``val.bin`` /
 ``val.json`` (written by :func:`lightning_perf.data.prepare`). Files are opened with
@@ -60,6 +63,8 @@ class TokenFileMeta:
     magic: str = MAGIC
     version: int = VERSION
     max_token_id: int | None = None
+    # a tokenizer.json tokenizer: the first 16 hex digits of the file's SHA-256 (None: the byte tokenizer)
+    tokenizer_hash: str | None = None
 
     def __post_init__(self) -> None:
         if self.magic != MAGIC:
@@ -142,7 +147,13 @@ def scan_max_token_id(tokens: np.ndarray, chunk_tokens: int = SCAN_CHUNK_TOKENS)
 
 
 def write_token_file(
-    path: str | os.PathLike, tokens: np.ndarray, *, vocab_size: int, tokenizer: str = "byte", dtype: str | None = None
+    path: str | os.PathLike,
+    tokens: np.ndarray,
+    *,
+    vocab_size: int,
+    tokenizer: str = "byte",
+    dtype: str | None = None,
+    tokenizer_hash: str | None = None,
 ) -> TokenFileMeta:
     """Write ``tokens`` to ``path.bin`` + ``path.json`` (``dtype`` defaults to the
     smallest that holds ``vocab_size``; the sidecar records ``max_token_id``). Ids must
@@ -153,7 +164,8 @@ def write_token_file(
         raise ValueError(f"token ids span [{int(tokens.min())}, {int(tokens.max())}] but vocab_size is {vocab_size}")
     max_id = int(tokens.max()) if tokens.size else None
     meta = TokenFileMeta(
-        dtype=dtype, num_tokens=int(tokens.size), vocab_size=vocab_size, tokenizer=tokenizer, max_token_id=max_id
+        dtype=dtype, num_tokens=int(tokens.size), vocab_size=vocab_size, tokenizer=tokenizer, max_token_id=max_id,
+        tokenizer_hash=tokenizer_hash,
     )
     bin_path, meta_path = _paths(path)
     bin_path.parent.mkdir(parents=True, exist_ok=True)

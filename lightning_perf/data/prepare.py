@@ -3,7 +3,10 @@ that ``TokenDataModule(source="memmap", data_dir=...)`` reads.
 
     lightning-perf prepare --input my_texts/ notes.txt --out_dir data/mine
 
-Each input file is one document, written as ``<bos> bytes <eos>``. Directories are
+Each input file is one document, written as ``<bos> tokens <eos>``: UTF-8 bytes with the
+built-in byte tokenizer (the default), or the ids of a Hugging Face ``tokenizer.json``
+(``--tokenizer <folder>``, the ``tokenizers`` library, offline; its begin / end tokens
+where it has them). The sidecars record the tokenizer's name, hash and vocabulary size. Directories are
 walked recursively (hidden entries skipped; files with a NUL byte in their first
 8 KiB are taken for binary and skipped). Documents are processed in sorted path order
 and go to validation when a hash of their path is below ``val_fraction``, so the split
@@ -25,12 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lightning_perf.data.hf_tokenizer import load_tokenizer
 from lightning_perf.data.memmap import TokenFileMeta, dtype_for_vocab
-from lightning_perf.data.tokenizer import TOKENIZERS
 
 __all__ = ["collect_documents", "main", "prepare"]
-
-_TOKENIZERS = TOKENIZERS
 
 
 def _is_binary(path: Path) -> bool:
@@ -79,7 +80,7 @@ def prepare(
         out_dir: created if needed; existing token files there are replaced.
         val_fraction: share of the documents (or, with too few documents, of the
             tokens) held out for validation, in (0, 1).
-        tokenizer: ``"byte"`` (the only one built in).
+        tokenizer: ``"byte"``, or a folder holding ``tokenizer.json`` (or that file).
 
     Returns:
         ``{"train": TokenFileMeta, "val": TokenFileMeta}``, as written to the sidecars
@@ -87,13 +88,13 @@ def prepare(
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    if tokenizer not in _TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {tokenizer!r}; available: {', '.join(sorted(_TOKENIZERS))}")
-    tok = _TOKENIZERS[tokenizer]()
+    tok = load_tokenizer(tokenizer)
+    exact_sizes = tok.name == "byte"
     docs = collect_documents(inputs)
     if not docs:
         raise ValueError(f"no text files found in {[str(i) for i in inputs]}")
-    # Byte tokens: a document of n bytes is n + 2 tokens, known before reading it.
+    # Byte tokens: a document of n bytes is n + 2 tokens, known before reading it; other tokenizers'
+    # counts are estimated by the bytes (the split decisions need sizes, not exact counts)
     sizes = {d: d.stat().st_size + 2 for d, _ in docs}
     total = sum(sizes.values())
     val_docs = {d for d, key in docs if _in_val(key, val_fraction)}
@@ -123,14 +124,17 @@ def prepare(
             if by_document:
                 write("val" if doc in val_docs else "train", ids)
             else:
-                cut = min(max(val_start - pos, 0), ids.size)
+                cut = min(max(val_start - pos, 0), sizes[doc])
+                if not exact_sizes:  # the same share of this document's tokens
+                    cut = round(ids.size * cut / sizes[doc])
                 write("train", ids[:cut])
                 write("val", ids[cut:])
-            pos += ids.size
+            pos += sizes[doc]
     metas = {}
     for split, n in counts.items():
         meta = TokenFileMeta(
-            dtype=dtype, num_tokens=n, vocab_size=tok.vocab_size, tokenizer=tok.name, max_token_id=max_ids[split]
+            dtype=dtype, num_tokens=n, vocab_size=tok.vocab_size, tokenizer=tok.name, max_token_id=max_ids[split],
+            tokenizer_hash=getattr(tok, "hash", None),
         )
         os.replace(tmp[split], out / f"{split}.bin")
         (out / f"{split}.json").write_text(json.dumps(asdict(meta), indent=2) + "\n")
@@ -147,11 +151,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--input", nargs="+", action="extend", required=True, help="text files or directories")
     p.add_argument("--out_dir", required=True, help="directory for train.bin, val.bin and their .json metadata")
     p.add_argument("--val_fraction", type=float, default=0.01, help="share held out for validation (default 0.01)")
-    p.add_argument("--tokenizer", default="byte", choices=sorted(_TOKENIZERS))
+    p.add_argument(
+        "--tokenizer", default="byte",
+        help="'byte' (default) or a folder holding a Hugging Face tokenizer.json (needs lightning-perf[hf])",
+    )
     args = p.parse_args(argv)
     try:
         metas = prepare(args.input, args.out_dir, val_fraction=args.val_fraction, tokenizer=args.tokenizer)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, ImportError) as err:
         p.error(str(err))
     for split, meta in metas.items():
         print(f"{Path(args.out_dir) / split}.bin: {meta.num_tokens:,} tokens ({meta.dtype}, vocab {meta.vocab_size})")

@@ -52,6 +52,7 @@ __all__ = [
     "read_extra",
     "verify_files",
     "consolidate",
+    "consolidated_state_dict",
     "update_link",
     "remove",
     "prepare_tmp",
@@ -388,6 +389,17 @@ def consolidate(ckpt_dir: PathLike, out_file: PathLike, *, prefix: Optional[str]
     LightningModule holding the GPT as ``self.model``); ``torch.compile``'s ``_orig_mod.``
     is always removed.
     """
+    out = consolidated_state_dict(ckpt_dir, prefix=prefix)
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(out_file.name + ".tmp")
+    torch.save(out, tmp)
+    os.replace(tmp, out_file)
+    return out_file
+
+
+def consolidated_state_dict(ckpt_dir: PathLike, *, prefix: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The full model weights of a sharded checkpoint, in memory (see :func:`consolidate`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -412,12 +424,7 @@ def consolidate(ckpt_dir: PathLike, out_file: PathLike, *, prefix: Optional[str]
         if not name.startswith(strip):
             raise ValueError(f"key {name!r} does not start with prefix {strip!r}")
         out[name[len(strip):]] = template[key]
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(out_file.name + ".tmp")
-    torch.save(out, tmp)
-    os.replace(tmp, out_file)
-    return out_file
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -14,6 +14,7 @@ _NORMS = ("layernorm", "rmsnorm")
 _ACTIVATIONS = ("gelu", "swiglu")
 _POSITIONS = ("learned", "rope")
 _KERNELS = ("torch", "triton")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _ATTENTION = ("auto", "triton", "sdpa", "flex", "fa3", "fa4")  # kernels.dispatch.ATTENTION_IMPLS
 
 
@@ -43,8 +44,13 @@ class GPTConfig:
     activation: Literal["gelu", "swiglu"] = "gelu"
     positions: Literal["learned", "rope"] = "learned"
     rope_theta: float = 10000.0
+    # None: plain RoPE. {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}: Llama 3.1's long-context frequency scaling (see model.rope_cache)
+    rope_scaling: Optional[dict[str, Any]] = None
     tie_embeddings: bool = True
     bias: bool = True
+    # bias on the q/k/v projections alone; None = ``bias`` (Qwen2: True with bias=False)
+    qkv_bias: Optional[bool] = None
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # "torch": PyTorch ops; "triton": lightning_perf.kernels' fused norms, MLP activations and the chunked
@@ -67,6 +73,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
         if self.intermediate_size is None:
             if self.activation == "swiglu":
                 # Llama rule: 2/3 of 4d, rounded up to a multiple of 256
@@ -114,6 +122,16 @@ class GPTConfig:
             )
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dim, got n_embd/n_head = {self.head_dim}")
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind != "llama3":
+                raise ValueError(f"GPTConfig.rope_scaling: rope_type {kind!r} is not supported (only 'llama3')")
+            missing = sorted(set(_LLAMA3_ROPE_KEYS) - set(self.rope_scaling))
+            if missing:
+                raise ValueError(f"GPTConfig.rope_scaling (llama3) lacks {missing}")
+            if self.positions != "rope":
+                raise ValueError("GPTConfig.rope_scaling needs positions='rope'")
 
     @property
     def head_dim(self) -> int:
@@ -185,7 +203,8 @@ class GPTConfig:
         kv = self.n_kv_head * self.head_dim
         b = 1 if self.bias else 0
         norm = d * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ layernorm bias)
-        attn = d * d + 2 * d * kv + d * d + b * (d + 2 * kv + d)
+        qb = 1 if self.qkv_bias else 0
+        attn = d * d + 2 * d * kv + d * d + qb * (d + 2 * kv) + b * d
         f = self.intermediate_size
         if self.activation == "swiglu":
             mlp = 3 * d * f + b * (2 * f + d)

@@ -10,7 +10,8 @@ can keep a contiguous range of them under their original names.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -45,9 +46,27 @@ class Norm(nn.Module):
         return ops.norm(x, self.weight, self.bias, kind=self.kind, eps=self.eps, impl=self.impl)
 
 
-def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (seq_len, head_dim // 2), computed in fp32."""
+def llama3_scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 RoPE scaling: wavelengths above ``original / low_freq_factor`` are divided by ``factor``,
+    those below ``original / high_freq_factor`` kept, and the band between interpolated:
+    ``f' = (1 - s) * f / factor + s * f`` with ``s = (original / wavelength - low) / (high - low)``."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    in_band = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(in_band, mid, out)
+
+
+def rope_cache(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, scaling: Optional[dict[str, Any]] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_dim // 2), computed in fp32 (``scaling``: GPTConfig.rope_scaling)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_scaled_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -72,9 +91,9 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = config.n_embd, config.head_dim
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, hd
-        self.q_proj = nn.Linear(d, config.n_head * hd, bias=config.bias)
-        self.k_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.bias)
-        self.v_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.bias)
+        self.q_proj = nn.Linear(d, config.n_head * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, config.n_kv_head * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_head * hd, d, bias=config.bias)
         self.rope = config.positions == "rope"
         self.impl = config.attention
@@ -213,9 +232,13 @@ class GPT(nn.Module):
     hidden states, a missing head means the output is hidden states.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    #: a Hugging Face checkpoint folder that ``init_weights()`` loads instead of drawing random values
+    init_from_hf: Optional[str] = None
+
+    def __init__(self, config: GPTConfig, *, init_from_hf: Optional[str] = None) -> None:
         super().__init__()
         self.config = config
+        self.init_from_hf = None if init_from_hf is None else str(init_from_hf)
         V, d = config.padded_vocab_size, config.n_embd
         self.tok_emb: Optional[nn.Embedding] = nn.Embedding(V, d)
         self.pos_emb: Optional[nn.Embedding] = (
@@ -236,15 +259,22 @@ class GPT(nn.Module):
         if self.config.positions != "rope":
             return
         device = self._device()
-        cos, sin = rope_cache(self.config.block_size, self.config.head_dim, self.config.rope_theta, device)
+        cfg = self.config
+        cos, sin = rope_cache(cfg.block_size, cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos, sin
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02) for matrices, residual outputs scaled by 1/sqrt(2L), zero biases.
 
-        Works on materialised sharded parameters (DTensors) as well as plain tensors.
+        Works on materialised sharded parameters (DTensors) as well as plain tensors. With
+        ``init_from_hf`` set, every parameter (or its local shard) is read from that checkpoint instead.
         """
+        if self.init_from_hf is not None:
+            from lightning_perf.models.gpt.hf import load_hf_weights
+
+            load_hf_weights(self, self.init_from_hf)
+            return
         std = self.config.init_std
         resid_std = std / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
@@ -263,6 +293,41 @@ class GPT(nn.Module):
         for p in self.parameters():
             return p.device
         return torch.device("cpu")
+
+    # ---- Hugging Face checkpoints (see hf.py) ---------------------------------------------
+
+    @classmethod
+    def from_hf(
+        cls,
+        path: Union[str, Path],
+        *,
+        device: Union[str, torch.device] = "cpu",
+        dtype: torch.dtype = torch.float32,
+        **config_overrides: Any,
+    ) -> "GPT":
+        """The GPT of a Hugging Face checkpoint folder (``config.json`` + safetensors or ``pytorch_model.bin``):
+        Llama, Mistral, Qwen2 or GPT-2. ``config_overrides`` change :class:`GPTConfig` fields that leave the
+        shapes alone (``block_size``, ``kernels``, ``attention``, ``pad_vocab_multiple``, ``fp8``, ...)."""
+        from lightning_perf.models.gpt.hf import config_from_hf, read_hf_config
+
+        config = config_from_hf(read_hf_config(path), **config_overrides)
+        with torch.device("meta"):
+            model = cls(config, init_from_hf=str(path))
+        model.to_empty(device=device)
+        model.to(dtype)
+        model.init_weights()
+        return model
+
+    def save_hf(self, path: Union[str, Path], *, dtype: Optional[torch.dtype] = None) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` that Hugging Face ``transformers`` loads
+        (``AutoModelForCausalLM.from_pretrained(path)``). Sharded parameters are gathered first, a
+        collective every rank joins; then only global rank 0 writes."""
+        from lightning_perf.models.gpt.hf import full_state_dict, save_hf
+
+        state = full_state_dict(self)
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return Path(path)
+        return save_hf(state, self.config, path, dtype=dtype)
 
     # ---- forward -------------------------------------------------------------------------
 

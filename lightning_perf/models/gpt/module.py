@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -35,7 +36,10 @@ class GPTLightningModule(L.LightningModule):
     """Train, validate and sample a :class:`GPT`.
 
     Args:
-        config: a preset name (``"tiny"``, ``"gpt2-124m"``, ``"llama-8b"``, ...) or a :class:`GPTConfig`.
+        config: a preset name (``"tiny"``, the default, ``"gpt2-124m"``, ``"llama-8b"``, ...) or a :class:`GPTConfig`.
+        init_from_hf: a Hugging Face checkpoint folder (Llama, Mistral, Qwen2 or GPT-2) to fine-tune: the
+            config comes from its ``config.json`` (``config`` must then be left out) and the weights replace
+            the random initialisation, also when a strategy builds the model on ``meta`` and shards it first.
         learning_rate: peak AdamW learning rate.
         min_lr_ratio: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
         warmup_steps: linear warmup length in optimizer steps.
@@ -56,8 +60,9 @@ class GPTLightningModule(L.LightningModule):
 
     def __init__(
         self,
-        config: Union[str, GPTConfig] = "tiny",
+        config: Union[str, GPTConfig, None] = None,
         *,
+        init_from_hf: Optional[str] = None,
         learning_rate: float = 6e-4,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 100,
@@ -74,6 +79,17 @@ class GPTLightningModule(L.LightningModule):
         config_overrides: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
+        if init_from_hf is not None and config is None:
+            from lightning_perf.models.gpt.hf import config_from_hf, read_hf_config
+
+            config = config_from_hf(read_hf_config(init_from_hf))
+        elif init_from_hf is not None and isinstance(config, str):
+            raise ValueError(
+                f"give either config={config!r} or init_from_hf={init_from_hf!r}: a Hugging Face checkpoint "
+                "brings its own config (change fields with config_overrides)"
+            )
+        if config is None:
+            config = "tiny"
         if isinstance(config, str):
             cfg = GPTConfig.from_name(config)
         elif isinstance(config, dict):  # from a checkpoint's hyperparameters
@@ -121,7 +137,7 @@ class GPTLightningModule(L.LightningModule):
         """Build the GPT (on the device or meta context the strategy provides), then AC and compile."""
         if self.model is not None:
             return
-        self.model = GPT(self.config)
+        self.model = GPT(self.config, init_from_hf=self.hparams.get("init_from_hf"))
         blocks = list(self.model.blocks.values())
         apply_activation_checkpointing(blocks, self.hparams.activation_checkpointing)
         scope = self.hparams.get("compile_scope", "block")
@@ -133,6 +149,27 @@ class GPTLightningModule(L.LightningModule):
             from lightning_perf.kernels.float8 import check_fp8_device
 
             check_fp8_device(self.trainer.strategy.root_device)
+
+    @classmethod
+    def from_hf(cls, path: Union[str, Path], **module_kwargs: Any) -> "GPTLightningModule":
+        """A module that fine-tunes the Hugging Face checkpoint at ``path`` (see ``init_from_hf``); other
+        arguments as for the constructor (``learning_rate=1e-5``, ``config_overrides={...}``, ...)."""
+        return cls(init_from_hf=str(path), **module_kwargs)
+
+    @property
+    def tokenizer_hash(self) -> Optional[str]:
+        """Hash of the ``tokenizer.json`` beside the Hugging Face weights this module starts from (None when
+        there is none): ``TokenDataModule`` refuses token files another tokenizer made."""
+        folder = self.hparams.get("init_from_hf")
+        if folder is None or not (Path(folder) / "tokenizer.json").is_file():
+            return None
+        from lightning_perf.data.hf_tokenizer import tokenizer_hash
+
+        return tokenizer_hash(folder)
+
+    def save_hf(self, path: Union[str, Path], *, dtype: Optional[torch.dtype] = None) -> Path:
+        """The GPT as a Hugging Face checkpoint folder: see :meth:`GPT.save_hf`."""
+        return self._gpt().save_hf(path, dtype=dtype)
 
     def _gpt(self) -> GPT:
         if self.model is None:

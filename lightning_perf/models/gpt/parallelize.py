@@ -194,6 +194,7 @@ def gpt_pipeline_stage(model: "GPT", stage_idx: int, num_stages: int) -> "GPT":
     stage = GPT.__new__(GPT)
     nn.Module.__init__(stage)
     stage.config = model.config
+    stage.init_from_hf = model.init_from_hf
     stage.tok_emb = model.tok_emb if first else None
     stage.pos_emb = model.pos_emb if first else None
     stage.blocks = nn.ModuleDict({k: model.blocks[k] for k in kept})
