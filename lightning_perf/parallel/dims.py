@@ -135,7 +135,8 @@ class ParallelDims:
 
 def data_parallel_mesh(mesh: Any) -> Any:
     """The ranks that hold the same parameters and average their gradients: ``mesh["dp"]``, or
-    the flattened ("dp", "cp") dimension when the mesh has context parallelism."""
-    if mesh["cp"].size() > 1:
+    the flattened ("dp", "cp") dimension when the mesh has context parallelism (a ("pp", "dp", "tp")
+    mesh built without a "cp" dimension has none)."""
+    if "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
         return mesh[DP_CP]
     return mesh["dp"]
