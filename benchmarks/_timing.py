@@ -108,6 +108,8 @@ class WallClockWindow(Callback):
         self._t0 = self._t1 = None
         self._tokens = 0
         self._val_s: list[float] = []
+        profiled = int(os.environ.get("BENCH_PROFILE_STEPS", 0))
+        self._profile = StepProfile(profiled) if profiled else None
 
     def _sync(self, trainer: Any) -> None:
         if trainer.strategy.root_device.type == "cuda":
@@ -137,6 +139,8 @@ class WallClockWindow(Callback):
                 torch.cuda.reset_peak_memory_stats()
             self._t0 = time.perf_counter()
         if self._t0 is not None:
+            if self._profile is not None and self._step == trainer.max_steps - self._profile.steps:
+                self._profile.start()
             self._host.append(time.perf_counter())
             if torch.cuda.is_available():
                 e = torch.cuda.Event(enable_timing=True)
@@ -152,6 +156,8 @@ class WallClockWindow(Callback):
             self._close(trainer)
 
     def _close(self, trainer: Any) -> None:
+        import os
+
         if self._t1 is not None:
             return
         from torch._dynamo.utils import counters
@@ -163,6 +169,9 @@ class WallClockWindow(Callback):
         self._sync(trainer)
         self._t1 = time.perf_counter()
         self._host.append(self._t1)
+        if self._profile is not None and trainer.is_global_zero:
+            trace = os.path.join(os.path.dirname(self.out), "profile_" + os.path.basename(self.out)) if self.out else None
+            self.result["profile"] = self._profile.stop(trace)
         wall = self._t1 - self._t0
         device = [a.elapsed_time(b) / 1e3 for a, b in zip(self._events, self._events[1:])]
         host = [b - a for a, b in zip(self._host, self._host[1:])]
@@ -243,3 +252,75 @@ def gc_census(limit: int = 15) -> dict[str, Any]:
     pause = time.perf_counter() - t
     return {"tracked": n, "collected": freed, "collect_ms": 1e3 * pause, "types": types.most_common(limit),
             "functions": funcs.most_common(limit)}
+
+
+class StepProfile:
+    """``torch.profiler`` over the last ``steps`` steps of a window (``BENCH_PROFILE_STEPS``), summarised
+    so two runs of the same model can be compared kernel by kernel: the GPU's busy time (the union of
+    kernel intervals) against the span, the largest idle gaps with the host op running when each
+    began, and kernel time by name. The profiler's overhead lands in those steps, so a profiled run's
+    window figures are not a measurement; run it as its own variant."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._prof = None
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=acts)
+        self._prof.__enter__()
+
+    def stop(self, trace_path: Optional[str] = None) -> dict[str, Any]:
+        import collections
+        import gzip
+        import json
+        import os
+        import tempfile
+
+        if self._prof is None:
+            return {}
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        path = trace_path or os.path.join(tempfile.mkdtemp(), "trace.json")
+        self._prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        if trace_path and trace_path.endswith(".json"):
+            with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+                g.write(f.read())
+            os.remove(path)
+        kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+        host = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                      if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "user_annotation"))
+        by_name: collections.Counter = collections.Counter()
+        calls: collections.Counter = collections.Counter()
+        busy, gaps, end = 0.0, [], None
+        for s, e, name in kernels:
+            by_name[name[:90]] += e - s
+            calls[name[:90]] += 1
+            if end is None or s > end:
+                if end is not None:
+                    gaps.append((s - end, end))
+                busy += e - s
+                end = e
+            elif e > end:
+                busy += e - end
+                end = e
+        span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+
+        def host_op_at(t: float) -> str:
+            running = [n for s, e, n in host if s <= t <= e]
+            return " > ".join(running[-3:]) if running else "?"
+
+        top_gaps = sorted(gaps, reverse=True)[:8]
+        return {
+            "steps": self.steps, "kernels": len(kernels), "span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3,
+            "gpu_idle_ms": (span - busy) / 1e3, "idle_gaps_over_50us_ms": sum(g for g, _ in gaps if g > 50) / 1e3,
+            "largest_gaps": [{"ms": round(g / 1e3, 3), "host": host_op_at(t)} for g, t in top_gaps],
+            "kernel_ms_by_name": [{"name": n, "ms": round(t / 1e3, 3), "calls": calls[n]}
+                                  for n, t in by_name.most_common(40)],
+        }

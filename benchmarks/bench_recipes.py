@@ -8,7 +8,9 @@ save are timed after the window. The baseline runs in the same call on the same 
 
 - a single-GPU recipe (``plain``): a plain PyTorch loop over the equivalent GPT (PyTorch kernels,
   SDPA attention, no FP8, separate q/k/v, whole model compiled), with the recipe's batch, sequence
-  length, fused AdamW, bf16 autocast and gradient clipping;
+  length, fused AdamW, bf16 autocast, gradient clipping and learning-rate schedule (warm-up and
+  cosine over the same steps: both sides then multiply the same values, and a GPU at its power
+  limit clocks by the values it multiplies);
 - a multi-GPU recipe (``fsdp``): Lightning's own ``FSDPStrategy`` (FULL_SHARD, one unit per block)
   on the recipe's devices, training the same GPT through ``GPTLightningModule`` with PyTorch kernels,
   compiled per block (``--fsdp_compile_scope model``: the whole model), the recipe's precision,
@@ -28,6 +30,7 @@ window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. Th
     python benchmarks/bench_recipes.py --recipes gpt2-124m --steps 60           # one recipe
     python benchmarks/bench_recipes.py --recipes gpt-1.3b-zero3,gpt-1.3b-tp2,gpt-1.3b-pp2 --steps 30 --warmup 10
     python benchmarks/bench_recipes.py --recipes llama-8b-3d --steps 10 --warmup 5   # 8 GPUs
+    python benchmarks/bench_recipes.py --recipes gpt-1.3b --profile 4           # kernels and GPU idle, both sides
     python benchmarks/bench_recipes.py --smoke                                  # CPU: the code paths only
 
 A multi-GPU recipe runs as Lightning launches it: the child process this script starts is rank 0,
@@ -55,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from _timing import window_stats  # noqa: E402
+from _timing import StepProfile, window_stats  # noqa: E402
 
 PEAK_BF16 = {"h100": 989e12, "h200": 989e12}  # dense bf16 datasheet, SXM parts
 
@@ -79,6 +82,18 @@ def _plain_config(recipe: dict):
     cfg = _model_config(recipe)
     plain = {"kernels": "torch", "attention": "sdpa", "fp8": False, "fused_qkv": False}
     return dataclasses.replace(cfg, **{k: v for k, v in plain.items() if hasattr(cfg, k)})
+
+
+def _schedule(recipe: dict) -> dict:
+    """The recipe's optimizer settings, the module's defaults where the recipe leaves them out."""
+    import inspect
+
+    from lightning_perf.models import GPTLightningModule
+
+    defaults = inspect.signature(GPTLightningModule.__init__).parameters
+    model_args = recipe.get("model") or {}
+    return {k: type(defaults[k].default)(model_args.get(k, defaults[k].default))
+            for k in ("learning_rate", "weight_decay", "warmup_steps", "min_lr_ratio")}
 
 
 def _devices(recipe: dict) -> int:
@@ -167,9 +182,10 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
 
     from lightning_perf.data import TokenDataModule
     from lightning_perf.models import GPT, GPTConfig
+    from lightning_perf.models.gpt.module import cosine_with_warmup
 
     recipe = _recipe(name)
-    trainer_args, data, model_args = recipe.get("trainer") or {}, recipe.get("data") or {}, recipe.get("model") or {}
+    trainer_args, data = recipe.get("trainer") or {}, recipe.get("data") or {}
     cfg = _plain_config(recipe)
     seq_len, batch = int(data.get("seq_len", 1024)), int(data.get("batch_size", 8))
     compile_mode = "default"
@@ -183,13 +199,17 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
         model = torch.compile(model, mode=compile_mode)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
+    hp = _schedule(recipe)
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": float(model_args.get("weight_decay", 0.1))},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=float(model_args.get("learning_rate", 3e-4)), betas=(0.9, 0.95), fused=True,
+        [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=hp["learning_rate"], betas=(0.9, 0.95), fused=True,
     )
     clip = trainer_args.get("gradient_clip_val")
     total = warmup + steps
+    # the recipe's learning-rate schedule over the same number of steps: both sides train the same
+    # trajectory, so their kernels see the same values (a GPU's clock under its power limit depends on them)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: cosine_with_warmup(
+        step, warmup_steps=hp["warmup_steps"], total_steps=total, min_lr_ratio=hp["min_lr_ratio"]))
     dm = TokenDataModule(source="synthetic", vocab_size=cfg.vocab_size, seq_len=seq_len, batch_size=batch,
                          num_workers=int(data.get("num_workers", 0)) if not smoke else 0,
                          synthetic_train_samples=batch * (total + 4))
@@ -198,7 +218,11 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
     amp = device.type == "cuda" and trainer_args.get("precision", "bf16-mixed") == "bf16-mixed"
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     host, events, t0 = [], [], None
+    profiled = int(os.environ.get("BENCH_PROFILE_STEPS", 0))
+    profile = StepProfile(profiled) if profiled else None
     for i in range(total):
+        if profile is not None and i == total - profiled:
+            profile.start()
         if i == warmup:
             sync()
             if device.type == "cuda":
@@ -218,6 +242,7 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
             torch.nn.utils.clip_grad_norm_(model.parameters(), float(clip))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        schedule.step()
     if device.type == "cuda":
         events.append(torch.cuda.Event(enable_timing=True))
         events[-1].record()
@@ -226,6 +251,7 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
     host.append(t1)
     times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])] or [b - a for a, b in zip(host, host[1:])]
     out.write_text(json.dumps({
+        **({"profile": profile.stop(str(out.parent / f"profile_{out.name}"))} if profile is not None else {}),
         **window_stats(t1 - t0, times, batch * seq_len * steps),
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
         "model": {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "kernels", "attention")},
@@ -255,15 +281,14 @@ def run_fsdp(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: 
                 self.trainer.model.clip_grad_norm_(float(gradient_clip_val))
 
     recipe = _recipe(name)
-    trainer_args, data, model_args = recipe.get("trainer") or {}, recipe.get("data") or {}, recipe.get("model") or {}
+    trainer_args, data = recipe.get("trainer") or {}, recipe.get("data") or {}
     cfg, seq_len, batch = _plain_config(recipe), int(data.get("seq_len", 1024)), _fsdp_batch(recipe)
     compile_mode = "default"
     if smoke:
         cfg, seq_len, compile_mode = GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, None
     total = warmup + steps
     module = FSDPClippedGPT(
-        cfg, learning_rate=float(model_args.get("learning_rate", 3e-4)),
-        weight_decay=float(model_args.get("weight_decay", 0.1)), warmup_steps=0, fused_adam=True,
+        cfg, **_schedule(recipe), fused_adam=True,
         compile=compile_mode, compile_scope=compile_scope,
     )
     checkpointing = _activation_checkpointing(recipe) != "none"
@@ -336,6 +361,10 @@ def main() -> None:
     p.add_argument("--budget_s", type=float, default=None, help="start no further run after this many seconds")
     p.add_argument("--fsdp_compile_scope", choices=("block", "model"), default="block",
                    help="the FSDP baseline compiles each block or the whole model")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile the last N steps of each side's window and summarise the kernels and GPU idle "
+                        "time (the window figures of such a run are not a measurement)")
+    p.add_argument("--recipe_first", action="store_true", help="run the recipe before its baseline")
     p.add_argument("--child", choices=("recipe", "plain", "fsdp"))
     p.add_argument("--child_args", default="", help=argparse.SUPPRESS)
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
@@ -357,6 +386,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.no_checkpoint:
         os.environ["BENCH_WINDOW_CHECKPOINT"] = "0"
+    if args.profile:
+        os.environ["BENCH_PROFILE_STEPS"] = str(args.profile)
     if args.child:
         name = args.recipes
         target = out_dir / f"_{args.child}-{name}.json"
@@ -413,8 +444,9 @@ def main() -> None:
         row: dict = {"name": name, "devices": devices, "baseline": base}
         rows.append(row)
         plain_key = json.dumps([dataclasses.asdict(_plain_config(recipe)), data.get("seq_len"), data.get("batch_size"),
-                                (recipe.get("trainer") or {}).get("gradient_clip_val")], default=str)
-        for side in (base, "recipe"):
+                                (recipe.get("trainer") or {}).get("gradient_clip_val"), _schedule(recipe)],
+                               default=str)
+        for side in ((base, "recipe") if not args.recipe_first else ("recipe", base)):
             if over_budget():
                 row[side] = {"error": "skipped: --budget_s reached"}
                 continue
@@ -448,7 +480,7 @@ def main() -> None:
             row[f"recipe_vs_{base}"] = row["recipe"]["tokens_per_s"] / row[base]["tokens_per_s"]
             if kind in PEAK_BF16 and not args.smoke:  # per GPU
                 fpt = cfg.flops_per_token(seq_len)
-                for side in (base, "recipe"):
+                for side in ((base, "recipe") if not args.recipe_first else ("recipe", base)):
                     row[f"mfu_{side}"] = fpt * row[side]["tokens_per_s"] / devices / PEAK_BF16[kind]
             print(f"[{name}] recipe / {base} = {row[f'recipe_vs_{base}']:.3f}", flush=True)
         write()
