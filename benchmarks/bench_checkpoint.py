@@ -1,7 +1,8 @@
 """How long does a sharded checkpoint stall training: synchronous save against ``AsyncCheckpointer``.
 
-    python benchmarks/bench_checkpoint.py --out DIR                       # gpt-1.3b + AdamW on one GPU, ~5 min, ~32 GB of disk
-    python benchmarks/bench_checkpoint.py --preset gpt2-124m --saves 3    # another size
+    python benchmarks/bench_checkpoint.py --out DIR                       # gpt2-124m + AdamW on one GPU, ~2 min, 3 GB of disk
+    python benchmarks/bench_checkpoint.py --preset gpt-1.3b --seq-len 2048 --batch 4 --every 300 --saves 2
+                                                                          # 15.8 GB per save: minutes on a slow disk
     python benchmarks/bench_checkpoint.py --smoke                         # tiny model on the CPU
 
 One process, one device, a one-rank process group (NCCL on a GPU, gloo on the CPU) so the async
@@ -130,11 +131,11 @@ def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT on the CPU")
-    parser.add_argument("--preset", default="gpt-1.3b")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--preset", default="gpt2-124m")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--every", type=int, default=10, help="steps between saves")
+    parser.add_argument("--every", type=int, default=150, help="steps between saves (more than a write takes)")
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary dir)")
     args = parser.parse_args(argv)

@@ -228,16 +228,18 @@ def test_checkpoints_load_across_strategies(tmp_path: Path) -> None:
             _equal(r["zero"]["final"], r[loaded]["final"], loaded)
 
 
-# ---- async_checkpoint: opt-in ---------------------------------------------------
+# ---- async_checkpoint: on by default on CUDA devices -----------------------------
 
 
 @pytest.mark.parametrize("cls", ["ZeroStrategy", "Parallel3DStrategy"])
-def test_async_checkpoint_is_opt_in(cls: str) -> None:
+def test_async_checkpoint_defaults_to_cuda_devices(cls: str) -> None:
     import lightning_perf.strategies as strategies
 
     strategy_cls = getattr(strategies, cls)
     assert strategy_cls(parallel_devices=[torch.device("cpu")] * 2).async_checkpoint is False
-    assert strategy_cls(parallel_devices=[torch.device("cuda", 0)]).async_checkpoint is False
+    assert strategy_cls(parallel_devices=[torch.device("cuda", 0)]).async_checkpoint is True
+    if cls == "ZeroStrategy":  # DeepSpeed's engine writes its checkpoint in the save call
+        assert strategy_cls(backend="deepspeed", parallel_devices=[torch.device("cuda", 0)]).async_checkpoint is False
     assert strategy_cls(parallel_devices=[torch.device("cuda", 0)], async_checkpoint=True).async_checkpoint is True
     assert strategy_cls(parallel_devices=[torch.device("cuda", 0)], async_checkpoint=False).async_checkpoint is False
     assert strategy_cls(parallel_devices=[torch.device("cpu")], async_checkpoint=True).async_checkpoint is True
