@@ -57,10 +57,11 @@ def _check_against_documents(run, case, device, close, what):
     doc_ids = _doc_ids(lengths, device)
     out = run(q, k, v, doc_ids)
     ref = _per_document(q, k, v, lengths)
-    close(out, ref, 1e-5, 1e-5, f"{what} output")
+    tol = 5e-3 if q.is_cuda else 1e-5  # on a GPU, fp32 tiles multiply in tf32 (10-bit mantissa)
+    close(out, ref, tol, tol, f"{what} output")
     dy = torch.randn_like(out)
     for name, g, r in zip("qkv", torch.autograd.grad(out, (q, k, v), dy), torch.autograd.grad(ref, (q, k, v), dy)):
-        close(g, r, 1e-5, 1e-5, f"{what} grad of {name}")
+        close(g, r, tol, tol, f"{what} grad of {name}")
 
 
 def _ids(case):
