@@ -2,9 +2,10 @@
 
 A thin Lightning adapter over ``lightning_perf.parallel``; processes, precision,
 collectives and DCP checkpoints come from ``PerfParallelStrategy``. Here: a ("dp",) mesh
-over the world (HSDP: ("dp_replicate", "dp_shard"), see ``parallel.dims.build_zero_mesh``), the model built on ``meta`` in ``configure_model`` (all ranks but 0
-under ``init="rank0"``), then in ``setup``: shard (``apply_fsdp`` / DDP / DeepSpeed),
-materialise shard by shard, build the optimizer on the sharded parameters, and turn it
+over the world (HSDP: ("dp_replicate", "dp_shard"), ``parallel.dims.build_zero_mesh``), the
+model built on ``meta`` in ``configure_model`` (all ranks but 0 under ``init="rank0"``), then
+in ``setup``: shard (``apply_fsdp`` / DDP / DeepSpeed), materialise shard by shard (in host
+memory under native CPU offload), build the optimizer on the sharded parameters, and turn it
 into a ``ZeroRedundancyOptimizer`` at stage 1. Gradient accumulation skips the
 reduction on non-final micro-steps; the DeepSpeed backend writes its engine's own
 checkpoint shards.
@@ -279,7 +280,7 @@ class ZeroStrategy(PerfParallelStrategy):
         # FSDP2's CPU offload takes its shards from host memory
         device = torch.device("cpu") if self.config.native_offload else self.root_device
         if self._init_mode == "rank0":
-            materialize_from_rank0(target, device, full)
+            materialize_from_rank0(target, device, full, comm_device=self.root_device)
         elif has_meta_tensors(target):
             materialize_local(target, device)
             if not self.config.uses_fsdp:
