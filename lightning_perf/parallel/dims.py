@@ -11,6 +11,9 @@ since it only sends activations between neighbouring stages.
 Parameters are replicated over "cp" (each cp rank holds a part of every sequence), so
 gradients are averaged, and FSDP2 shards, over "dp" and "cp" together: the mesh's
 flattened ``"dp_cp"`` dimension (:func:`data_parallel_mesh`).
+
+ZeRO alone uses a ("dp",) mesh, or for HSDP a ("dp_replicate", "dp_shard") mesh
+(:func:`build_zero_mesh`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-__all__ = ["ParallelDims", "MESH_DIM_NAMES", "data_parallel_mesh"]
+__all__ = ["ParallelDims", "MESH_DIM_NAMES", "data_parallel_mesh", "build_zero_mesh", "fsdp_mesh"]
 
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 #: the flattened ("dp", "cp") dimension: the ranks that hold the same parameters
 DP_CP = "dp_cp"
+#: HSDP: parameters replicated over "dp_replicate" (across nodes), sharded over "dp_shard" (within one)
+DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -140,3 +145,25 @@ def data_parallel_mesh(mesh: Any) -> Any:
     if "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
         return mesh[DP_CP]
     return mesh["dp"]
+
+
+def build_zero_mesh(device_type: str, replicate: int, shard: int) -> Any:
+    """The ZeRO mesh: ("dp",) over ``shard`` ranks when ``replicate == 1``, else HSDP's
+    ("dp_replicate", "dp_shard") mesh of shape (replicate, shard).
+
+    Ranks are laid out row-major, so a "dp_shard" group is ``shard`` consecutive ranks (one
+    node when ``shard`` is the processes per node) and a "dp_replicate" group takes the same
+    local rank on every node. Needs an initialised default process group.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicate == 1:
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=("dp",))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
+
+
+def fsdp_mesh(mesh: Any) -> Any:
+    """The mesh to give ``fully_shard``: 2-D (replicate, shard) for HSDP, else the 1-D "dp"."""
+    if DP_SHARD in (mesh.mesh_dim_names or ()):
+        return mesh[DP_REPLICATE, DP_SHARD]
+    return mesh["dp"] if mesh.ndim > 1 else mesh

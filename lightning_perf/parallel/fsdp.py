@@ -12,7 +12,14 @@ Communication overlaps compute three ways:
 
 ZeRO-2 is ``reshard_after_forward=False`` (parameters stay gathered between forward and
 backward, gradients and optimizer state are sharded); ZeRO-3 is ``True`` (parameters are
-sharded at rest as well).
+sharded at rest as well). Given a 2-D (replicate, shard) mesh, FSDP2 does HSDP: parameters
+are sharded over the second dimension and replicated over the first, gradients are
+reduce-scattered within a shard group and all-reduced across the replicas.
+
+With :func:`cpu_offload_policy`, FSDP2 keeps the sharded parameters, their gradients (and so
+the optimizer state the optimizer creates beside them) in host memory: each unit's shards are
+copied to the device for its all-gather and its reduced gradients copied back. Parameters must
+be materialised on the CPU; :func:`move_unsharded_` then moves what FSDP2 does not manage.
 
 The module to shard is found with :func:`find_model` (the network inside a
 LightningModule), its blocks with :func:`find_blocks`: our GPT's ``model.blocks`` (an
@@ -26,9 +33,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
+import torch
 import torch.nn as nn
 
-__all__ = ["apply_fsdp", "find_blocks", "find_model", "WrapPolicy", "set_gradient_sync", "is_fsdp_module"]
+__all__ = ["apply_fsdp", "find_blocks", "find_model", "WrapPolicy", "set_gradient_sync", "is_fsdp_module",
+           "cpu_offload_policy", "move_unsharded_"]
 
 WrapPolicy = Union[Callable[[nn.Module], bool], set, frozenset, tuple, list]
 
@@ -122,13 +131,13 @@ def apply_fsdp(
         module: the model (parameters may be on ``meta``; materialise after with
             ``to_empty`` + init, see ``parallel.init``). Already TP-sharded DTensors are fine:
             FSDP2 composes over the "dp" sub-mesh.
-        dp_mesh: the 1-D data-parallel ``DeviceMesh``.
+        dp_mesh: the 1-D data-parallel ``DeviceMesh``, or a 2-D (replicate, shard) one for HSDP.
         blocks: the units; ``None`` = :func:`find_blocks` (with ``wrap_policy``).
         reshard_after_forward: ``True`` = ZeRO-3, ``False`` = ZeRO-2.
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``None``: fp32).
         prefetch: how many blocks ahead to all-gather in forward and backward (0 = FSDP2's
             implicit one-ahead behaviour only).
-        offload_policy: FSDP2 ``CPUOffloadPolicy`` or ``None``.
+        offload_policy: FSDP2 ``CPUOffloadPolicy`` (:func:`cpu_offload_policy`) or ``None``.
         fp8_all_gather: all-gather the ``Float8Linear`` weights in FP8, quantised per shard with the
             whole weight's scale (``parallel.fp8_all_gather``); call ``precompute_fp8_scales`` after
             each optimizer step to reduce all the scales in one collective.
@@ -169,6 +178,29 @@ def apply_fsdp(
     if prefetch > 0 and len(groups) > 1:
         _set_prefetch([g[0] for g in groups], prefetch)  # a group's modules share one FSDP state
     return module
+
+
+def cpu_offload_policy(device: torch.device) -> Any:
+    """FSDP2's ``CPUOffloadPolicy`` for training on ``device``: host copies pinned when ``device`` is an
+    accelerator (asynchronous copies), unpinned on a CPU device (pinning needs an accelerator)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+
+
+@torch.no_grad()
+def move_unsharded_(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s buffers and plain (non-DTensor) parameters to ``device``, leaving FSDP2's
+    sharded parameters where they are (``module.to(device)`` would move offloaded shards too)."""
+    from torch.distributed.tensor import DTensor
+
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+        for name, param in sub._parameters.items():
+            if param is not None and not isinstance(param, DTensor) and param.device != device:
+                param.data = param.data.to(device)
 
 
 def check_blocks_per_unit(blocks_per_unit: object, name: str = "blocks_per_unit") -> None:

@@ -83,11 +83,13 @@ def materialize_from_rank0(
     full_state: Optional[dict[str, Any]],
     *,
     group: Optional[dist.ProcessGroup] = None,
+    comm_device: Optional[torch.device] = None,
 ) -> None:
     """Allocate ``module``'s (sharded) tensors on ``device`` and fill them from rank 0's full state.
 
     ``full_state`` is :func:`take_full_state`'s result on rank 0 and ``None`` elsewhere.
-    Works for FSDP2 / DTensor modules and plain replicated ones.
+    Works for FSDP2 / DTensor modules and plain replicated ones. ``comm_device``: where the
+    broadcasts run when it is not ``device`` (the GPU of an NCCL group whose shards live on the CPU).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -105,7 +107,7 @@ def materialize_from_rank0(
     objs = [spec]
     dist.broadcast_object_list(objs, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     spec = objs[0] or {}
-    comm_device = _backend_device(device, group)
+    comm_device = _backend_device(comm_device or device, group)
     for name, (shape, dtype) in spec.items():
         if rank == 0:
             buf = full_state["buffers"][name].to(comm_device)

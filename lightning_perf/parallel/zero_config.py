@@ -8,16 +8,25 @@ stage      native engine                           what is sharded over N ranks
 3          FSDP2, ``reshard_after_forward=True``    optimizer state, gradients, params
 =========  ======================================  ==================================
 
-``backend="deepspeed"`` runs the same stages through DeepSpeed (needed for CPU offload of
-the optimizer state and, at stage 3, of the parameters); ``deepspeed_engine`` turns a
+``backend="deepspeed"`` runs the same stages through DeepSpeed; ``deepspeed_engine`` turns a
 ``ZeroConfig`` into DeepSpeed's config dict.
+
+CPU offload: natively, FSDP2's ``CPUOffloadPolicy`` at stage 2 or 3 keeps the sharded fp32
+parameters, their gradients and the optimizer state in host memory and the optimizer steps
+there (the three cannot be separated, so ``offload_optimizer=True`` is the switch and
+``offload_params`` may join it at stage 3); DeepSpeed offloads the optimizer state (stage 2/3)
+and, at stage 3, the parameters separately.
+
+HSDP: with ``replicate_size`` R > 1, FSDP2 shards over the ``world / R`` ranks of a group and
+replicates over the R groups (a 2-D ("dp_replicate", "dp_shard") mesh): parameters are
+gathered within a node and only the gradients cross nodes, in an all-reduce of each shard.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from lightning_perf.parallel.ddp import COMPRESSIONS
 from lightning_perf.parallel.fsdp import WrapPolicy
@@ -52,6 +61,7 @@ class ZeroConfig:
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     fp8_all_gather: bool = False
     blocks_per_unit: int = 1
+    replicate_size: Union[int, Literal["auto"]] = 1  # "auto": the number of nodes
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -64,8 +74,14 @@ class ZeroConfig:
             raise ValueError(
                 f"offload_params needs stage 3 (parameters are sharded only there), got stage={self.stage}"
             )
-        if (self.offload_optimizer or self.offload_params) and self.backend != "deepspeed":
-            raise ValueError("CPU offload runs through DeepSpeed: use backend='deepspeed' (or leave backend unset)")
+        if self.offload and self.backend == "native":
+            if self.stage == 1:
+                raise ValueError("native CPU offload is FSDP2's CPUOffloadPolicy: it needs stage 2 or 3, got stage=1 "
+                                 "(or use backend='deepspeed')")
+            if not self.offload_optimizer:
+                raise ValueError(
+                    "native CPU offload (FSDP2's CPUOffloadPolicy) keeps the optimizer state on the CPU with the "
+                    "parameters: pass offload_optimizer=True with offload_params=True (or use backend='deepspeed')")
         if self.backend == "deepspeed":
             require_deepspeed("ZeroStrategy(backend='deepspeed')" if not (self.offload_optimizer or self.offload_params)
                               else "ZeRO CPU offload")
@@ -95,10 +111,52 @@ class ZeroConfig:
         if self.blocks_per_unit > 1 and not self.uses_fsdp:
             raise ValueError("blocks_per_unit groups FSDP2 units: it needs stage 2 or 3 with backend='native', "
                              f"got stage={self.stage}, backend={self.backend!r}")
+        if self.fp8_all_gather and self.native_offload:
+            raise ValueError("fp8_all_gather with native CPU offload is not supported: the FP8 shards are made on "
+                             "the GPU; use one of them")
+        self._check_replicate_size()
         if self.reshard_after_forward is None:
             self.reshard_after_forward = self.stage == 3
         if self.reshard_after_forward and self.stage != 3:
             raise ValueError(f"reshard_after_forward=True is ZeRO-3; stage={self.stage} keeps parameters whole")
+
+    def _check_replicate_size(self) -> None:
+        r = self.replicate_size
+        if r != "auto" and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise ValueError(f"replicate_size must be a positive int or 'auto' (the number of nodes), got {r!r}")
+        if r == 1:
+            return
+        if not self.uses_fsdp:
+            raise ValueError(
+                "replicate_size (HSDP: shard within a group, replicate across groups) needs FSDP2: stage 2 or 3 "
+                f"with backend='native', got stage={self.stage}, backend={self.backend!r}")
+        if self.fp8_all_gather:
+            raise ValueError("fp8_all_gather with replicate_size != 1 (HSDP) is not supported: use one of them")
+
+    def mesh_shape(self, world_size: int, num_nodes: int = 1) -> tuple[int, int]:
+        """(replicate, shard): the HSDP mesh over ``world_size`` ranks; (1, world_size) without replication.
+
+        ``"auto"`` replicates over the ``num_nodes`` nodes (sharding within each); raises with the
+        arithmetic when the world does not divide (before any process group exists).
+        """
+        replicate = num_nodes if self.replicate_size == "auto" else self.replicate_size
+        assert isinstance(replicate, int)
+        if world_size % replicate:
+            source = f"replicate_size='auto' = num_nodes ({num_nodes})" if self.replicate_size == "auto" \
+                else f"replicate_size {replicate}"
+            raise ValueError(
+                f"world size {world_size} is not divisible by {source}: {world_size} / {replicate} = "
+                f"{world_size / replicate:.3g}; choose a replicate size that divides the number of processes")
+        return (replicate, world_size // replicate)
+
+    @property
+    def offload(self) -> bool:
+        return self.offload_optimizer or self.offload_params
+
+    @property
+    def native_offload(self) -> bool:
+        """FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer state in host memory."""
+        return self.offload and self.backend == "native"
 
     @property
     def uses_fsdp(self) -> bool:

@@ -2,9 +2,10 @@
 
 A thin Lightning adapter over ``lightning_perf.parallel``; processes, precision,
 collectives and DCP checkpoints come from ``PerfParallelStrategy``. Here: a ("dp",) mesh
-over the world, the model built on ``meta`` in ``configure_model`` (all ranks but 0
-under ``init="rank0"``), then in ``setup``: shard (``apply_fsdp`` / DDP / DeepSpeed),
-materialise shard by shard, build the optimizer on the sharded parameters, and turn it
+over the world (HSDP: ("dp_replicate", "dp_shard"), ``parallel.dims.build_zero_mesh``), the
+model built on ``meta`` in ``configure_model`` (all ranks but 0 under ``init="rank0"``), then
+in ``setup``: shard (``apply_fsdp`` / DDP / DeepSpeed), materialise shard by shard (in host
+memory under native CPU offload), build the optimizer on the sharded parameters, and turn it
 into a ``ZeroRedundancyOptimizer`` at stage 1. Gradient accumulation skips the
 reduction on non-final micro-steps; the DeepSpeed backend writes its engine's own
 checkpoint shards.
@@ -30,7 +31,15 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_perf.parallel.ddp import apply_ddp, shard_optimizer
-from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks, find_model, set_gradient_sync
+from lightning_perf.parallel.dims import build_zero_mesh, fsdp_mesh
+from lightning_perf.parallel.fsdp import (
+    apply_fsdp,
+    cpu_offload_policy,
+    find_blocks,
+    find_model,
+    move_unsharded_,
+    set_gradient_sync,
+)
 from lightning_perf.parallel.init import has_meta_tensors, materialize_from_rank0, materialize_local, take_full_state
 from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.validate import check_data_layout, data_shape
@@ -55,8 +64,10 @@ class ZeroStrategy(PerfParallelStrategy):
         stage: 1, 2 or 3.
         backend: ``"native"`` (DDP + ZeroRedundancyOptimizer / FSDP2) or ``"deepspeed"``;
             ``None`` picks DeepSpeed when offloading, native otherwise.
-        offload_optimizer: keep optimizer state (and the step) on the CPU (DeepSpeed).
-        offload_params: keep stage-3 parameters on the CPU between uses (DeepSpeed).
+        offload_optimizer: keep optimizer state (and the step) on the CPU. Native (stage 2/3): FSDP2's
+            ``CPUOffloadPolicy``, which keeps the sharded fp32 parameters and their gradients there too.
+        offload_params: keep stage-3 parameters on the CPU between uses (native: with
+            ``offload_optimizer=True``, the same policy).
         bucket_size_mb: DDP bucket / DeepSpeed reduce bucket size.
         prefetch: FSDP2 all-gather prefetch depth in blocks, forward and backward.
         reshard_after_forward: override the stage's default (True at stage 3).
@@ -76,6 +87,10 @@ class ZeroStrategy(PerfParallelStrategy):
         blocks_per_unit: stage 2/3 native: consecutive blocks sharded as one FSDP2 unit (fewer,
             larger all-gathers and reduce-scatters, less host work per step; more memory gathered
             at once). Default 1: one unit per block.
+        replicate_size: stage 2/3 native: HSDP. Shard over ``world / replicate_size`` consecutive ranks
+            and replicate over ``replicate_size`` such groups (``"auto"``: the number of nodes, so
+            parameters are gathered within a node and only gradients cross nodes). Default 1: shard
+            over the whole world.
         timeout: how long a collective may wait (seconds or a ``timedelta``) before the ranks
             fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
         async_checkpoint: write checkpoints in the background while training goes on (``None``:
@@ -102,6 +117,7 @@ class ZeroStrategy(PerfParallelStrategy):
         deepspeed_config: Optional[dict[str, Any]] = None,
         fp8_all_gather: bool = False,
         blocks_per_unit: int = 1,
+        replicate_size: Union[int, Literal["auto"]] = 1,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -126,6 +142,7 @@ class ZeroStrategy(PerfParallelStrategy):
             deepspeed_config=dict(deepspeed_config or {}),
             fp8_all_gather=fp8_all_gather,
             blocks_per_unit=blocks_per_unit,
+            replicate_size=replicate_size,
         )
         super().__init__(
             accelerator=accelerator,
@@ -166,10 +183,13 @@ class ZeroStrategy(PerfParallelStrategy):
         check_data_layout(seq_len=seq_len, model_config=getattr(module, "config", None))
 
     @override
-    def _build_device_mesh(self) -> Any:
-        from torch.distributed.device_mesh import init_device_mesh
+    def _check_world_size(self, world_size: int) -> None:
+        self.config.mesh_shape(world_size, self.num_nodes)  # raises with the arithmetic, before any launch
 
-        return init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
+    @override
+    def _build_device_mesh(self) -> Any:
+        replicate, shard = self.config.mesh_shape(self.world_size, self.num_nodes)
+        return build_zero_mesh(self.root_device.type, replicate, shard)
 
     @override
     def _fp8_gather_module(self) -> Optional[nn.Module]:
@@ -206,7 +226,10 @@ class ZeroStrategy(PerfParallelStrategy):
             self._prepared = module
         elif self._ddp is not None:  # a later fit/validate of the same module: reuse the wrapper
             self.model = self._ddp
-        module.to(self.root_device)  # what lives outside the sharded model (metrics, buffers)
+        if self.config.native_offload:  # the shards stay in host memory
+            move_unsharded_(module, self.root_device)
+        else:
+            module.to(self.root_device)  # what lives outside the sharded model (metrics, buffers)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -217,7 +240,7 @@ class ZeroStrategy(PerfParallelStrategy):
             elif self.config.backend == "deepspeed":
                 self._setup_deepspeed(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.config.native_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard_and_materialize(self, module: "pl.LightningModule") -> None:
@@ -254,10 +277,12 @@ class ZeroStrategy(PerfParallelStrategy):
         return None
 
     def _materialize(self, target: nn.Module, full: Optional[dict[str, Any]]) -> None:
+        # FSDP2's CPU offload takes its shards from host memory
+        device = torch.device("cpu") if self.config.native_offload else self.root_device
         if self._init_mode == "rank0":
-            materialize_from_rank0(target, self.root_device, full)
+            materialize_from_rank0(target, device, full, comm_device=self.root_device)
         elif has_meta_tensors(target):
-            materialize_local(target, self.root_device)
+            materialize_local(target, device)
             if not self.config.uses_fsdp:
                 from lightning_perf.parallel.init import broadcast_module_
 
@@ -267,11 +292,12 @@ class ZeroStrategy(PerfParallelStrategy):
         blocks = find_blocks(target, self.config.wrap_policy)
         apply_fsdp(
             target,
-            self.device_mesh,
+            fsdp_mesh(self.device_mesh),
             blocks=blocks,
             reshard_after_forward=bool(self.config.reshard_after_forward),
             mp_policy=self.precision_plugin.mp_policy(),
             prefetch=self.config.prefetch,
+            offload_policy=cpu_offload_policy(self.root_device) if self.config.native_offload else None,
             fp8_all_gather=self.config.fp8_all_gather,
             blocks_per_unit=self.config.blocks_per_unit,
         )

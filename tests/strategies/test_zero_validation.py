@@ -22,7 +22,15 @@ def test_unknown_stage() -> None:
     "kwargs, match",
     [
         ({"stage": 2, "offload_params": True}, "offload_params needs stage 3"),
-        ({"stage": 3, "backend": "native", "offload_optimizer": True}, "CPU offload runs through DeepSpeed"),
+        ({"stage": 1, "backend": "native", "offload_optimizer": True}, "native CPU offload .* needs stage 2 or 3"),
+        ({"stage": 3, "backend": "native", "offload_params": True}, "pass offload_optimizer=True with offload_params"),
+        ({"stage": 3, "backend": "native", "offload_optimizer": True, "fp8_all_gather": True},
+         "fp8_all_gather with native CPU offload"),
+        ({"stage": 3, "replicate_size": 0}, "replicate_size must be a positive int or 'auto'"),
+        ({"stage": 3, "replicate_size": "nodes"}, "replicate_size must be a positive int or 'auto'"),
+        ({"stage": 1, "replicate_size": 2}, "replicate_size .* needs FSDP2: stage 2 or 3"),
+        ({"stage": 1, "replicate_size": "auto"}, "replicate_size .* needs FSDP2: stage 2 or 3"),
+        ({"stage": 3, "replicate_size": 2, "fp8_all_gather": True}, "fp8_all_gather with replicate_size"),
         ({"stage": 3, "gradient_compression": "fp16"}, "applies to the DDP all-reduce of stage 1"),
         ({"stage": 1, "gradient_compression": "int8"}, "is not one of"),
         ({"stage": 2, "reshard_after_forward": True}, "reshard_after_forward=True is ZeRO-3"),
@@ -122,3 +130,28 @@ def test_fp8_all_gather_without_fp8_linears_fails_before_any_collective() -> Non
     strategy.model = module
     with pytest.raises(ValueError, match="no FP8 linear layers"):
         strategy.setup(trainer)  # no process group exists: the check runs before any collective
+
+
+def test_hsdp_mesh_shape_and_its_arithmetic() -> None:
+    cfg = zero_config.ZeroConfig(stage=3, replicate_size=2)
+    assert cfg.mesh_shape(8) == (2, 4) and cfg.mesh_shape(2) == (2, 1)
+    auto = zero_config.ZeroConfig(stage=2, replicate_size="auto")
+    assert auto.mesh_shape(16, num_nodes=2) == (2, 8) and auto.mesh_shape(4, num_nodes=1) == (1, 4)
+    assert zero_config.ZeroConfig(stage=3).mesh_shape(6, num_nodes=3) == (1, 6)  # replication is opt-in
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by replicate_size 4: 6 / 4 = 1.5"):
+        zero_config.ZeroConfig(stage=3, replicate_size=4).mesh_shape(6)
+    with pytest.raises(ValueError, match=r"replicate_size='auto' = num_nodes \(4\)"):
+        auto.mesh_shape(6, num_nodes=4)
+
+
+def test_hsdp_layout_fails_when_the_trainer_is_built() -> None:
+    with pytest.raises(ValueError, match=r"world size 3 is not divisible by replicate_size 2"):
+        L.Trainer(strategy=ZeroStrategy(stage=3, replicate_size=2), accelerator="cpu", devices=3, logger=False)
+    assert not dist.is_initialized()
+
+
+def test_native_offload_options() -> None:
+    strategy = ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, backend="native")
+    assert strategy.config.native_offload and strategy.config.uses_fsdp
+    assert ZeroStrategy(stage=2, offload_optimizer=True, backend="native").config.native_offload
+    assert not ZeroStrategy(stage=3).config.native_offload
