@@ -126,15 +126,16 @@ class _Ring:
         self.next = dist.get_global_rank(group, (rank + 1) % size)
         self.prev = dist.get_global_rank(group, (rank - 1) % size)
 
-    def start(self, send: torch.Tensor) -> tuple[list, torch.Tensor]:
+    def start(self, send: torch.Tensor) -> tuple[list, torch.Tensor, torch.Tensor]:
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, self.next, self.group),
                dist.P2POp(dist.irecv, recv, self.prev, self.group)]
-        return dist.batch_isend_irecv(ops), recv
+        # the send buffer is held until the wait, so its memory is not reused while in flight
+        return dist.batch_isend_irecv(ops), recv, send
 
     @staticmethod
-    def wait(pending: tuple[list, torch.Tensor]) -> torch.Tensor:
-        reqs, recv = pending
+    def wait(pending: tuple[list, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        reqs, recv, _ = pending
         for req in reqs:
             req.wait()
         return recv
@@ -202,6 +203,7 @@ class RingAttentionFunction(torch.autograd.Function):
         return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
+@torch.compiler.disable  # point-to-point requests are not traceable: compiled blocks call it eagerly
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
                    softmax_scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence, K / V passed around the ring.
