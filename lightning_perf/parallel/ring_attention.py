@@ -56,7 +56,9 @@ def ring_steps(rank: int, cp: int) -> list[tuple[int, list[tuple[int, int, bool]
 # ---- one c x c block ---------------------------------------------------------------------------
 
 
-def _use_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _use_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use_triton: Optional[bool]) -> bool:
+    if use_triton is not None:
+        return use_triton
     if not q.is_cuda:
         return False
     from lightning_perf.kernels.ops.flash_attention import flash_attention_supported
@@ -80,9 +82,12 @@ def _sum_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.view(B, kv_heads, H // kv_heads, T, D).sum(2)
 
 
-def block_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O_b fp32 (B, H, c, D), L_b fp32 (B, H, c), natural log) for q (B, H, c, D), k / v (B, Hkv, c, D)."""
-    if _use_triton(q, k, v):
+def block_attention(q, k, v, causal: bool, scale: float,
+                    use_triton: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O_b fp32 (B, H, c, D), L_b fp32 (B, H, c), natural log) for q (B, H, c, D), k / v (B, Hkv, c, D).
+
+    ``use_triton``: None picks the Triton kernel on a GPU where it takes the shape (tests force it)."""
+    if _use_triton(q, k, v, use_triton):
         from lightning_perf.kernels.ops.flash_attention import flash_attn_fwd
 
         o, lse2 = flash_attn_fwd(q, k, v, causal, scale)
@@ -93,9 +98,10 @@ def block_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
     return (s - lse.unsqueeze(-1)).exp() @ vf, lse
 
 
-def block_attention_backward(q, k, v, out, lse, dout, causal: bool, scale: float):
+def block_attention_backward(q, k, v, out, lse, dout, causal: bool, scale: float,
+                             use_triton: Optional[bool] = None):
     """(dQ, dK, dV) fp32 of one block, given the merged output ``out`` and LSE ``lse`` of its query rows."""
-    if _use_triton(q, k, v):
+    if _use_triton(q, k, v, use_triton):
         from lightning_perf.kernels.ops.flash_attention import flash_attn_bwd
 
         dq, dk, dv = flash_attn_bwd(q, k, v, out, (lse / _LN2).contiguous(), dout, causal, scale)
