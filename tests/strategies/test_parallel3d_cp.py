@@ -8,7 +8,7 @@ every layout must give the single-process losses (rtol 1e-4) and final parameter
   cp2 with ZeRO 0 (gradients all-reduced), cp2 of the GPT-2 shapes, a checkpoint saved under cp2
   and resumed under dp2;
 - 4 ranks: dp2 x cp2 (ZeRO 2 and ZeRO 0, and ZeRO 2 with ring attention), mesh coordinates and
-  sampler ranks; cp2 x tp2 of both GPT shapes.
+  sampler ranks; cp2 x tp2 of both GPT shapes, and with ring attention.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
     # tensor parallelism inside each cp rank: sequence parallelism splits its 8 tokens again over tp
     res["cp2_tp2"] = fit(S(context_parallel_size=2, tensor_parallel_size=2), world)
     res["cp2_tp2_gpt2"] = fit(S(context_parallel_size=2, tensor_parallel_size=2), world, kind="gpt2")
+    res["cp2_tp2_ring"] = fit(S(context_parallel_size=2, tensor_parallel_size=2, context_parallel_mode="ring"), world)
     return res
 
 
@@ -100,6 +101,7 @@ def test_dp2_cp2_and_cp2_tp2(references, tmp_path) -> None:
     _check_run(results, "dp2_cp2_ring", ref)
     _check_run(results, "cp2_tp2", ref)
     _check_run(results, "cp2_tp2_gpt2", references["gpt2"])
+    _check_run(results, "cp2_tp2_ring", ref)
     from lightning_perf.parallel.dims import ParallelDims
 
     dims = ParallelDims(cp=2, world_size=4)
