@@ -35,6 +35,7 @@ class Parallel3DConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
+    context_parallel_mode: str = "allgather"
     zero_stage: int = 2
     pipeline_schedule: str = "1f1b"
     num_microbatches: Optional[int] = None
@@ -102,6 +103,9 @@ class Parallel3DConfig:
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
 
     def _check_context_parallel(self) -> None:
+        from lightning_perf.parallel.context_parallel import check_context_parallel_mode
+
+        check_context_parallel_mode(self.context_parallel_mode)  # a typo fails even without cp
         cp = self.context_parallel_size
         if cp == 1:
             return

@@ -32,8 +32,10 @@ The model protocol: ``enable_context_parallel(attention)`` routes every attentio
 ``attention(q, k, v)`` (q: (B, nh, 2c, hd), k / v: (B, nkv, 2c, hd), local chunks in the order
 above), and ``forward(idx, targets=None, *, positions=None)`` takes the tokens' global positions.
 
-Each chunk waits for the whole all-gather; a ring that passes K/V blocks between neighbours
-while the previous block is computed would hide it (not done here).
+Two ways to reach the other ranks' keys (``mode`` of :func:`apply_context_parallel`):
+``"allgather"`` (above: each chunk waits for the whole all-gather, the default) and ``"ring"``
+(:mod:`lightning_perf.parallel.ring_attention`: K / V pairs passed between neighbours while the
+block already held is computed, partial outputs merged by their log-sum-exp).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = [
+    "CONTEXT_PARALLEL_MODES",
+    "check_context_parallel_mode",
     "check_context_parallel_seq_len",
     "load_balanced_positions",
     "split_sequence",
@@ -54,6 +58,15 @@ __all__ = [
     "ContextParallelForward",
     "apply_context_parallel",
 ]
+
+
+CONTEXT_PARALLEL_MODES = ("allgather", "ring")
+
+
+def check_context_parallel_mode(mode: str) -> None:
+    if mode not in CONTEXT_PARALLEL_MODES:
+        raise ValueError(f"context_parallel_mode={mode!r} is not one of {CONTEXT_PARALLEL_MODES}: 'allgather' "
+                         "gathers K/V over the cp group, 'ring' passes them between neighbours")
 
 
 def check_context_parallel_seq_len(seq_len: int, cp: int) -> None:
@@ -193,11 +206,18 @@ class ContextParallelForward:
         return _GlobalMean.apply(loss, global_mean, weight)
 
 
-def apply_context_parallel(model: Any, cp_mesh: Any) -> None:
-    """Route ``model``'s attention over ``cp_mesh`` and wrap its forward (see the module docstring)."""
+def apply_context_parallel(model: Any, cp_mesh: Any, mode: str = "allgather") -> None:
+    """Route ``model``'s attention over ``cp_mesh`` (``mode``: ``"allgather"`` or ``"ring"``) and wrap its
+    forward (see the module docstring)."""
+    check_context_parallel_mode(mode)
     if cp_mesh.size() == 1:
         return
     group = cp_mesh.get_group()
-    model.enable_context_parallel(partial(context_parallel_attention, group=group))
+    if mode == "ring":
+        from lightning_perf.parallel.ring_attention import ring_attention
+
+        model.enable_context_parallel(partial(ring_attention, group=group))
+    else:
+        model.enable_context_parallel(partial(context_parallel_attention, group=group))
     ignore_index = getattr(model, "batch_padding_target", -100)
     model.forward = ContextParallelForward(model.forward, group, ignore_index=ignore_index)

@@ -85,7 +85,7 @@ def parallelize_3d(
         apply_tensor_parallel(stages, mesh["tp"], config, device=device, whole_model=pp == 1)
     # 4. the attention hook is read inside each block's forward, so compiled blocks trace it
     if config.context_parallel_size > 1:
-        apply_context_parallel(target, mesh["cp"])
+        apply_context_parallel(target, mesh["cp"], config.context_parallel_mode)
     # 5. a module compiled by the user's code is re-scoped first (see _compile_mode)
     mode = _compile_mode(model, stages, config)
     if mode is not None:

@@ -62,10 +62,13 @@ class Parallel3DStrategy(PerfParallelStrategy):
         pipeline_parallel_size: ranks holding consecutive stages (the model's ``pipeline_stage``).
         context_parallel_size: ranks sharing each sequence: the sequence is cut into ``2 * cp``
             chunks and rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` (equal causal work);
-            attention all-gathers keys and values over "cp". Parameters are replicated over "cp":
-            gradients are averaged, and ZeRO shards, over "dp" and "cp" together. The sequence length
-            must divide by ``2 * cp``; combines with data and tensor parallelism, not with pipeline
-            parallelism yet.
+            attention reaches the other ranks' keys as ``context_parallel_mode`` says. Parameters are
+            replicated over "cp": gradients are averaged, and ZeRO shards, over "dp" and "cp"
+            together. The sequence length must divide by ``2 * cp``; combines with data and tensor
+            parallelism, not with pipeline parallelism yet.
+        context_parallel_mode: ``"allgather"`` (default): keys and values all-gathered over "cp";
+            ``"ring"``: passed between neighbouring cp ranks while the block already held is
+            computed (``parallel.ring_attention``).
         zero_stage: 0 = replicated parameters, gradients all-reduced over "dp" after backward;
             1 and 2 = FSDP2 with parameters kept gathered between forward and backward
             (gradients and optimizer state sharded: stage 1 gives stage 2 here);
@@ -154,6 +157,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
         compile: Optional[str] = None,
         compile_backend: str = "inductor",
         context_parallel_size: int = 1,
+        context_parallel_mode: str = "allgather",
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         async_checkpoint: Optional[bool] = None,
@@ -165,6 +169,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             context_parallel_size=context_parallel_size,
+            context_parallel_mode=context_parallel_mode,
             zero_stage=zero_stage,
             pipeline_schedule=pipeline_schedule,
             num_microbatches=num_microbatches,

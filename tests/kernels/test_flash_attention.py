@@ -235,3 +235,34 @@ def test_tensor_descriptor_dkdv_matches_reference(shape, causal, layout, poison,
         got = flash_attn_bwd(qd, kd, vd, o, lse, do.contiguous(), causal, scale, dkdv_config=cfg)
         for name, g, w in zip("qkv", got, want):
             close(g, w, atol * 4, rtol * 4, f"d{name} {cfg}")
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "math"])
+def test_ring_blocks_merge_by_lse_into_causal_attention(use_triton, close, device):
+    """What ring attention asks of a block: the LSE of the kernel's forward merges the outputs of
+    key blocks, and its backward given the merged output and LSE gives each block's share of the
+    gradients. Queries of the second half see the first key half in full and the second causally."""
+    from lightning_perf.parallel.ring_attention import block_attention, block_attention_backward
+
+    q, k, v = _qkv(1, 4, 2, 32, 16, torch.float32, device)
+    ref = attention_reference(q, k, v, causal=True)
+    do = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v), do)
+    scale = 0.25
+    (q0, q1), (k0, k1), (v0, v1) = (t.detach().chunk(2, dim=2) for t in (q, k, v))
+    o0, l0 = block_attention(q0, k0, v0, True, scale, use_triton)
+    o_a, l_a = block_attention(q1, k0, v0, False, scale, use_triton)
+    o_b, l_b = block_attention(q1, k1, v1, True, scale, use_triton)
+    l1 = torch.logaddexp(l_a, l_b)
+    o1 = o_a * (l_a - l1).exp().unsqueeze(-1) + o_b * (l_b - l1).exp().unsqueeze(-1)
+    out = torch.cat([o0, o1], dim=2)
+    close(out, ref.detach(), 2e-5, 2e-5, "merged output")
+    o0, o1 = o0.to(q.dtype), o1.to(q.dtype)
+    do0, do1 = do.chunk(2, dim=2)
+    dq0, dk0, dv0 = block_attention_backward(q0, k0, v0, o0, l0, do0, True, scale, use_triton)
+    dq1a, dk0a, dv0a = block_attention_backward(q1, k0, v0, o1, l1, do1, False, scale, use_triton)
+    dq1b, dk1, dv1 = block_attention_backward(q1, k1, v1, o1, l1, do1, True, scale, use_triton)
+    got = (torch.cat([dq0, dq1a + dq1b], dim=2), torch.cat([dk0 + dk0a, dk1], dim=2),
+           torch.cat([dv0 + dv0a, dv1], dim=2))
+    for name, g, w in zip("qkv", got, want):
+        close(g, w, 1e-4, 1e-4, f"d{name}")

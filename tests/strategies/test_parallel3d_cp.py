@@ -7,8 +7,8 @@ every layout must give the single-process losses (rtol 1e-4) and final parameter
 - 2 ranks: cp2 with ZeRO 2 (FSDP2 over the flattened dp x cp ranks) and forward-only validation,
   cp2 with ZeRO 0 (gradients all-reduced), cp2 of the GPT-2 shapes, a checkpoint saved under cp2
   and resumed under dp2;
-- 4 ranks: dp2 x cp2 (ZeRO 2 and ZeRO 0), mesh coordinates and sampler ranks; cp2 x tp2 of both
-  GPT shapes.
+- 4 ranks: dp2 x cp2 (ZeRO 2 and ZeRO 0, and ZeRO 2 with ring attention), mesh coordinates and
+  sampler ranks; cp2 x tp2 of both GPT shapes, and with ring attention.
 """
 
 from __future__ import annotations
@@ -58,9 +58,11 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
     res["coords"] = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "cp", "tp")}
     res["sampler"] = strategy.distributed_sampler_kwargs
     res["dp2_cp2_zero0"] = fit(S(context_parallel_size=2, zero_stage=0), world, dp=2)
+    res["dp2_cp2_ring"] = fit(S(context_parallel_size=2, context_parallel_mode="ring"), world, dp=2)
     # tensor parallelism inside each cp rank: sequence parallelism splits its 8 tokens again over tp
     res["cp2_tp2"] = fit(S(context_parallel_size=2, tensor_parallel_size=2), world)
     res["cp2_tp2_gpt2"] = fit(S(context_parallel_size=2, tensor_parallel_size=2), world, kind="gpt2")
+    res["cp2_tp2_ring"] = fit(S(context_parallel_size=2, tensor_parallel_size=2, context_parallel_mode="ring"), world)
     return res
 
 
@@ -96,8 +98,10 @@ def test_dp2_cp2_and_cp2_tp2(references, tmp_path) -> None:
     ref = references["llama"]
     _check_run(results, "dp2_cp2", ref)
     _check_run(results, "dp2_cp2_zero0", ref)
+    _check_run(results, "dp2_cp2_ring", ref)
     _check_run(results, "cp2_tp2", ref)
     _check_run(results, "cp2_tp2_gpt2", references["gpt2"])
+    _check_run(results, "cp2_tp2_ring", ref)
     from lightning_perf.parallel.dims import ParallelDims
 
     dims = ParallelDims(cp=2, world_size=4)

@@ -13,6 +13,13 @@ delta kernel then one pass per key block that also adds dS K into an fp32 dQ buf
 (five matmuls). Accumulation is fp32; blocks on the causal diagonal and the sequence tail are
 masked, all others run unmasked.
 
+Packed documents (``HAS_DOCS``, a compile-time flag of the same forward, dQ and dK/dV kernels):
+with d = doc_ids[b] (B, T), S[i, j] = -inf unless d[i] == d[j] and j <= i. The causal loops are
+walked as above; a (query block, key block) pair whose id ranges [min, max] do not meet is skipped
+without loading its tiles, every other tile is masked to same-document pairs. Every row sees itself,
+so no row is empty. The backward is the two-kernel one. With the flag off the kernels compile to
+the plain causal / full ones (the document branches are compile-time and the id pointer is None).
+
 Shapes: q (B, H, T, D), k / v (B, Hkv, T, D) with H % Hkv == 0, D a power of two in [16, 256],
 any T. The output is (B, H, T, D) laid out as (B, T, H, D) in memory, so the model's
 ``transpose(1, 2).reshape(B, T, H * D)`` is free.
@@ -45,12 +52,35 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 @triton.jit
+def _id_range(DOC_base, offs, T):
+    """(min, max) of the document ids at ``offs`` inside [0, T), and the ids (-1 past T)."""
+    ids = tl.load(DOC_base + offs, mask=offs < T, other=-1)
+    return tl.min(tl.where(offs < T, ids, 2147483647)), tl.max(ids), ids
+
+
+@triton.jit
+def _blocks_meet(lo_a, hi_a, lo_b, hi_b):
+    """Whether two blocks' document id ranges overlap: a pair that does not is skipped unloaded."""
+    return (hi_a >= lo_b) & (lo_a <= hi_b)
+
+
+@triton.jit
 def _online_softmax_step(acc, l_i, m_i, q, k, offs_m, start_n, T, qk_scale,
-                         MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+                         MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_DOCS: tl.constexpr = False, doc_q=None, doc_k=None):
     """Scores of q against one key tile, folded into the running max / sum; returns the rescaled
     accumulator, the new sum and max, and the tile's probabilities (for ``acc += p @ v``)."""
     qk = tl.dot(q, tl.trans(k))
-    if MASK:
+    if HAS_DOCS:
+        valid = doc_q[:, None] == doc_k[None, :]
+        if MASK:  # the diagonal tile (documents imply causal)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            valid = valid & (offs_n[None, :] < T) & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.where(valid, qk * qk_scale, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # a row with no key of its document in this tile keeps m = -1e30: zero its p explicitly
+        p = tl.where(valid, tl.exp2(qk - m_new[:, None]), 0.0)
+    elif MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         valid = offs_n[None, :] < T
         if CAUSAL:
@@ -69,32 +99,48 @@ def _online_softmax_step(acc, l_i, m_i, q, k, offs_m, start_n, T, qk_scale,
 
 
 @triton.jit
+def _fwd_tile(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, start_n, T, qk_scale,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_DOCS: tl.constexpr = False, doc_q=None, doc_k=None):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_ptrs = K_base + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :]
+    v_ptrs = V_base + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :]
+    if MASK:
+        k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    acc, l_i, m_new, p = _online_softmax_step(acc, l_i, m_i, q, k, offs_m, start_n, T, qk_scale, MASK, CAUSAL,
+                                              BLOCK_N, HAS_DOCS, doc_q, doc_k)
+    if MASK:
+        v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, lo, hi, T, qk_scale,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_DOCS: tl.constexpr = False, DOC_base=None, q_lo=None, q_hi=None, doc_q=None):
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = K_base + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :]
-        v_ptrs = V_base + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :]
-        if MASK:
-            k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        if HAS_DOCS:
+            k_lo, k_hi, doc_k = _id_range(DOC_base, start_n + tl.arange(0, BLOCK_N), T)
+            if _blocks_meet(q_lo, q_hi, k_lo, k_hi):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, start_n, T,
+                                          qk_scale, MASK, CAUSAL, BLOCK_N, HAS_DOCS, doc_q, doc_k)
         else:
-            k = tl.load(k_ptrs)
-        acc, l_i, m_new, p = _online_softmax_step(acc, l_i, m_i, q, k, offs_m, start_n, T, qk_scale, MASK, CAUSAL,
-                                                  BLOCK_N)
-        if MASK:
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, start_n, T,
+                                      qk_scale, MASK, CAUSAL, BLOCK_N)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE,
+def _fwd_kernel(Q, K, V, O, LSE, DOC,
                 sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                 H, T, GROUP, qk_scale,
-                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                HAS_DOCS: tl.constexpr = False):
     bh = tl.program_id(0)
     block = tl.program_id(1)
     if CAUSAL:  # the last query blocks see the most keys: launch them first
@@ -113,18 +159,28 @@ def _fwd_kernel(Q, K, V, O, LSE,
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    DOC_base = DOC
+    q_lo = None
+    q_hi = None
+    doc_q = None
+    if HAS_DOCS:  # causal, and every tile masked to same-document pairs too (skipped where there are none)
+        DOC_base = DOC + b * T
+        q_lo, q_hi, doc_q = _id_range(DOC_base, offs_m, T)
     if CAUSAL:
         # blocks left of the diagonal need no mask; the diagonal block masks j > i and j >= T
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, 0, start_m, T,
-                                   qk_scale, False, CAUSAL, BLOCK_N)
+                                   qk_scale, False, CAUSAL, BLOCK_N, HAS_DOCS, DOC_base, q_lo, q_hi, doc_q)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, start_m,
-                                   tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, CAUSAL, BLOCK_N)
+                                   tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, CAUSAL, BLOCK_N, HAS_DOCS,
+                                   DOC_base, q_lo, q_hi, doc_q)
     else:
         full = (T // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, 0, full, T,
                                    qk_scale, False, CAUSAL, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skt, svt, offs_m, offs_d, full, T, T,
                                    qk_scale, True, CAUSAL, BLOCK_N)
+    if HAS_DOCS:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows past T may see no key of their id; every other row sees itself
     acc = acc / l_i[:, None]
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=offs_m < T)
     tl.store(O + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sot + offs_d[None, :],
@@ -188,11 +244,16 @@ def _fwd_tma_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, T, GROUP, qk_scale,
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr):
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr = False, doc_q=None, doc_k=None):
     """One query tile's contribution to a key tile's dK (unscaled) and dV; also dS^T (input dtype),
     from which the one-pass backward takes dQ (the two-kernel callers ignore it)."""
     pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-    if MASK:
+    if HAS_DOCS:
+        valid = doc_k[:, None] == doc_q[None, :]
+        if MASK:
+            valid = valid & (offs_m[None, :] < T) & (offs_m[None, :] >= offs_n[:, None])
+        pT = tl.where(valid, pT, 0.0)
+    elif MASK:
         valid = offs_m[None, :] < T
         if CAUSAL:
             valid = valid & (offs_m[None, :] >= offs_n[:, None])
@@ -205,32 +266,50 @@ def _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale,
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d, lo, hi, T,
-                    qk_scale, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_ptrs = Q_base + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :]
-        do_ptrs = DO_base + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :]
-        if MASK:
-            q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
-            lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
-            do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
-            delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
-        else:
-            q = tl.load(q_ptrs)
-            lse = tl.load(LSE_base + offs_m)
-            do = tl.load(do_ptrs)
-            delta = tl.load(DELTA_base + offs_m)
-        dk, dv, _ = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
+def _dkdv_tile(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d, start_m, T,
+               qk_scale, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               HAS_DOCS: tl.constexpr = False, doc_q=None, doc_k=None):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_ptrs = Q_base + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :]
+    do_ptrs = DO_base + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :]
+    if MASK:
+        q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+        lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
+        do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
+        delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
+    else:
+        q = tl.load(q_ptrs)
+        lse = tl.load(LSE_base + offs_m)
+        do = tl.load(do_ptrs)
+        delta = tl.load(DELTA_base + offs_m)
+    dk, dv, _ = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL, HAS_DOCS,
+                           doc_q, doc_k)
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d, lo, hi, T,
+                    qk_scale, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    HAS_DOCS: tl.constexpr = False, DOC_base=None, k_lo=None, k_hi=None, doc_k=None):
+    for start_m in range(lo, hi, BLOCK_M):
+        if HAS_DOCS:
+            q_lo, q_hi, doc_q = _id_range(DOC_base, start_m + tl.arange(0, BLOCK_M), T)
+            if _blocks_meet(q_lo, q_hi, k_lo, k_hi):
+                dk, dv = _dkdv_tile(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d,
+                                    start_m, T, qk_scale, MASK, CAUSAL, BLOCK_M, HAS_DOCS, doc_q, doc_k)
+        else:
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d,
+                                start_m, T, qk_scale, MASK, CAUSAL, BLOCK_M)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DOC,
                      sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot,
                      sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
                      H, HK, T, GROUP, qk_scale, sm_scale,
-                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HAS_DOCS: tl.constexpr = False):
     bhk = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N  # the first key blocks are seen by the most queries (causal)
     b = (bhk // HK).to(tl.int64)
@@ -245,6 +324,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     full = (T // BLOCK_M) * BLOCK_M
+    DOC_base = DOC
+    k_lo = None
+    k_hi = None
+    doc_k = None
+    if HAS_DOCS:
+        DOC_base = DOC + b * T
+        k_lo, k_hi, doc_k = _id_range(DOC_base, offs_n, T)
     for g in range(GROUP):
         h = hk * GROUP + g
         Q_base = Q + b * sqb + h * sqh
@@ -256,11 +342,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             # queries before start_n see none of these keys; the diagonal block is masked
             lo = start_n + BLOCK_N
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n,
-                                     offs_d, start_n, tl.minimum(lo, T), T, qk_scale, True, CAUSAL, BLOCK_M)
+                                     offs_d, start_n, tl.minimum(lo, T), T, qk_scale, True, CAUSAL, BLOCK_M, HAS_DOCS,
+                                     DOC_base, k_lo, k_hi, doc_k)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d,
-                                 lo, full, T, qk_scale, False, CAUSAL, BLOCK_M)
+                                 lo, full, T, qk_scale, False, CAUSAL, BLOCK_M, HAS_DOCS, DOC_base, k_lo, k_hi, doc_k)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d,
-                                 tl.maximum(lo, full), T, T, qk_scale, True, CAUSAL, BLOCK_M)
+                                 tl.maximum(lo, full), T, T, qk_scale, True, CAUSAL, BLOCK_M, HAS_DOCS, DOC_base, k_lo,
+                                 k_hi, doc_k)
     tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None].to(tl.int64) * sdkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=col_mask)
     tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None].to(tl.int64) * sdvt + offs_d[None, :],
@@ -317,35 +405,56 @@ def _bwd_dkdv_tma_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE,
 
 
 @triton.jit
+def _dq_tile(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, start_n, T, qk_scale,
+             MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+             HAS_DOCS: tl.constexpr = False, doc_q=None, doc_k=None):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_ptrs = K_base + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :]
+    v_ptrs = V_base + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :]
+    if MASK:
+        k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    if HAS_DOCS:
+        valid = doc_q[:, None] == doc_k[None, :]
+        if MASK:
+            valid = valid & (offs_n[None, :] < T) & (offs_m[:, None] >= offs_n[None, :])
+        p = tl.where(valid, p, 0.0)
+    elif MASK:
+        valid = offs_n[None, :] < T
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        p = tl.where(valid, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq)
+
+
+@triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, lo, hi, T, qk_scale,
-                  MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+                  MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_DOCS: tl.constexpr = False, DOC_base=None, q_lo=None, q_hi=None, doc_q=None):
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = K_base + offs_n[:, None].to(tl.int64) * skt + offs_d[None, :]
-        v_ptrs = V_base + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :]
-        if MASK:
-            k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        if HAS_DOCS:
+            k_lo, k_hi, doc_k = _id_range(DOC_base, start_n + tl.arange(0, BLOCK_N), T)
+            if _blocks_meet(q_lo, q_hi, k_lo, k_hi):
+                dq = _dq_tile(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, start_n, T, qk_scale,
+                              MASK, CAUSAL, BLOCK_N, HAS_DOCS, doc_q, doc_k)
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        if MASK:
-            valid = offs_n[None, :] < T
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= offs_n[None, :])
-            p = tl.where(valid, p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+            dq = _dq_tile(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, start_n, T, qk_scale,
+                          MASK, CAUSAL, BLOCK_N)
     return dq
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, DOC,
                    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
                    H, T, GROUP, qk_scale, sm_scale,
-                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HAS_DOCS: tl.constexpr = False):
     bh = tl.program_id(0)
     block = tl.program_id(1)
     if CAUSAL:
@@ -370,11 +479,19 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ,
     K_base = K + b * skb + hk * skh
     V_base = V + b * svb + hk * svh
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    DOC_base = DOC
+    q_lo = None
+    q_hi = None
+    doc_q = None
+    if HAS_DOCS:
+        DOC_base = DOC + b * T
+        q_lo, q_hi, doc_q = _id_range(DOC_base, offs_m, T)
     if CAUSAL:
         dq = _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, 0, start_m, T, qk_scale,
-                           False, CAUSAL, BLOCK_N)
+                           False, CAUSAL, BLOCK_N, HAS_DOCS, DOC_base, q_lo, q_hi, doc_q)
         dq = _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, start_m,
-                           tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, CAUSAL, BLOCK_N)
+                           tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, CAUSAL, BLOCK_N, HAS_DOCS, DOC_base,
+                           q_lo, q_hi, doc_q)
     else:
         full = (T // BLOCK_N) * BLOCK_N
         dq = _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, skt, svt, offs_m, offs_d, 0, full, T, qk_scale,
@@ -594,6 +711,13 @@ def _new_output(q: torch.Tensor) -> torch.Tensor:
     return torch.empty((B, T, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
 
 
+def _doc_ids_int32(doc_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The kernels read row b's ids at ``DOC + b * T``: contiguous int32, or None without documents."""
+    if doc_ids is None:
+        return None
+    return doc_ids.to(torch.int32).contiguous()
+
+
 # ---- launchers ---------------------------------------------------------------------------------
 
 
@@ -618,11 +742,12 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   config: Optional[dict] = None):
+                   config: Optional[dict] = None, doc_ids: Optional[torch.Tensor] = None):
     """(o, lse): o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in base 2 (log2 of the softmax sums).
 
     ``config`` forces one launch configuration (tests); by default the tuner picks per shape among
     the pointer kernel's and, where usable, the tensor-descriptor kernel's configurations.
+    ``doc_ids`` (B, T): document-causal attention (``causal`` must be True), pointer kernel only.
     """
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     B, H, T, D = q.shape
@@ -630,8 +755,10 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     o = _new_output(q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     qk_scale = scale * _LOG2E
+    doc = _doc_ids_int32(doc_ids)
+    docs = doc is not None
 
-    use_tma = _tma_usable(q, k, v, o)
+    use_tma = not docs and _tma_usable(q, k, v, o)
 
     def run(cfg):
         cfg = dict(cfg)
@@ -642,25 +769,27 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             _fwd_tma_kernel[grid](_descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(o, bm), lse,
                                   H, T, group, qk_scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
         else:
-            _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                              H, T, group, qk_scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
+            _fwd_kernel[grid](q, k, v, o, lse, doc, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                              H, T, group, qk_scale, CAUSAL=causal, HEAD_DIM=D, HAS_DOCS=docs, **cfg)
 
     if config is None:
         configs = _configs("fwd", D, q.is_cuda, causal)
         if use_tma:
             configs = configs + [dict(c, TMA=True) for c in configs]
-        config = default_tuner().pick("flash_attn_fwd", (D, causal, shape_bucket(T), q.dtype, use_tma), configs,
-                                      run, q.device)
+        name = "flash_attn_documents_fwd" if docs else "flash_attn_fwd"
+        config = default_tuner().pick(name, (D, causal, shape_bucket(T), q.dtype, use_tma), configs, run, q.device)
     elif config.get("TMA") and not use_tma:
         raise ValueError("this input cannot use tensor descriptors (strides or pointer not 16-byte aligned)")
     run(config)
     return o, lse
 
 
-def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float, dkdv_config: Optional[dict] = None):
+def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float, dkdv_config: Optional[dict] = None,
+                   doc_ids: Optional[torch.Tensor] = None):
     """(dq, dk, dv) for the forward that produced ``o`` and ``lse``.
 
     ``dkdv_config`` forces the two-kernel backward with that dK/dV launch configuration (tests).
+    With ``doc_ids`` the backward is the two-kernel one on pointers.
     """
     q, k, v, do = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v), _last_contiguous(do)
     B, H, T, D = q.shape
@@ -670,8 +799,10 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float, dkdv_config:
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qk_scale = scale * _LOG2E
+    doc = _doc_ids_int32(doc_ids)
+    docs = doc is not None
 
-    use_tma = _tma_usable(q, k, v, do, dk, dv)
+    use_tma = not docs and _tma_usable(q, k, v, do, dk, dv)
 
     def run_dkdv(cfg):
         cfg = dict(cfg)
@@ -682,29 +813,30 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float, dkdv_config:
                                        _descriptor(dk, bn), _descriptor(dv, bn), lse, delta, H, HK, T, group,
                                        qk_scale, scale, CAUSAL=causal, HEAD_DIM=D, **cfg)
             return
-        _bwd_dkdv_kernel[grid](q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
+        _bwd_dkdv_kernel[grid](q, k, v, do, lse, delta, dk, dv, doc, *_strides(q), *_strides(k), *_strides(v),
                                *_strides(do), *_strides(dk), *_strides(dv), H, HK, T, group, qk_scale, scale,
-                               CAUSAL=causal, HEAD_DIM=D, **cfg)
+                               CAUSAL=causal, HEAD_DIM=D, HAS_DOCS=docs, **cfg)
 
     def run_dq(cfg):
         grid = (B * H, cdiv(T, cfg["BLOCK_M"]))
-        _bwd_dq_kernel[grid](q, k, v, o, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
+        _bwd_dq_kernel[grid](q, k, v, o, do, lse, delta, dq, doc, *_strides(q), *_strides(k), *_strides(v),
                              *_strides(o), *_strides(do), *_strides(dq), H, T, group, qk_scale, scale,
-                             CAUSAL=causal, HEAD_DIM=D, **cfg)
+                             CAUSAL=causal, HEAD_DIM=D, HAS_DOCS=docs, **cfg)
 
     tuner = default_tuner()
     key = (D, causal, shape_bucket(T), q.dtype, group > 1)
+    prefix = "flash_attn_documents" if docs else "flash_attn_bwd"
     result = {}
 
     def split():
-        run_dq(tuner.pick("flash_attn_bwd_dq", key, _configs("dq", D, q.is_cuda, causal), run_dq, q.device))
+        run_dq(tuner.pick(f"{prefix}_dq", key, _configs("dq", D, q.is_cuda, causal), run_dq, q.device))
         if dkdv_config is not None:
             run_dkdv(dkdv_config)
         else:
             configs = _configs("dkdv", D, q.is_cuda, causal)
             if use_tma:
                 configs = configs + [dict(c, TMA=True) for c in configs]
-            run_dkdv(tuner.pick("flash_attn_bwd_dkdv", key + (use_tma,), configs, run_dkdv, q.device))
+            run_dkdv(tuner.pick(f"{prefix}_dkdv", key + (use_tma,), configs, run_dkdv, q.device))
         result["dq"] = dq
 
     def fused():
@@ -725,6 +857,9 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float, dkdv_config:
         result["dq"] = dq_acc.mul_(scale).to(q.dtype)
 
     impls = {"split": split, "fused": fused}
+    if docs:  # the one-pass backward has no document mask
+        split()
+        return result["dq"], dk, dv
     if dkdv_config is not None:
         if dkdv_config.get("TMA") and not use_tma:
             raise ValueError("this input cannot use tensor descriptors (strides or pointer not 16-byte aligned)")
@@ -740,60 +875,61 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool, scale: float, dkdv_config:
 
 
 @torch.library.custom_op("lightning_perf::flash_attn", mutates_args=())
-def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_attn_fwd(q, k, v, causal, scale)
+def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+              doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attn_fwd(q, k, v, causal, scale, doc_ids=doc_ids)
 
 
 @_flash_op.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, doc_ids=None):
     B, H, T, D = q.shape
     return _new_output(q), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("lightning_perf::flash_attn_bwd", mutates_args=())
 def _flash_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                  do: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attn_bwd(q, k, v, o, lse, do, causal, scale)
+                  do: torch.Tensor, causal: bool, scale: float,
+                  doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_attn_bwd(q, k, v, o, lse, do, causal, scale, doc_ids=doc_ids)
 
 
 @_flash_bwd_op.register_fake
-def _(q, k, v, o, lse, do, causal, scale):
+def _(q, k, v, o, lse, do, causal, scale, doc_ids=None):
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, doc_ids = inputs
     o, lse = output
     ctx.causal, ctx.scale = causal, scale
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, doc_ids)
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd_op(q, k, v, o, lse, do, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    q, k, v, o, lse, doc_ids = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd_op(q, k, v, o, lse, do, ctx.causal, ctx.scale, doc_ids)
+    return dq, dk, dv, None, None, None
 
 
 _flash_op.register_autograd(_backward, setup_context=_setup)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Eager path; saves q, k, v, o and the fp32 LSE (B, H, T) for the backward."""
+    """Eager path; saves q, k, v, o, the fp32 LSE (B, H, T) and the document ids (or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        o, lse = flash_attn_fwd(q, k, v, causal, scale)
+    def forward(ctx, q, k, v, causal: bool, scale: float, doc_ids: Optional[torch.Tensor] = None):
+        o, lse = flash_attn_fwd(q, k, v, causal, scale, doc_ids=doc_ids)
         ctx.causal, ctx.scale = causal, scale
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, doc_ids)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attn_bwd(q, k, v, o, lse, do, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, o, lse, doc_ids = ctx.saved_tensors
+        dq, dk, dv = flash_attn_bwd(q, k, v, o, lse, do, ctx.causal, ctx.scale, doc_ids=doc_ids)
+        return dq, dk, dv, None, None, None
 
 
 # ---- reference and public function -------------------------------------------------------------
@@ -843,8 +979,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """softmax(scale * q k^T [causal mask]) v for q (B, H, T, D), k / v (B, Hkv, T, D); scale 1/sqrt(D) by default.
 
     ``doc_ids`` (B, T) integer: document-causal attention over packed documents (token i sees j iff
-    ``doc_ids[b, i] == doc_ids[b, j]`` and j <= i; see ``kernels.ops.flash_attention_documents``);
-    it implies ``causal``.
+    ``doc_ids[b, i] == doc_ids[b, j]`` and j <= i; see ``kernels.document_mask``); it implies
+    ``causal``. The same kernels run with the document mask compiled in (``HAS_DOCS``).
     """
     _check(q, k, v)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -852,12 +988,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     if doc_ids is not None:
         from lightning_perf.kernels.document_mask import check_doc_ids
-        from lightning_perf.kernels.ops.flash_attention_documents import flash_attention_documents
 
         if not causal:
             raise ValueError("doc_ids gives document-causal attention; causal=False cannot be combined with it")
         check_doc_ids(doc_ids, q)
-        return flash_attention_documents(q, k, v, doc_ids, scale)
     if torch.compiler.is_compiling():
-        return _flash_op(q, k, v, causal, scale)[0]
-    return FlashAttentionFunction.apply(q, k, v, causal, scale)
+        return _flash_op(q, k, v, causal, scale, doc_ids)[0]
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, doc_ids)
