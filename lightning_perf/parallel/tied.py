@@ -175,7 +175,19 @@ class TiedParameters:
         for p, old in zip(self.params, held):
             if p.grad is None:  # both ranks must join the sum
                 p.grad = torch.zeros_like(p)
-            _in_place(lambda t: dist.all_reduce(t, group=self.group), _local(p.grad))
+            grad = _like_param(p.grad, p)
+            _in_place(lambda t: dist.all_reduce(t, group=self.group), _local(grad))
             if old is not None:
-                _local(old).add_(_local(p.grad))
-                p.grad = old
+                old = _like_param(old, p)
+                _local(old).add_(_local(grad))
+                grad = old
+            p.grad = grad
+
+
+def _like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` laid out as ``param`` (a vocabulary-parallel embedding's gradient comes back replicated,
+    the head's sharded): then the two copies' local pieces match, shard for shard."""
+    placements = getattr(param, "placements", None)
+    if placements is None or getattr(grad, "placements", None) == placements:
+        return grad
+    return grad.redistribute(param.device_mesh, placements)
