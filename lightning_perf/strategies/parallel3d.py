@@ -116,7 +116,9 @@ class Parallel3DStrategy(PerfParallelStrategy):
       ``tensor_parallel_size > 1``);
     - ``pipeline_stage(self, stage_idx, num_stages) -> nn.Module``: this stage's part, the first
       stage owning the embedding and the last the final norm, head and loss (for
-      ``pipeline_parallel_size > 1``);
+      ``pipeline_parallel_size > 1``); a parameter both of these stages use (a tied embedding and
+      LM head) is held by both stage ranks and kept equal (``parallel.tied``), one the config
+      declares with ``tie_embeddings`` where the network is built in ``configure_model``;
     - ``enable_context_parallel(self, attention)``: route every attention core through
       ``attention(q, k, v)``, with ``forward(idx, targets=None, *, positions=None)`` taking the
       tokens' global positions (for ``context_parallel_size > 1``);
