@@ -7,6 +7,7 @@ replicated or pipeline-stage) gradients with a few collectives per step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,23 +43,34 @@ def allreduce_gradients(params: list[torch.Tensor], group: Any) -> None:
             offset += n
 
 
+def _local_of(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @torch.no_grad()
-def clip_grad_norm_3d(params: list[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
+def clip_grad_norm_3d(params: list[torch.Tensor], max_norm: float, pp_group: Any = None, *,
+                      counted_elsewhere: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """Clip by the global 2-norm of every gradient of every rank; returns that norm.
 
     Squared norms are summed locally and reduced once per group of gradients that share
     a mesh and sharded mesh dimensions (a few collectives per step, not one per
     parameter): shards add up over the dimensions they are sharded on, replicated
     pieces count once; pipeline stages hold disjoint parameters, so their squared
-    norms add up over ``pp_group``.
+    norms add up over ``pp_group``. ``counted_elsewhere``: parameters of ``params`` whose
+    gradient another pipeline rank holds too and counts (the last stage's copy of a tied
+    embedding): clipped here, left out of the norm.
     """
     from torch.distributed.tensor import DTensor
 
+    skip = {id(p) for p in counted_elsewhere}
     groups: dict[tuple[int, tuple[int, ...]], tuple[Any, list[torch.Tensor]]] = {}
     device = None
     for p in params:
         g = p.grad
         if g is None:
+            continue
+        if id(p) in skip:
+            device = device or _local_of(g).device
             continue
         if isinstance(g, DTensor):
             if any(pl.is_partial() for pl in g.placements):  # not reduced yet: let DTensor reduce it

@@ -8,6 +8,9 @@
     6. data parallel    FSDP2 over the "dp" mesh, flattened with "cp" (ZeRO 1-3), or a plain
                         gradient all-reduce over the same ranks (ZeRO 0)
     7. materialise      meta tensors -> device, the model's own init (only if built on meta)
+    8. tied copies      a parameter the first and the last stage share (a tied LM head): the last
+                        stage's copy made equal to the first's, gradients summed after each step
+                        (``parallel.tied``)
 
 Each step is a small function below; :func:`parallelize_3d` calls them in this order.
 The layout and its checks are in ``parallel.config_3d``, the gradient all-reduce and
@@ -32,6 +35,7 @@ from lightning_perf.parallel.fsdp import find_blocks
 from lightning_perf.parallel.init import has_meta_tensors, materialize_local
 from lightning_perf.parallel.pipeline import PipelineRunner, build_stage_modules, lm_cross_entropy, prune_to_stages
 from lightning_perf.parallel.tensor_parallel import apply_tp, enable_async_tp, register_batch_padding
+from lightning_perf.parallel.tied import TiedParameters, check_tied_layout, tied_parameter_names
 
 __all__ = [
     "Parallelized3D",
@@ -51,6 +55,7 @@ class Parallelized3D:
     stages: dict[int, nn.Module]  # this rank's stage modules (``{0: target}`` without pp)
     runner: Optional[PipelineRunner]  # the schedule, with pp > 1
     fsdp: bool  # FSDP2 shards over "dp"
+    tied: Optional[TiedParameters] = None  # this rank's copies of parameters the first and last stage share
 
 
 def parallelize_3d(
@@ -74,6 +79,9 @@ def parallelize_3d(
     use_fsdp = dp_mesh.size() > 1 and config.zero_stage > 0
     if config.fp8_all_gather and not use_fsdp:  # "auto" resolved to one replica (every rank alike)
         raise ValueError(f"fp8_all_gather needs data parallelism with ZeRO; this layout has dp={mesh['dp'].size()}")
+    tied_names = tied_parameter_names(target, config.pipeline.num_stages) if pp > 1 else []
+    if tied_names:  # every rank alike, before any collective here
+        check_tied_layout(config.pipeline, zero_sharded=use_fsdp)
     # 1. every later step works on this rank's stages (the whole model without pp)
     stages = apply_pipeline_split(target, mesh, config)
     # 2. before compile: a checkpointed block changes what compile_targets picks under TP
@@ -98,10 +106,14 @@ def parallelize_3d(
         prune_to_stages(target, stages)
     if has_meta_tensors(target):
         materialize_local(target, device)
+    # 8. every rank joins the embedding groups' creation; the last stage's copy starts as the first's
+    tied = TiedParameters.build(target, tied_names, mesh, config.pipeline) if tied_names else None
+    if tied is not None:
+        tied.broadcast_()
     runner = None
     if pp > 1:
-        runner = PipelineRunner(config.pipeline, stages, mesh["pp"].get_group(), device, loss_fn=loss_fn)
-    return Parallelized3D(target=target, stages=stages, runner=runner, fsdp=use_fsdp)
+        runner = PipelineRunner(config.pipeline, stages, mesh["pp"].get_group(), device, loss_fn=loss_fn, tied=tied)
+    return Parallelized3D(target=target, stages=stages, runner=runner, fsdp=use_fsdp, tied=tied)
 
 
 def apply_pipeline_split(target: nn.Module, mesh: Any, config: Parallel3DConfig) -> dict[int, nn.Module]:

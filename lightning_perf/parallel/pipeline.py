@@ -22,12 +22,15 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from lightning_perf.parallel.tied import TiedParameters
 
 __all__ = [
     "SCHEDULES",
@@ -201,6 +204,8 @@ class PipelineRunner:
         pp_group: the pipeline process group (``mesh["pp"].get_group()``).
         device: where activations live.
         loss_fn: ``(last stage output, targets) -> mean loss`` of one microbatch.
+        tied: the copies of parameters the first and the last stage share (``parallel.tied``): their
+            gradients are summed over the embedding group after each training step's backward.
     """
 
     def __init__(
@@ -210,11 +215,13 @@ class PipelineRunner:
         pp_group: Any,
         device: torch.device,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_cross_entropy,
+        tied: Optional[TiedParameters] = None,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
         self.config = config
         self.loss_fn = loss_fn
+        self.tied = tied
         self.pp_group = pp_group
         self.device = device
         n = config.num_stages
@@ -271,16 +278,20 @@ class PipelineRunner:
 
         Each microbatch's loss is multiplied by ``loss_factor / num_microbatches`` (so the
         gradients are those of the batch mean times ``loss_factor``) and then passed through
-        ``scale_loss`` (fp16 loss scaling). Returns the unscaled batch-mean loss (detached) on
-        every pipeline rank.
+        ``scale_loss`` (fp16 loss scaling). Tied copies (``tied``) get the sum of both stages'
+        gradients. Returns the unscaled batch-mean loss (detached) on every pipeline rank.
         """
         self._raw = []
         self._factor = loss_factor / float(self.config.num_microbatches or 1)
         self._scale = scale_loss or (lambda t: t)
+        held = self.tied.hold_grads() if self.tied is not None else []
         try:
             self._run(self.schedule.step, inputs, targets)
         finally:
             self._scale = lambda t: t
+        if self.tied is not None:
+            # the copies of a tied parameter: this step's gradients summed, so both take one update
+            self.tied.reduce_grads_(held)
         return self._batch_loss()
 
     @torch.no_grad()

@@ -44,6 +44,7 @@ from lightning_perf.parallel.gradients import allreduce_gradients, clip_grad_nor
 from lightning_perf.parallel.parallelize_3d import Parallelized3D, parallelize_3d
 from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.tensor_parallel import tp_sequence_check
+from lightning_perf.parallel.tied import check_tied_layout, tied_parameter_names
 from lightning_perf.parallel.validate import check_data_layout, data_shape
 from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model
 
@@ -118,7 +119,9 @@ class Parallel3DStrategy(PerfParallelStrategy):
       ``tensor_parallel_size > 1``);
     - ``pipeline_stage(self, stage_idx, num_stages) -> nn.Module``: this stage's part, the first
       stage owning the embedding and the last the final norm, head and loss (for
-      ``pipeline_parallel_size > 1``);
+      ``pipeline_parallel_size > 1``); a parameter both of these stages use (a tied embedding and
+      LM head) is held by both stage ranks and kept equal (``parallel.tied``), one the config
+      declares with ``tie_embeddings`` where the network is built in ``configure_model``;
     - ``enable_context_parallel(self, attention)``: route every attention core through
       ``attention(q, k, v)``, with ``forward(idx, targets=None, *, positions=None)`` taking the
       tokens' global positions (for ``context_parallel_size > 1``);
@@ -216,10 +219,18 @@ class Parallel3DStrategy(PerfParallelStrategy):
         super()._check_before_launch(module, datamodule)
         if module is None:
             return
+        model_config = getattr(module, "config", None)
         if not builds_in_configure_model(module):  # the network it will split: the protocol methods, as setup() checks them
-            check_model(module, self.config)
+            target = check_model(module, self.config)
+            pp_stages = self.config.pipeline.num_stages if self.config.pipeline_parallel_size > 1 else 1
+            tied = bool(tied_parameter_names(target, pp_stages))
+        else:  # built later: its config tells (GPTConfig.tie_embeddings)
+            tied = bool(getattr(model_config, "tie_embeddings", False))
         # a module that builds its network later still carries its numbers (GPTLightningModule.config)
-        check_model_config(getattr(module, "config", None), self.config)
+        check_model_config(model_config, self.config)
+        if tied:
+            dims = self.config.dims(self.num_nodes * self.num_processes)
+            check_tied_layout(self.config.pipeline, zero_sharded=self.config.zero_stage > 0 and dims.dp * dims.cp > 1)
         self._check_fp8_all_gather(module)
         # the data module's numbers too (a batch the pipeline cannot split would fail in a collective)
         batch_size, seq_len = data_shape(datamodule)
@@ -333,7 +344,9 @@ class Parallel3DStrategy(PerfParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_3d(params, float(clip_val), self.device_mesh["pp"].get_group())
+        tied = self.parallel.tied
+        clip_grad_norm_3d(params, float(clip_val), self.device_mesh["pp"].get_group(),
+                          counted_elsewhere=tied.counted_elsewhere if tied is not None else ())
 
     @contextmanager
     def _tp_loss_context(self) -> Generator[None, None, None]:

@@ -74,11 +74,20 @@ def test_stages_chain_to_the_full_model_and_keep_names() -> None:
     assert "lm_head.weight" in kept and "tok_emb.weight" not in kept
 
 
-def test_tied_head_is_refused_across_stages() -> None:
+def test_tied_head_is_shared_by_the_first_and_last_stage() -> None:
     model = GPT(_cfg(tie_embeddings=True))
-    with pytest.raises(ValueError, match="tie_embeddings=False"):
-        model.pipeline_stage(0, 2)
+    first, last = model.pipeline_stage(0, 2), model.pipeline_stage(1, 2)
+    assert first.tok_emb is model.tok_emb and first.lm_head is None
+    assert last.tok_emb is None and last.lm_head is model.tok_emb
+    assert last.head_weight is model.tok_emb.weight
     assert model.pipeline_stage(0, 1).head_weight is model.tok_emb.weight
+    # the last stage's rank keeps the embedding under its one name, as its head
+    pruned = GPT(_cfg(tie_embeddings=True))
+    stage = pruned.pipeline_stage(1, 2)
+    prune_to_stages(pruned, {1: stage})
+    kept = set(pruned.state_dict())
+    assert "tok_emb.weight" in kept and "lm_head.weight" not in kept and "norm.weight" in kept
+    assert {k.split(".")[1] for k in kept if k.startswith("blocks.")} == set(stage.blocks)
     with pytest.raises(ValueError, match=r"4 blocks do not split evenly into 3"):
         GPT(_cfg()).pipeline_stage(0, 3)
 

@@ -51,6 +51,10 @@ def test_plan_of_a_stage_names_only_its_modules() -> None:
     with torch.device("meta"):
         learned = GPT(GPTConfig.from_name("tiny"))
     assert "pos_emb" in learned.tensor_parallel_plan(_Mesh(2))
+    # a tied head on the last stage: the embedding's vocabulary rows, sharded as the first stage's tok_emb
+    tied = learned.pipeline_stage(1, 2).tensor_parallel_plan(_Mesh(2))
+    first = learned.pipeline_stage(0, 2).tensor_parallel_plan(_Mesh(2))
+    assert type(tied["lm_head"]) is type(first["tok_emb"]) is RowwiseParallel and "tok_emb" not in tied
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,7 @@ VOCAB = 128
 def tiny_config():
     from lightning_perf.models.gpt import GPTConfig
 
-    # bias-free: a k_proj bias has a zero true gradient and Adam amplifies its rounding noise;
-    # an untied head: pipeline stages cannot share the embedding
+    # bias-free: a k_proj bias has a zero true gradient and Adam amplifies its rounding noise
     return GPTConfig.from_name("tiny", n_layer=2, n_embd=64, n_head=2, block_size=T, vocab_size=VOCAB,
                                pad_vocab_multiple=16, bias=False, tie_embeddings=False)
 

@@ -99,10 +99,9 @@ def configs(draw) -> dict:
             "activation_checkpointing": p(["none", "full", "selective"], ["some"]),
         }
         s = cfg["strategy"]
-        if rnd.random() < 0.75:  # usually a stage count the schedule runs, an untied head under pp
+        if rnd.random() < 0.75:  # usually a stage count the schedule runs
             fixed = SCHEDULES.get(s["pipeline_schedule"], (None, None, 1))[2]
             s["stages_per_rank"] = fixed or (2 if s["pipeline_parallel_size"] > 1 else 1)
-            model["tie_embeddings"] = model["tie_embeddings"] and s["pipeline_parallel_size"] == 1
         if rnd.random() < 0.75:  # usually a world size that fits the layout
             dp = s["data_parallel_size"] if s["data_parallel_size"] != "auto" else rnd.choice([1, 2])
             cfg["world"] = max(1, dp * s["tensor_parallel_size"] * s["pipeline_parallel_size"])

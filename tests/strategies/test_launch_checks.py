@@ -93,9 +93,6 @@ BAD_3D = [
     pytest.param(dict(tensor_parallel_size=2), lambda: _gpt(n_head=3, n_kv_head=3, n_embd=96),
                  r"^n_head \(3\) is not divisible by tensor_parallel_size \(2\): 3 / 2 = 1\.5; each tensor-parallel "
                  r"rank needs whole heads$", id="tp-heads"),
-    pytest.param(dict(pipeline_parallel_size=2), lambda: GPTLightningModule("tiny"),
-                 r"^'tiny' ties the LM head to the token embedding, which would live on both the first and the "
-                 r"last of 2 pipeline stages; build it with tie_embeddings=False", id="pp-tied-head"),
     pytest.param(dict(tensor_parallel_size=2), PlainNet,
                  r"^tensor parallelism \(tp=2\) needs the model to implement `tensor_parallel_plan\(self, tp_mesh\) "
                  r"-> dict .*`; no submodule of PlainNet defines `tensor_parallel_plan`\. Implement it \(the 3D "
@@ -124,12 +121,25 @@ def test_parallel3d_bad_data_raises_in_the_parent(spawned, tmp_path) -> None:
     assert spawned == []
 
 
+def test_parallel3d_tied_head_on_one_sharded_rank_raises_in_the_parent(spawned, tmp_path) -> None:
+    # V placement runs the first and last stage (embedding and tied head) on one rank; ZeRO over dp2
+    strategy = Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="zbv_zero_bubble", stages_per_rank=2,
+                                  num_microbatches=4, zero_stage=2)
+    with pytest.raises(ValueError, match=r"^pipeline_schedule='zbv_zero_bubble' runs the first and the last stage "
+                                         r"on one rank, where a tied LM head .* use zero_stage=0"):
+        _trainer(strategy, tmp_path, devices=4).fit(GPTLightningModule("tiny"))
+    assert spawned == []
+
+
 @pytest.mark.parametrize("options, module", [
     (dict(tensor_parallel_size=2), _gpt),
     (dict(pipeline_parallel_size=2), lambda: GPTLightningModule("tiny", config_overrides={"tie_embeddings": False})),
+    (dict(pipeline_parallel_size=2), lambda: GPTLightningModule("tiny")),  # tied: copies on the two stages
+    (dict(pipeline_parallel_size=2, pipeline_schedule="zbv_zero_bubble", stages_per_rank=2, num_microbatches=4),
+     lambda: GPTLightningModule("tiny")),  # tied on one rank, dp1: one parameter
     (dict(data_parallel_size=2), PlainNet),
     (dict(tensor_parallel_size=2), LaterNet),  # the network comes in configure_model: checked in setup
-], ids=["tp2-gpt", "pp2-untied-gpt", "dp2-plain", "tp2-configure-model"])
+], ids=["tp2-gpt", "pp2-untied-gpt", "pp2-tied-gpt", "pp2-zbv-tied-gpt", "dp2-plain", "tp2-configure-model"])
 def test_parallel3d_good_layout_passes_the_check(options, module, spawned, tmp_path) -> None:
     trainer = _trainer(Parallel3DStrategy(**options), tmp_path)
     with pytest.raises(ReachedProcessGroup):
@@ -193,10 +203,11 @@ def _cli(tmp_path, monkeypatch, *flags: str) -> None:
 
 
 def test_cli_bad_layout_raises_in_the_parent(spawned, monkeypatch, tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"^'tiny' ties the LM head to the token embedding"):
+    with pytest.raises(ValueError, match=r"^n_layer \(4\) is not divisible by pipeline stages"):
         _cli(tmp_path, monkeypatch, "--model.config=tiny",
              "--trainer.strategy=lightning_perf.strategies.Parallel3DStrategy",
-             "--trainer.strategy.pipeline_parallel_size=2")
+             "--trainer.strategy.pipeline_parallel_size=2", "--trainer.strategy.pipeline_schedule=interleaved_1f1b",
+             "--trainer.strategy.stages_per_rank=3", "--trainer.strategy.num_microbatches=6")
     assert spawned == []
 
 

@@ -37,9 +37,9 @@ def tiny_config(kind: str = "llama"):
         from dataclasses import replace
 
         return replace(tiny_config("llama"), fp8=True)
-    if kind == "gpt2":  # learned positions, LayerNorm, GELU, tied head
-        return GPTConfig(name="t2", vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=32,
-                         pad_vocab_multiple=16, bias=False)
+    if kind in ("gpt2", "gpt2_l4"):  # learned positions, LayerNorm, GELU, tied head
+        return GPTConfig(name="t2", vocab_size=VOCAB, block_size=T, n_layer=4 if kind == "gpt2_l4" else 2,
+                         n_head=4, n_embd=32, pad_vocab_multiple=16, bias=False)
     return GPTConfig(name="tl", vocab_size=VOCAB, block_size=T, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
                      intermediate_size=64, pad_vocab_multiple=16, norm="rmsnorm", activation="swiglu",
                      positions="rope", tie_embeddings=False, bias=False)

@@ -89,12 +89,16 @@ def test_context_parallel_sequence_must_cut_into_2cp_chunks_before_launch() -> N
         (dict(n_head=6, n_kv_head=6, n_embd=384), dict(tensor_parallel_size=4), r"n_head \(6\) is not divisible"),
         (dict(), dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", stages_per_rank=3,
                       num_microbatches=6), r"n_layer \(4\) is not divisible by pipeline stages"),
-        (dict(tie_embeddings=True), dict(pipeline_parallel_size=2), "tie_embeddings=False"),
     ],
 )
 def test_model_layout_checks(model_kw, cfg_kw, match) -> None:
     with pytest.raises(ValueError, match=match):
         check_model(_meta_gpt(**model_kw), Parallel3DConfig(**cfg_kw))
+
+
+def test_a_tied_head_passes_the_pipeline_check() -> None:
+    model = _meta_gpt(tie_embeddings=True)
+    assert check_model(model, Parallel3DConfig(pipeline_parallel_size=2)) is model
 
 
 def test_user_model_without_protocol_gets_data_parallel_only() -> None:

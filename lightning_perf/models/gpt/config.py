@@ -161,7 +161,8 @@ class GPTConfig:
 
         The 3D model protocol's layout check: the strategy calls it with numbers alone, before
         any process group starts. Tensor parallelism needs whole heads and rows on every rank;
-        pipeline parallelism needs the blocks to fill the stages evenly and an untied LM head.
+        pipeline parallelism needs the blocks to fill the stages evenly (a tied LM head is held
+        by the first and the last stage alike).
         """
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         if tp > 1:
@@ -182,12 +183,6 @@ class GPTConfig:
             raise ValueError(
                 f"n_layer ({self.n_layer}) is not divisible by pipeline stages: pp({pp}) * stages_per_rank"
                 f"({stages_per_rank}) = {stages}, {self.n_layer} / {stages} = {self.n_layer / stages:.3g}"
-            )
-        if stages > 1 and self.tie_embeddings:
-            raise ValueError(
-                f"{self.name!r} ties the LM head to the token embedding, which would live on both the first "
-                f"and the last of {stages} pipeline stages; build it with tie_embeddings=False "
-                f"(GPTConfig.from_name({self.name!r}, tie_embeddings=False)) to use pipeline parallelism"
             )
 
     # ---- sizes -------------------------------------------------------------------------------

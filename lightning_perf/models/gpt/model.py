@@ -228,8 +228,9 @@ class GPT(nn.Module):
     documents of each row (``kernels.document_mask``), attention is document-causal and positions
     (learned or rotary) restart at 0 where each document starts.
     A pipeline stage keeps a subset: ``tok_emb`` / ``pos_emb`` on the first stage,
-    ``norm`` / ``lm_head`` on the last; a missing embedding means the input is already
-    hidden states, a missing head means the output is hidden states.
+    ``norm`` / ``lm_head`` on the last (a tied head's ``lm_head`` there is the ``tok_emb``
+    module itself: only its (V, d) weight is used); a missing embedding means the input is
+    already hidden states, a missing head means the output is hidden states.
     """
 
     #: a Hugging Face checkpoint folder that ``init_weights()`` loads instead of drawing random values

@@ -25,9 +25,10 @@ owns the embeddings, the last the final norm, head and loss. The head is not fre
 gpt-1.3b (V=50k, d=2048) its matmul is worth ~1.9 blocks, so an even split of 24 blocks
 gives the last stage ~15% more matmul work than the first, and every 1F1B step waits on it.
 :func:`gpt_stage_layers` therefore balances matmul FLOPs (blocks + head) over the
-stages: gpt-1.3b on 2 stages gets 13 + 11 blocks. A tied head would live on
-both the first and the last stage; that is refused for ``n > 1`` (untie it with
-``tie_embeddings=False``) rather than silently synchronising two copies.
+stages: gpt-1.3b on 2 stages gets 13 + 11 blocks. A tied head lives on both the
+first and the last stage: the last stage's ``lm_head`` is the token embedding module
+itself, so each of the two pipeline ranks holds a copy of the one ``tok_emb.weight``
+(the strategy keeps the copies equal: ``lightning_perf.parallel.tied``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from lightning_perf.kernels._utils import is_dtensor
 from lightning_perf.kernels.float8 import fp8_recipe_of
 
 if TYPE_CHECKING:
@@ -132,7 +134,12 @@ def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: A
             plan[f"{p}.mlp"] = Prepare(input_layouts=(resid,), desired_input_layouts=(Replicate(),), **prepare_kw, **fqn)
     if model.norm is not None:
         plan["norm"] = ReplicatedOutputNorm(sequence_parallel=sequence_parallel)
-        if model.lm_head is not None:
+        if isinstance(model.lm_head, nn.Embedding):
+            # a tied head on the last pipeline stage: vocabulary rows sharded as the first stage's
+            # tok_emb, shard for shard; already sharded where that stage runs in this process
+            if not is_dtensor(model.lm_head.weight):
+                plan["lm_head"] = RowwiseParallel(input_layouts=Replicate())
+        elif model.lm_head is not None:
             # only the weight's sharding matters: forward uses it through F.linear (head_weight)
             plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return plan
@@ -170,7 +177,8 @@ def gpt_pipeline_stage(model: "GPT", stage_idx: int, num_stages: int) -> "GPT":
 
     The returned stage shares its submodules (and so its parameters) with ``model``.
     Its ``forward(x)`` takes token ids on the first stage and hidden states (B, T, d)
-    elsewhere, and returns hidden states, or logits (B, T, V) on the last stage.
+    elsewhere, and returns hidden states, or logits (B, T, V) on the last stage. With a tied
+    head the first and the last stage share ``model.tok_emb`` (the last as its ``lm_head``).
     """
     from lightning_perf.models.gpt.model import GPT
 
@@ -183,8 +191,6 @@ def gpt_pipeline_stage(model: "GPT", stage_idx: int, num_stages: int) -> "GPT":
             f"{len(keys)} / {num_stages} = {len(keys) / num_stages:.3g}"
         )
     first, last = stage_idx == 0, stage_idx == num_stages - 1
-    if num_stages > 1 and model.lm_head is None:
-        check_gpt_layout(model.config, pp=num_stages)  # raises: tied head across stages
     sizes = gpt_stage_layers(model.config, num_stages) if len(keys) == model.config.n_layer else None
     if sizes is None:  # a model already pruned to other blocks: split what it has evenly
         sizes = [len(keys) // num_stages] * num_stages
@@ -199,7 +205,9 @@ def gpt_pipeline_stage(model: "GPT", stage_idx: int, num_stages: int) -> "GPT":
     stage.pos_emb = model.pos_emb if first else None
     stage.blocks = nn.ModuleDict({k: model.blocks[k] for k in kept})
     stage.norm = model.norm if last else None
-    stage.lm_head = model.lm_head if last else None
+    # a tied head on a later stage than the embedding: the embedding module, whose (V, d) weight the head uses
+    tied = model.lm_head is None and not first
+    stage.lm_head = (model.tok_emb if tied else model.lm_head) if last else None
     stage.register_buffer("rope_cos", model.rope_cos, persistent=False)
     stage.register_buffer("rope_sin", model.rope_sin, persistent=False)
     return stage
