@@ -145,6 +145,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (fp32, Triton interpreter)")
+    p.add_argument("--tag", default="", help="suffix of the result file's name, e.g. _after")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -158,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     deadline = time.monotonic() + args.budget_s
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"bench_packed_attention_{device_tag(device)}_{dt.date.today():%Y%m%d}.json"
+    path = out_dir / f"bench_packed_attention_{device_tag(device)}_{dt.date.today():%Y%m%d}{args.tag}.json"
     result: dict[str, Any] = {
         "script": "bench_packed_attention.py", "argv": sys.argv[1:], "device": torch.cuda.get_device_name(0)
         if cuda else platform.processor() or "cpu", "torch": torch.__version__, "smoke": args.smoke,
