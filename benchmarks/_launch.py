@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from typing import Any, Callable, Optional
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -14,6 +16,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_worker(rank: int, world: int, port: int, smoke: bool) -> tuple[torch.device, torch.dtype]:
+    """In a spawned rank: its process group (NCCL on GPU ``rank``; gloo on the CPU under ``smoke``);
+    returns the rank's device and the dtype to measure in (bf16 on a GPU, fp32 on the CPU)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cpu") if smoke else torch.device("cuda", rank)
+    if not smoke:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if smoke else "nccl", rank=rank, world_size=world)
+    return device, torch.float32 if smoke else torch.bfloat16
 
 
 def launch(worker: Callable, args: tuple, world: int, timeout: float) -> Optional[str]:

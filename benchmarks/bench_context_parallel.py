@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, installed or not
-from _launch import launch  # noqa: E402
+from _launch import init_worker, launch  # noqa: E402
 
 MODES = ("allgather", "ring")
 
@@ -142,13 +142,8 @@ def _model(rank: int, world: int, args: dict, mode: str, T: int, device, dtype, 
 def _worker(rank: int, world: int, port: int, args: dict, variant: tuple, out_file: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = not args["smoke"]
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device, dtype = init_worker(rank, world, port, args["smoke"])
     what, T, mode = variant
     run = _attention if what == "attention" else _model
     row = run(rank, world, args, mode, T, device, dtype, cuda)

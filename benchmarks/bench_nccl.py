@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import launch, read_ranks  # noqa: E402
+from _launch import init_worker, launch  # noqa: E402
 
 SIZES_MB = (16, 64, 128, 256, 512)
 
@@ -33,13 +33,8 @@ SIZES_MB = (16, 64, 128, 256, 512)
 def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = not args["smoke"]
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device, dtype = init_worker(rank, world, port, args["smoke"])
     rows: list[dict[str, Any]] = []
     for mb in (SIZES_MB if cuda else (1,)):
         full = torch.empty(mb * 2**20 // 2, dtype=dtype, device=device)

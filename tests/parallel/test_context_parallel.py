@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _attention_case import causal_gqa_case
 from _spawn import spawn
 
 from lightning_perf.parallel.context_parallel import (
@@ -70,12 +70,7 @@ def _cp2_worker(rank: int, world: int, out: Path) -> dict:
     res: dict = {}
     # the op: GQA (4 query heads, 2 kv heads), T = 16, against SDPA's causal attention on the whole sequence
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 16, 8, generator=g, requires_grad=True)
-    k = torch.randn(2, 2, 16, 8, generator=g, requires_grad=True)
-    v = torch.randn(2, 2, 16, 8, generator=g, requires_grad=True)
-    grad_out = torch.randn(2, 4, 16, 8, generator=g)
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    ref.backward(grad_out)
+    q, k, v, grad_out, ref = causal_gqa_case(g)
     local = [split_sequence(t.detach(), world, rank, dim=2).requires_grad_() for t in (q, k, v)]
     y = context_parallel_attention(*local, group=group)
     y.backward(split_sequence(grad_out, world, rank, dim=2))

@@ -266,12 +266,20 @@ def _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d, start_m, T,
-               qk_scale, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-               HAS_DOCS: tl.constexpr = False, doc_q=None, doc_k=None):
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_ptrs = Q_base + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :]
-    do_ptrs = DO_base + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :]
+def _load_row_stats(LSE_base, DELTA_base, offs_m, T, MASK: tl.constexpr):
+    """The forward's log-sum-exp and the backward's ``delta`` for query rows ``offs_m``."""
+    if MASK:
+        lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
+    else:
+        lse = tl.load(LSE_base + offs_m)
+        delta = tl.load(DELTA_base + offs_m)
+    return lse, delta
+
+
+@triton.jit
+def _load_query_tile(q_ptrs, do_ptrs, LSE_base, DELTA_base, offs_m, T, MASK: tl.constexpr):
+    """A backward step's query rows: ``q``, ``dO`` and the rows' statistics (rows past ``T`` read as zeros)."""
     if MASK:
         q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
         lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
@@ -282,6 +290,17 @@ def _dkdv_tile(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, o
         lse = tl.load(LSE_base + offs_m)
         do = tl.load(do_ptrs)
         delta = tl.load(DELTA_base + offs_m)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, sqt, sdot, offs_n, offs_d, start_m, T,
+               qk_scale, MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               HAS_DOCS: tl.constexpr = False, doc_q=None, doc_k=None):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_ptrs = Q_base + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :]
+    do_ptrs = DO_base + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :]
+    q, do, lse, delta = _load_query_tile(q_ptrs, do_ptrs, LSE_base, DELTA_base, offs_m, T, MASK)
     dk, dv, _ = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL, HAS_DOCS,
                            doc_q, doc_k)
     return dk, dv
@@ -362,12 +381,7 @@ def _bwd_dkdv_tma_inner(dk, dv, k, v, q_desc, do_desc, LSE_base, DELTA_base, b, 
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)  # rows past T arrive as zeros
         do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-        if MASK:
-            lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
-            delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
-        else:
-            lse = tl.load(LSE_base + offs_m)
-            delta = tl.load(DELTA_base + offs_m)
+        lse, delta = _load_row_stats(LSE_base, DELTA_base, offs_m, T, MASK)
         dk, dv, _ = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
     return dk, dv
 
@@ -535,16 +549,7 @@ def _bwd_fused_inner(dk, dv, k, v, Q_base, DO_base, DQ_base, LSE_base, DELTA_bas
         q_ptrs = Q_base + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :]
         do_ptrs = DO_base + offs_m[:, None].to(tl.int64) * sdot + offs_d[None, :]
         dq_ptrs = DQ_base + offs_m[:, None].to(tl.int64) * sdqt + offs_d[None, :]
-        if MASK:
-            q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
-            lse = tl.load(LSE_base + offs_m, mask=offs_m < T, other=0.0)
-            do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
-            delta = tl.load(DELTA_base + offs_m, mask=offs_m < T, other=0.0)
-        else:
-            q = tl.load(q_ptrs)
-            lse = tl.load(LSE_base + offs_m)
-            do = tl.load(do_ptrs)
-            delta = tl.load(DELTA_base + offs_m)
+        q, do, lse, delta = _load_query_tile(q_ptrs, do_ptrs, LSE_base, DELTA_base, offs_m, T, MASK)
         dk, dv, dsT = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, T, qk_scale, MASK, CAUSAL)
         dq = tl.dot(tl.trans(dsT), k)  # (BLOCK_M, D), unscaled; fp32
         if MASK:
