@@ -253,3 +253,52 @@ def test_gpt_without_hf_architecture_is_refused_on_save():
     cfg = GPTConfig.from_name("tiny", n_layer=1, positions="rope")
     with pytest.raises(ValueError, match="positions='rope'"):
         hf_config(cfg)
+
+
+def test_a_shard_reads_only_its_elements(tmp_path, monkeypatch):
+    from lightning_perf.models.gpt.hf import HFWeights, _read_box, weight_table
+
+    path = _save(_gpt2(), tmp_path / "gpt2")
+    full = GPT.from_hf(path, pad_vocab_multiple=64).state_dict()  # 300 rows padded to 320
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()), pad_vocab_multiple=64)
+    table = weight_table(cfg, "gpt2", prefix="transformer.")
+    read: list[int] = []
+    original = HFWeights.read
+    monkeypatch.setattr(HFWeights, "read", lambda self, key, index: read.append(
+        (t := original(self, key, index)).numel()) or t)
+    monkeypatch.setattr(HFWeights, "get", lambda self, key: pytest.fail(f"{key} read whole"))
+    weights = HFWeights(path)
+    cases = [
+        # (name, box, elements read): vocabulary rows past 300 are padding, never read
+        ("tok_emb.weight", (slice(0, 160), slice(0, 32)), 160 * 32),
+        ("tok_emb.weight", (slice(160, 320), slice(0, 32)), (300 - 160) * 32),
+        ("tok_emb.weight", (slice(304, 320), slice(0, 32)), 0),
+        ("tok_emb.weight", (slice(0, 320), slice(16, 32)), 300 * 16),
+        # k of c_attn (stored (32, 96), transposed): rows 32..64 of the transpose, a column block of the file
+        ("blocks.1.attn.k_proj.weight", (slice(16, 32), slice(0, 32)), 16 * 32),
+        ("blocks.0.attn.v_proj.bias", (slice(0, 16),), 16),
+        ("blocks.0.mlp.down_proj.weight", (slice(0, 32), slice(64, 128)), 32 * 64),
+    ]
+    for name, box, elements in cases:
+        read.clear()
+        assert torch.equal(_read_box(weights, table[name], cfg, box), full[name][box]), (name, box)
+        assert read == [elements], (name, box, read)
+
+
+def test_bad_input_is_refused_before_any_process_group(tmp_path):
+    import torch.distributed as dist
+
+    from lightning_perf.strategies import Parallel3DStrategy
+
+    strategy = Parallel3DStrategy(tensor_parallel_size=2)  # never reached: the module refuses first
+    path = _save(_llama(), tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"vocabulary mismatch: model\.embed_tokens\.weight has 300 rows .* 304"):
+        GPTLightningModule.from_hf(path, vocab_size=VOCAB + 4)
+    hf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(hf, intermediate_size=96)))
+    with pytest.raises(ValueError, match=r"shape mismatch: model\.layers\.0\.mlp\.\w+_proj\.weight .* blocks\.0\.mlp"):
+        GPTLightningModule.from_hf(path)
+    (path / "config.json").write_text(json.dumps(dict(hf, architectures=["BertForMaskedLM"], model_type="bert")))
+    with pytest.raises(ValueError, match=r"architectures=\['BertForMaskedLM'\]"):
+        GPTLightningModule.from_hf(path)
+    assert not dist.is_initialized() and strategy._parallel is None

@@ -34,6 +34,7 @@ __all__ = [
     "ARCHITECTURES",
     "HFWeights",
     "WeightSource",
+    "check_hf_weights",
     "config_from_hf",
     "full_state_dict",
     "hf_config",
@@ -331,11 +332,24 @@ class HFWeights:
     def __contains__(self, key: str) -> bool:
         return key in self._files
 
-    def get(self, key: str) -> torch.Tensor:
+    def _handle(self, key: str) -> Any:
         if key not in self._files:
             raise KeyError(f"{self.path}: the checkpoint has no tensor {key!r}")
-        handle = self._open(self._files[key])
+        return self._open(self._files[key])
+
+    def get(self, key: str) -> torch.Tensor:
+        handle = self._handle(key)
         return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
+
+    def shape(self, key: str) -> torch.Size:
+        """The stored shape, from the file's header alone."""
+        handle = self._handle(key)
+        return torch.Size(handle.get_slice(key).get_shape() if hasattr(handle, "get_slice") else handle[key].shape)
+
+    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """``tensor[index]``, reading only those elements from a safetensors file."""
+        handle = self._handle(key)
+        return handle.get_slice(key)[index] if hasattr(handle, "get_slice") else handle[key][index].clone()
 
 
 def _gpt2_prefix(weights: HFWeights) -> str:
@@ -347,52 +361,71 @@ def _clean_name(name: str) -> str:
     return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
-def _read(weights: HFWeights, name: str, src: WeightSource, shape: torch.Size, config: GPTConfig) -> torch.Tensor:
-    t = weights.get(src.key)
+def _source_shape(weights: HFWeights, name: str, src: WeightSource, shape: torch.Size, config: GPTConfig) -> None:
+    """Raise, naming both keys, when the stored tensor does not give the GPT's ``name`` of ``shape`` (headers only)."""
+    stored = weights.shape(src.key)
+    if src.transpose and len(stored) != 2:
+        raise ValueError(
+            f"shape mismatch: {src.key} {tuple(stored)} is not a matrix, the GPT's {name} is {tuple(shape)}"
+        )
+    t = list(reversed(stored)) if src.transpose else list(stored)
+    if src.rows is not None:
+        if len(t) < 1 or t[0] < src.rows[1]:
+            raise ValueError(
+                f"shape mismatch: {src.key} {tuple(stored)} has no rows {src.rows} for the GPT's {name} {tuple(shape)}"
+            )
+        t[0] = src.rows[1] - src.rows[0]
+    if src.vocab_rows:
+        if t[0] != config.vocab_size:
+            raise ValueError(
+                f"vocabulary mismatch: {src.key} has {t[0]} rows but the GPT's vocab_size is {config.vocab_size}"
+            )
+        t[0] = config.padded_vocab_size
+    if torch.Size(t) != shape:
+        raise ValueError(
+            f"shape mismatch: {src.key} {tuple(stored)} gives {tuple(t)} for the GPT's {name} {tuple(shape)}"
+        )
+
+
+def _read_box(weights: HFWeights, src: WeightSource, config: GPTConfig, index: tuple[slice, ...]) -> torch.Tensor:
+    """The GPT tensor's ``index`` box (one slice per dim), reading only the stored elements it covers.
+
+    The GPT tensor is the stored one transposed (``src.transpose``), cut to ``src.rows`` and padded with
+    zero rows past the vocabulary (``src.vocab_rows``); the box is mapped back through those steps.
+    """
+    a, b = index[0].start, index[0].stop
+    real = max(a, min(b, config.vocab_size)) if src.vocab_rows else b  # rows past it are padding
+    shift = src.rows[0] if src.rows is not None else 0
+    rows = slice(a + shift, real + shift)
+    stored_index = (index[1], rows) if src.transpose else (rows, *index[1:])
+    t = weights.read(src.key, stored_index)
     if src.transpose:
         t = t.t()
-    if src.rows is not None:
-        t = t[src.rows[0] : src.rows[1]]
-    if src.vocab_rows:
-        if t.shape[0] != config.vocab_size:
-            raise ValueError(
-                f"{src.key} has {t.shape[0]} rows but config.json's vocab_size is {config.vocab_size}"
-            )
-        pad = config.padded_vocab_size - config.vocab_size
-        if pad:
-            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-    if t.shape != shape:
-        raise ValueError(
-            f"shape mismatch: {src.key} {tuple(weights.get(src.key).shape)} gives {tuple(t.shape)} for the GPT's "
-            f"{name} {tuple(shape)}"
-        )
+    if real < b:
+        t = torch.cat([t, t.new_zeros(b - real, *t.shape[1:])])
     return t
 
 
 @torch.no_grad()
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a whole tensor into ``param``, or into its local shard when ``param`` is a DTensor."""
+def _fill(param: torch.Tensor, weights: HFWeights, src: WeightSource, config: GPTConfig) -> None:
+    """Fill ``param``, or its local shard when ``param`` is a DTensor, with only the elements it holds."""
     from lightning_perf.kernels._utils import is_dtensor
 
     if is_dtensor(param):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
-        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-        local = param.to_local()
-        local.copy_(full[index].to(local.dtype))
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        target = param.to_local()
     else:
-        param.copy_(full.to(param.dtype))
+        shape, offset, target = tuple(param.shape), (0,) * param.dim(), param
+    if target.numel() == 0:
+        return
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    target.copy_(_read_box(weights, src, config, index).to(target.dtype))
 
 
-def load_hf_weights(model: "GPT", path: Union[str, Path]) -> None:
-    """Fill ``model``'s materialised parameters (whole, a pipeline stage's subset, or sharded DTensors)
-    from the checkpoint folder ``path``; every rank reads the tensors it holds shards of.
-
-    Raises, naming the tensor, on a missing or misshapen tensor, or one the GPT would leave unused.
-    """
-    weights = HFWeights(path)
-    config = model.config
+def _table_for(weights: HFWeights, path: Union[str, Path], config: GPTConfig) -> dict[str, WeightSource]:
+    """The weight table of the checkpoint at ``path``; raises for a tensor the GPT would leave unused."""
     family = hf_family(read_hf_config(path))
     table = weight_table(config, family, prefix=_gpt2_prefix(weights) if family == "gpt2" else "")
     used = {src.key for src in table.values()}
@@ -403,13 +436,54 @@ def load_hf_weights(model: "GPT", path: Union[str, Path]) -> None:
             f"{path} holds tensors the GPT ({family}) has no place for, e.g. {unused[:4]}: "
             "a different architecture, or a config.json that does not describe these weights"
         )
-    for name, param in model.named_parameters():
-        clean = _clean_name(name)
-        if clean not in table:
-            raise KeyError(f"the GPT's {clean} has no Hugging Face {family} counterpart")
+    return table
+
+
+def _source(table: dict[str, WeightSource], name: str) -> WeightSource:
+    clean = _clean_name(name)
+    if clean not in table:
+        raise KeyError(f"the GPT's {clean} has no Hugging Face counterpart in this checkpoint")
+    return table[clean]
+
+
+def check_hf_weights(config: GPTConfig, path: Union[str, Path]) -> None:
+    """Raise, naming the keys, unless the checkpoint at ``path`` fills a GPT of ``config`` exactly.
+
+    Reads the files' headers only (no tensor data) and needs no process group: a mismatched vocabulary or
+    shape, a missing tensor or one the GPT would leave unused fails before any process starts.
+    """
+    from lightning_perf.models.gpt.model import GPT
+
+    weights = HFWeights(path)
+    table = _table_for(weights, path, config)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in GPT(config).named_parameters()}
+    for name, shape in shapes.items():
+        src = _source(table, name)
+        if src.key not in weights:
+            raise KeyError(f"{path}: the checkpoint has no tensor {src.key!r} (for the GPT's {name})")
+        _source_shape(weights, name, src, shape, config)
+
+
+def load_hf_weights(model: "GPT", path: Union[str, Path]) -> None:
+    """Fill ``model``'s materialised parameters (whole, a pipeline stage's subset, or sharded DTensors)
+    from the checkpoint folder ``path``; every rank reads only the elements of the shards it holds.
+
+    Raises, naming the tensor, on a missing or misshapen tensor, or one the GPT would leave unused.
+    """
+    weights = HFWeights(path)
+    config = model.config
+    table = _table_for(weights, path, config)
+    params = list(model.named_parameters())
+    for name, param in params:  # every check before the first copy
+        src = _source(table, name)
         if param.is_meta:
-            raise RuntimeError(f"{clean} is on the meta device: materialise the model (to_empty) before loading")
-        _copy_full_into(param, _read(weights, clean, table[clean], param.shape, config))
+            raise RuntimeError(
+                f"{_clean_name(name)} is on the meta device: materialise the model (to_empty) before loading"
+            )
+        _source_shape(weights, _clean_name(name), src, param.shape, config)
+    for name, param in params:
+        _fill(param, weights, _source(table, name), config)
     model.init_rope()
 
 

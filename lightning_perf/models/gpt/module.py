@@ -106,6 +106,11 @@ class GPTLightningModule(L.LightningModule):
         overrides.update({k: v for k, v in (("vocab_size", vocab_size), ("block_size", block_size)) if v is not None})
         if overrides:
             cfg = cfg.replace(**overrides)
+        if init_from_hf is not None and not isinstance(config, dict):  # a dict: hyper-parameters of a saved run
+            from lightning_perf.models.gpt.hf import check_hf_weights
+
+            # headers only: a vocabulary or shape mismatch fails here, before any process or process group
+            check_hf_weights(cfg, init_from_hf)
         if cfg.fp8:
             from lightning_perf.kernels.float8 import require_torchao
 

@@ -1,0 +1,185 @@
+"""Hugging Face weights under tensor and pipeline parallelism: ``GPTLightningModule.from_hf`` trained with
+``Parallel3DStrategy`` starts from exactly the checkpoint's tensors.
+
+Two tiny random ``transformers`` models saved to a folder: a Llama with grouped-query attention and an
+untied head (under tp2) and a GPT-2 with its tied head (under pp2, the first and the last stage each
+holding a copy). On 2 gloo ranks, built on meta (each rank reads its own slices) and built whole (every
+rank reads the folder, then shards), every rank's local shards and stage parameters must equal the
+matching slices of the checkpoint, and the first losses one process's from the same folder (rtol 1e-4).
+On 4 ranks, pp2 x tp2 does the same for the tied GPT-2. The tp2 run's sharded checkpoint, consolidated
+and written with ``save_hf``, loads in ``transformers`` with the one-process model's logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _spawn import spawn
+from test_parallel3d import PER_EPOCH, VOCAB, S, T, loader
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+GLOBAL_B = 8
+
+
+def _save_models(folder: Path) -> None:
+    torch.manual_seed(0)
+    llama = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=T, rope_theta=10000.0, tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM(llama).save_pretrained(str(folder / "llama"), safe_serialization=True)
+    gpt2 = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=T, vocab_size=VOCAB)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(str(folder / "gpt2"), safe_serialization=True)
+
+
+class _Start:
+    """Records this rank's parameters as training starts: name -> (global offset, local values)."""
+
+    def __new__(cls):
+        import lightning as L
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        class Start(L.Callback):
+            def __init__(self) -> None:
+                self.params: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+            def on_train_start(self, trainer, pl_module) -> None:
+                for name, p in pl_module.named_parameters():
+                    if hasattr(p, "to_local"):
+                        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                        self.params[name] = (tuple(offset), p.to_local().detach().clone())
+                    else:
+                        self.params[name] = ((0,) * p.dim(), p.detach().clone())
+
+        return Start()
+
+
+def fit_hf(strategy, world: int, folder: Path, *, steps: int = PER_EPOCH, save_to: Any = None) -> dict:
+    import lightning as L
+
+    from lightning_perf.models.gpt.module import GPTLightningModule
+
+    class Recording(GPTLightningModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.detach().float().item())
+            return loss
+
+    L.seed_everything(0, verbose=False)
+    module = Recording.from_hf(folder, learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0)
+    module.losses = []
+    start = _Start()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, callbacks=[start], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, loader(GLOBAL_B, reference=world == 1))
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    res = {"losses": module.losses, "start": start.params}
+    if world == 1:
+        res["final"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return res
+
+
+def _worker2(rank: int, world: int, out: Path) -> dict:
+    res: dict[str, Any] = {}
+    for meta in (True, False):
+        res[f"tp2_llama_meta{meta}"] = fit_hf(S(tensor_parallel_size=2, meta_init=meta), world, out / "llama",
+                                              save_to=out / "tp2.ckpt" if meta else None)
+        res[f"pp2_gpt2_meta{meta}"] = fit_hf(S(pipeline_parallel_size=2, meta_init=meta), world, out / "gpt2")
+    return res
+
+
+def _worker4(rank: int, world: int, out: Path) -> dict:
+    return {"pp2_tp2_gpt2": fit_hf(S(pipeline_parallel_size=2, tensor_parallel_size=2, meta_init=True), world,
+                                   out / "gpt2")}
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory) -> dict:
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from lightning_perf.models import GPT
+
+    folder = tmp_path_factory.mktemp("hf")
+    _save_models(folder)
+    runs: dict[str, Any] = {"folder": folder}
+    for kind in ("llama", "gpt2"):
+        runs[kind] = fit_hf(SingleDeviceStrategy(torch.device("cpu")), 1, folder / kind)
+        runs[f"{kind}_hf"] = {f"model.{k}": v for k, v in GPT.from_hf(folder / kind).state_dict().items()}
+    return runs
+
+
+def _check_start(results: list[dict], key: str, checkpoint: dict[str, torch.Tensor], stages: list[set[str]]) -> None:
+    """Every rank's starting tensors are the checkpoint's slices; rank r holds stage ``stages[r]``'s names."""
+    for rank, (r, names) in enumerate(zip(results, stages)):
+        start = r[key]["start"]
+        assert set(start) == names, f"{key} rank {rank}: {set(start) ^ names}"
+        for name, (offset, local) in start.items():
+            index = tuple(slice(o, o + s) for o, s in zip(offset, local.shape))
+            assert torch.equal(local, checkpoint[name][index]), f"{key} rank {rank}: {name} at {offset}"
+
+
+def _check_losses(results: list[dict], key: str, ref: dict) -> None:
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(torch.tensor(r[key]["losses"]), torch.tensor(ref["losses"]), rtol=1e-4,
+                                   atol=0, msg=lambda m: f"{key} rank {rank} losses: {m}")
+
+
+def _gpt2_stages(checkpoint: dict[str, torch.Tensor]) -> tuple[set[str], set[str]]:
+    first = {k for k in checkpoint if k.startswith(("model.tok_emb", "model.pos_emb", "model.blocks.0."))}
+    last = {k for k in checkpoint if k.startswith(("model.blocks.1.", "model.norm", "model.tok_emb"))}
+    return first, last
+
+
+@pytest.mark.slow
+def test_hf_weights_under_tp2_and_pp2(hf_runs, tmp_path) -> None:
+    from lightning_perf.models import GPT
+    from lightning_perf.models.gpt.hf import save_hf
+    from lightning_perf.parallel.checkpoint import consolidate
+
+    for kind in ("llama", "gpt2"):
+        (tmp_path / kind).symlink_to(hf_runs["folder"] / kind)
+    results = spawn(_worker2, 2, tmp_path, timeout=300.0)
+    llama, gpt2 = hf_runs["llama_hf"], hf_runs["gpt2_hf"]
+    for meta in (True, False):
+        # tensor parallel: both ranks hold every name, each its own rows / columns of it
+        _check_start(results, f"tp2_llama_meta{meta}", llama, [set(llama)] * 2)
+        _check_losses(results, f"tp2_llama_meta{meta}", hf_runs["llama"])
+        # pipeline parallel: the tied embedding on both stages, equal to the checkpoint's wte
+        _check_start(results, f"pp2_gpt2_meta{meta}", gpt2, list(_gpt2_stages(gpt2)))
+        _check_losses(results, f"pp2_gpt2_meta{meta}", hf_runs["gpt2"])
+    # the tp2 column shards of q_proj: rank 1 starts at row 32 / 2 = 16 of the checkpoint's q_proj
+    q = results[1]["tp2_llama_metaTrue"]["start"]["model.blocks.0.attn.q_proj.weight"]
+    assert q[0] == (16, 0) and q[1].shape == (16, 32)
+
+    # back to Hugging Face from the sharded tp2 checkpoint: transformers gives the one-process model's logits
+    state = torch.load(consolidate(tmp_path / "tp2.ckpt", tmp_path / "tp2.pt"), weights_only=True)
+    config = GPT.from_hf(hf_runs["folder"] / "llama").config
+    save_hf(state, config, tmp_path / "tuned")
+    for name, value in hf_runs["llama"]["final"].items():  # trained as one process would have
+        torch.testing.assert_close(state[name.removeprefix("model.")], value, rtol=1e-4, atol=5e-5)
+    single = GPT(config)
+    single.load_state_dict(state)
+    idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "tuned")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(idx).logits, single.eval()(idx), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(back(idx).logits, GPT.from_hf(hf_runs["folder"] / "llama").eval()(idx))
+
+
+@pytest.mark.slow
+def test_hf_tied_gpt2_under_pp2_tp2(hf_runs, tmp_path) -> None:
+    (tmp_path / "gpt2").symlink_to(hf_runs["folder"] / "gpt2")
+    results = spawn(_worker4, 4, tmp_path, timeout=300.0)
+    gpt2 = hf_runs["gpt2_hf"]
+    first, last = _gpt2_stages(gpt2)
+    _check_start(results, "pp2_tp2_gpt2", gpt2, [first, first, last, last])
+    _check_losses(results, "pp2_tp2_gpt2", hf_runs["gpt2"])
