@@ -201,8 +201,8 @@ def main(argv: Any = None) -> None:
         import deepspeed
 
         result["versions"]["deepspeed"] = deepspeed.__version__
-    except ImportError:
-        pass
+    except ImportError:  # its leg then records the missing package
+        result["versions"]["deepspeed"] = None
     passthrough = list(argv if argv is not None else sys.argv[1:])  # a child runs its --leg only
     for leg in legs:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
