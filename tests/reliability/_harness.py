@@ -1,8 +1,9 @@
 """Shared pieces of the reliability tests: rank processes that may die, a tiny GPT, token data.
 
-``launch`` starts one spawned process per rank and never fails the test by itself: it
-returns each rank's exit code, result (``rank{r}.pt``) or traceback (``rank{r}.err``) and
-when the error was written, so a test can assert how a rank failed and how fast.
+``launch`` starts one process per rank (forked from the warm interpreter of ``tests/_warm.py``)
+and never fails the test by itself: it returns each rank's exit code, result (``rank{r}.pt``)
+or traceback (``rank{r}.err``) and when the error was written, so a test can assert how a rank
+failed and how fast.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
+from _warm import context, enter
 
 T = 32  # sequence length = block_size of the tiny GPT
 VOCAB = 128
@@ -106,7 +108,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: tuple, env: dict) -> None:
+    enter(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -138,11 +141,10 @@ def launch(fn: Callable, world: int, out_dir: Path, *args: Any, timeout: float =
     # a fork server that imported torch and Lightning once forks every rank of every launch:
     # no per-process import (most of a spawned rank's start-up), and no fork of a process
     # whose OpenMP pool already ran (the test process trains too)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "lightning_perf.strategies",
-                                "lightning_perf.callbacks", "lightning_perf.data"])
+    ctx = context() or mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, fn, world, port, str(out_dir), args), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, fn, world, port, str(out_dir), args, env), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
