@@ -61,9 +61,14 @@ def context():
 
 
 def enter(env: dict[str, str]) -> None:
-    """In a forked process: the caller's environment."""
+    """In a forked process: the caller's environment, and random generators seeded afresh as in a new
+    interpreter (forks would otherwise all continue the server's streams)."""
     os.environ.clear()
     os.environ.update(env)
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # (``random`` reseeds itself after a fork)
 
 
 _PATHS: dict[tuple, list[str]] = {}
