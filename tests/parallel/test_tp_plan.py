@@ -134,6 +134,9 @@ def test_compile_scope_under_tensor_parallelism() -> None:
 # ---- two ranks: one process group runs the workers of every selected test -----------------------
 
 
+_FAILED = "worker raised"
+
+
 def _run_workers(workers: list, rank: int, world: int, out_dir) -> dict:
     """Each worker in turn on this rank; one that raises leaves its traceback and the rest still run."""
     out = {}
@@ -143,9 +146,6 @@ def _run_workers(workers: list, rank: int, world: int, out_dir) -> dict:
         except Exception:
             out[worker.__name__] = {_FAILED: traceback.format_exc()}
     return out
-
-
-_FAILED = "worker raised"
 
 
 @pytest.fixture(scope="module")
@@ -206,15 +206,14 @@ def test_tensor_parallel_block_graphs_hold_their_collectives(tp2) -> None:
     reduce-scatters and the sequence-parallel norms (forward and backward): the layout Inductor's
     async TP rewrites. Three blocks share one forward and one backward graph (no recompilation
     per block)."""
-    results = tp2
-    graphs = results[0]["graphs"]
+    graphs = tp2[0]["graphs"]
     assert len(graphs) == 2, [sorted(g)[:5] for g in graphs]  # one block: forward + backward
     for ops in graphs:
         text = " ".join(ops)
         assert "all_gather_into_tensor" in text and "reduce_scatter_tensor" in text, sorted(ops)
         assert "aten.mm" in text or "aten.addmm" in text, sorted(ops)
         assert "layer_norm" in text, sorted(ops)  # the sequence-parallel norms are inside too
-    assert results[0]["loss"] == results[1]["loss"]
+    assert tp2[0]["loss"] == tp2[1]["loss"]
 
 
 def _reference_and_copy(preset: str, **overrides):
@@ -292,8 +291,7 @@ def test_unfused_biases_keep_gradients_and_leave_bias_free_matmuls(tp2) -> None:
     """GPT-2 style (a bias on every projection) under tp2 + sequence parallel with the biases split
     from their matmuls (for async TP): the loss and every gradient equal one process's, and the
     compiled sublayer graphs hold ``mm`` only (``addmm`` is what async TP cannot fuse)."""
-    results = tp2
-    for r in results:
+    for r in tp2:
         assert r["changed"] == 2 * 6  # q, k, v, o, up, down per block
         assert abs(r["loss"] - r["ref_loss"]) < 1e-5 * abs(r["ref_loss"])
         assert r["worst_grad_rel"] < 1e-5, r["worst_grad_rel"]
@@ -353,8 +351,7 @@ def test_sequence_parallel_gathers_move_the_autocast_dtype(tp2) -> None:
     their all-gather (and so their gradients are reduce-scattered in bf16): the forward is the same
     (the linears behind the gather ran in bf16 anyway), the gradients agree to bf16 rounding, and
     the block gathers move half the bytes."""
-    results = tp2
-    for r in results:
+    for r in tp2:
         plain, cast = r["plain"], r["cast"]
         assert cast["loss"] == plain["loss"]
         gathers = lambda seen: [d for k, d in seen if k == "forward all_gather"]  # noqa: E731
