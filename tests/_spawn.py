@@ -2,8 +2,9 @@
 
 Ranks are forked from the warm interpreter of ``_warm.py`` (spawned where it cannot serve), under
 the caller's environment. A rank writes its output to ``rank{r}.log`` and, when it raises, its
-traceback to ``rank{r}.err``; a group that does not finish in ``timeout`` seconds is killed and
-fails the test with both, so a hung collective never hangs the suite.
+traceback to ``rank{r}.err``; a group that does not finish in ``timeout`` seconds dumps its ranks'
+stacks into their logs, is killed and fails the test with both, so a hung collective never hangs
+the suite and shows where it hung.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _warm import context, enter
+from _warm import context, enter, stop
 
 
 def free_port() -> int:
@@ -66,9 +67,9 @@ def spawn(fn: Callable, world: int, out_dir: Path, timeout: float = 240.0, *, in
             if time.monotonic() > deadline:
                 raise TimeoutError(f"distributed test did not finish in {timeout}s")
     except Exception as e:
+        stop([p.pid for p in ctx.processes if p.is_alive()])
         for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+            p.join()
         errs = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
         logs = "\n".join(f"--- {f.name} (end)\n{f.read_text(errors='replace')[-3000:]}"
                          for f in sorted(out_dir.glob("rank*.log")))

@@ -41,6 +41,8 @@ PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_perf", 
 _RUN_TIME = {"PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
              "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
 
+HANG_SIGNAL = signal.SIGUSR1
+
 _server_env: Optional[dict[str, str]] = None
 
 
@@ -61,14 +63,42 @@ def context():
 
 
 def enter(env: dict[str, str]) -> None:
-    """In a forked process: the caller's environment, and random generators seeded afresh as in a new
-    interpreter (forks would otherwise all continue the server's streams)."""
+    """In a forked process: the caller's environment, random generators seeded afresh as in a new
+    interpreter (forks would otherwise all continue the server's streams), and ``HANG_SIGNAL`` set to
+    dump every thread's stack to stderr (``stop`` sends it before it kills)."""
     os.environ.clear()
     os.environ.update(env)
     if "torch" in sys.modules:
         sys.modules["torch"].seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # (``random`` reseeds itself after a fork)
+    faulthandler.register(HANG_SIGNAL, all_threads=True)
+
+
+def stop(pids: Sequence[int], grace: float = 2.0, *, group: bool = False) -> None:
+    """Kill processes that ran past their time: first ``HANG_SIGNAL`` (each dumps its threads' stacks
+    to its stderr), then, after ``grace`` seconds, SIGKILL (to each one's process group with ``group``)."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, HANG_SIGNAL)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    if alive:
+        time.sleep(grace)
+    for pid in alive:
+        try:
+            os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Timeout(subprocess.TimeoutExpired):
+    """``subprocess.TimeoutExpired`` whose message ends with the stacks the command dumped."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{(self.stderr or '')[-6000:]}"
 
 
 _PATHS: dict[tuple, list[str]] = {}
@@ -77,7 +107,7 @@ _PATHS: dict[tuple, list[str]] = {}
 def _startup_path(env: dict[str, str]) -> list[str]:
     """``sys.path`` of a fresh interpreter under ``env``, less its first entry (the script's folder or
     the working directory): site-packages, ``PYTHONPATH`` and ``.pth`` entries."""
-    key = tuple(sorted(env.items()))
+    key = tuple(sorted(_import_env(env).items()))
     if key not in _PATHS:
         out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
                              env=env, capture_output=True, text=True, check=True)
@@ -94,7 +124,6 @@ def _main(args: list[str], cwd: str, env: dict[str, str], path: list[str], out: 
         os.close(f)
     os.chdir(cwd)
     enter(env)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a timeout first dumps where it hangs
     code = 0
     try:
         if args[0] == "-m":
@@ -132,8 +161,9 @@ def python(args: Sequence[str], *, timeout: float, cwd=None, env: Optional[dict[
     """``subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
     timeout=timeout)`` for ``args`` = ``("-m", module, ...)`` or ``(script, ...)``, forked from the
     warm interpreter; a fresh process when it cannot be, or with ``fresh`` (a script that sets
-    environment variables for its own imports). Raises ``subprocess.TimeoutExpired`` after killing
-    the process and everything it started."""
+    environment variables for its own imports). Raises ``subprocess.TimeoutExpired`` (its message
+    ending with the stacks of the forked command's threads) after killing the process and
+    everything it started."""
     args = [str(a) for a in args]
     cwd = os.getcwd() if cwd is None else cwd
     env = dict(os.environ if env is None else env)
@@ -149,13 +179,9 @@ def python(args: Sequence[str], *, timeout: float, cwd=None, env: Optional[dict[
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:
-            try:
-                os.kill(proc.pid, signal.SIGUSR1)
-                time.sleep(2)
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            stop([proc.pid], group=True)  # the command and any ranks it launched
             proc.join()
-            raise subprocess.TimeoutExpired([sys.executable, *args], timeout, out.read_text(), err.read_text())
+            raise Timeout([sys.executable, *args], timeout, out.read_text(errors="replace"),
+                          err.read_text(errors="replace"))
         return subprocess.CompletedProcess([sys.executable, *args], proc.exitcode, out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))

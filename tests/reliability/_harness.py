@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
-from _warm import context, enter
+from _warm import context, enter, stop
 
 T = 32  # sequence length = block_size of the tiny GPT
 VOCAB = 128
@@ -109,6 +109,10 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: tuple, env: dict) -> None:
+    log = os.open(Path(out_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
     enter(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
@@ -155,11 +159,11 @@ def launch(fn: Callable, world: int, out_dir: Path, *args: Any, timeout: float =
             if not p.is_alive() and not ended[r]:
                 ended[r] = time.time()
         time.sleep(0.05)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    stop([procs[r].pid for r in hung])  # a hang: stacks into the rank's log; the test fails on the exit code
     for r, p in enumerate(procs):
-        if p.is_alive():  # a hang: the test then fails on the exit code
-            p.kill()
-            p.join()
-        elif not ended[r]:
+        p.join()
+        if not ended[r] and r not in hung:
             ended[r] = time.time()
     results, errors, times = [], [], []
     for r in range(world):
@@ -170,6 +174,10 @@ def launch(fn: Callable, world: int, out_dir: Path, *args: Any, timeout: float =
             when, _, rest = err.read_text().partition("\n")
             errors.append(rest)
             times.append(float(when))
+        elif r in hung:
+            log = (out_dir / f"rank{r}.log").read_text(errors="replace")
+            errors.append(f"Hang\nno result in {timeout}s; the end of its log:\n{log[-6000:]}")
+            times.append(None)
         else:
             errors.append(None)
             times.append(None)
