@@ -1,7 +1,10 @@
 """Run a test function on N CPU processes (gloo) and collect each rank's result.
 
-A rank that raises writes its traceback next to the results; a group that does not finish in
-``timeout`` seconds is killed and fails the test, so a hung collective never hangs the suite.
+Ranks are forked from the warm interpreter of ``_warm.py`` (spawned where it cannot serve), under
+the caller's environment. A rank writes its output to ``rank{r}.log`` and, when it raises, its
+traceback to ``rank{r}.err``; a group that does not finish in ``timeout`` seconds dumps its ranks'
+stacks into their logs, is killed and fails the test with both, so a hung collective never hangs
+the suite and shows where it hung.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.multiprocessing as mp
+from _warm import context, enter, stop
 
 
 def free_port() -> int:
@@ -25,9 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, init_group: bool) -> None:
+def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, init_group: bool, env: dict) -> None:
     import torch.distributed as dist
 
+    log = os.open(Path(out_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    enter(env)
     # what a launcher sets; Lightning's strategies create the group themselves unless init_group
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
@@ -49,17 +58,20 @@ def spawn(fn: Callable, world: int, out_dir: Path, timeout: float = 240.0, *, in
     """``fn(rank, world, out_dir)`` on ``world`` spawned processes; returns the ranks' results in order."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir), init_group), nprocs=world,
-                             join=False, start_method="spawn")
+    method = "spawn" if context() is None else "forkserver"
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir), init_group, dict(os.environ)),
+                             nprocs=world, join=False, start_method=method)
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"distributed test did not finish in {timeout}s")
     except Exception as e:
+        stop([p.pid for p in ctx.processes if p.is_alive()])
         for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+            p.join()
         errs = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
-        pytest.fail(f"{e}\n{errs}")
+        logs = "\n".join(f"--- {f.name} (end)\n{f.read_text(errors='replace')[-3000:]}"
+                         for f in sorted(out_dir.glob("rank*.log")))
+        pytest.fail(f"{e}\n{errs}\n{logs}")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

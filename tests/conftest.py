@@ -1,4 +1,4 @@
-"""Shared test helpers live beside this file (``_spawn.py``); make them importable from every folder."""
+"""Shared test helpers live beside this file (``_spawn.py``, ``_warm.py``); make them importable from every folder."""
 
 import sys
 from pathlib import Path

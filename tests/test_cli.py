@@ -1,12 +1,11 @@
 """The command line: a real `fit` subprocess on the tiny recipe, then `generate` from its checkpoint."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from _warm import python
 
 from lightning_perf.cli import perf_precision_for, recipe_dir, recipe_names
 
@@ -14,8 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args, cwd, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "lightning_perf", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = python(["-m", "lightning_perf", *args], cwd=cwd, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -45,13 +43,11 @@ def test_generate_from_checkpoint(fitted):
 
 
 def test_generate_refuses_missing_and_corrupt_checkpoints(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "lightning_perf", "generate", "--ckpt_path", str(tmp_path / "no.ckpt")],
-                          capture_output=True, text=True, timeout=120)
+    proc = python(["-m", "lightning_perf", "generate", "--ckpt_path", tmp_path / "no.ckpt"], timeout=120)
     assert proc.returncode != 0 and "checkpoint not found" in proc.stderr
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(b"not a checkpoint")
-    proc = subprocess.run([sys.executable, "-m", "lightning_perf", "generate", "--ckpt_path", str(bad)],
-                          capture_output=True, text=True, timeout=120)
+    proc = python(["-m", "lightning_perf", "generate", "--ckpt_path", bad], timeout=120)
     assert proc.returncode != 0 and "cannot load checkpoint" in proc.stderr and "bad.ckpt" in proc.stderr
 
 
@@ -95,8 +91,7 @@ def test_every_recipe_parses_and_builds_its_strategy(recipe, tmp_path):
 
 
 def _fails(args, cwd, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "lightning_perf", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = python(["-m", "lightning_perf", *args], cwd=cwd, timeout=timeout)
     assert proc.returncode != 0, proc.stdout[-2000:]
     return proc.stderr
 

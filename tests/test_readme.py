@@ -1,13 +1,12 @@
 """The Python examples of README.md and of every page in docs/ run as written, each as its own script
-(multi-process examples launch their ranks the way a user's script would). Examples that need GPUs
-(``accelerator="gpu"`` or ``device="cuda"`` in the block) are only compiled."""
+in its own process (multi-process examples launch their ranks the way a user's script would).
+Examples that need GPUs (``accelerator="gpu"`` or ``device="cuda"`` in the block) are only compiled."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _warm import python
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -38,5 +37,6 @@ def test_example(page, index, code, tmp_path):
     (texts / "b.txt").write_text("import os\nprint(os.getcwd())\n" * 400)
     script = tmp_path / f"example_{Path(page).stem}_{index}.py"
     script.write_text(code + "\n")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    # forked from the warm interpreter, unless it sets environment variables for its imports to read
+    proc = python([script], cwd=tmp_path, timeout=600, fresh="os.environ" in code)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -15,12 +15,11 @@ covered without editing this test.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from _warm import python
 
 from lightning_perf.cli import recipe_dir, recipe_names
 
@@ -113,10 +112,7 @@ def test_recipe_runs_through_the_cli_on_cpu(name, tmp_path):
     side.mkdir()
     stand_in = side / "cpu.yaml"
     stand_in.write_text(yaml.safe_dump(_stand_in(recipe, side)))
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_perf", "fit", "--config", name, "--config", str(stand_in)],
-        cwd=cwd, capture_output=True, text=True, timeout=900,
-    )
+    proc = python(["-m", "lightning_perf", "fit", "--config", name, "--config", stand_in], cwd=cwd, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached" in proc.stdout + proc.stderr
     written = _tree(cwd)

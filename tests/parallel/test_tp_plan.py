@@ -1,14 +1,19 @@
-"""The GPT's tensor-parallel plan and its layout checks, without a process group.
+"""The GPT's tensor-parallel plan and its layout checks, and tp2 on two CPU processes (gloo).
 
-The numerical checks (tp2 losses and parameters equal one process, with GQA, RoPE,
-learned positions and a tied head) run inside the Trainer in
-tests/strategies/test_parallel3d.py.
+The Trainer-level numerical checks (tp2 losses and parameters equal one process, with GQA,
+RoPE, learned positions and a tied head) run in tests/strategies/test_parallel3d.py. Here
+each two-rank test names its worker (``@pytest.mark.tp2("_cast_worker")``); one process group runs
+the workers of every selected test in turn, and each test checks its worker's results.
 """
 
 from __future__ import annotations
 
+import functools
+import traceback
+
 import pytest
 import torch
+from _spawn import spawn
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from lightning_perf.models.gpt import GPT, GPTConfig
@@ -126,6 +131,43 @@ def test_compile_scope_under_tensor_parallelism() -> None:
     assert model._compiled_call_impl is None and model.blocks["1"]._compiled_call_impl is not None
 
 
+# ---- two ranks: one process group runs the workers of every selected test -----------------------
+
+
+_FAILED = "worker raised"
+
+
+def _run_workers(workers: list, rank: int, world: int, out_dir) -> dict:
+    """Each worker in turn on this rank; one that raises leaves its traceback and the rest still run."""
+    out = {}
+    for worker in workers:
+        try:
+            out[worker.__name__] = worker(rank, world, out_dir)
+        except Exception:
+            out[worker.__name__] = {_FAILED: traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def _tp2_group(request, tmp_path_factory) -> list[dict]:
+    names = {item.get_closest_marker("tp2").args[0] for item in request.session.items
+             if item.module is request.module and item.get_closest_marker("tp2") is not None}
+    workers = [getattr(request.module, name) for name in sorted(names)]
+    return spawn(functools.partial(_run_workers, workers), 2, tmp_path_factory.mktemp("tp2"), init_group=True,
+                 timeout=1200)
+
+
+@pytest.fixture
+def tp2(request, _tp2_group) -> list:
+    """The results of the test's ``@pytest.mark.tp2("worker")`` on ranks 0 and 1."""
+    name = request.node.get_closest_marker("tp2").args[0]
+    results = [r[name] for r in _tp2_group]
+    for rank, r in enumerate(results):
+        if isinstance(r, dict) and _FAILED in r:
+            pytest.fail(f"{name} raised on rank {rank}:\n{r[_FAILED]}")
+    return results
+
+
 def _tp_graph_worker(rank: int, world: int, out_dir) -> dict:
     from torch._dynamo.backends.common import aot_autograd
     from torch.distributed.device_mesh import init_device_mesh
@@ -158,22 +200,20 @@ def _tp_graph_worker(rank: int, world: int, out_dir) -> dict:
     return {"graphs": graphs, "loss": float(loss.detach())}
 
 
-def test_tensor_parallel_block_graphs_hold_their_collectives(tmp_path) -> None:
+@pytest.mark.tp2("_tp_graph_worker")
+def test_tensor_parallel_block_graphs_hold_their_collectives(tp2) -> None:
     """Under sequence-parallel TP each compiled block graph holds its all-gathers, matmuls,
     reduce-scatters and the sequence-parallel norms (forward and backward): the layout Inductor's
     async TP rewrites. Three blocks share one forward and one backward graph (no recompilation
     per block)."""
-    from tests._spawn import spawn
-
-    results = spawn(_tp_graph_worker, 2, tmp_path, init_group=True)
-    graphs = results[0]["graphs"]
+    graphs = tp2[0]["graphs"]
     assert len(graphs) == 2, [sorted(g)[:5] for g in graphs]  # one block: forward + backward
     for ops in graphs:
         text = " ".join(ops)
         assert "all_gather_into_tensor" in text and "reduce_scatter_tensor" in text, sorted(ops)
         assert "aten.mm" in text or "aten.addmm" in text, sorted(ops)
         assert "layer_norm" in text, sorted(ops)  # the sequence-parallel norms are inside too
-    assert results[0]["loss"] == results[1]["loss"]
+    assert tp2[0]["loss"] == tp2[1]["loss"]
 
 
 def _reference_and_copy(preset: str, **overrides):
@@ -246,14 +286,12 @@ def _unfused_bias_worker(rank: int, world: int, out_dir) -> dict:
             "worst_grad_rel": max(_grad_errors(model, ref).values()), "graphs": graphs}
 
 
-def test_unfused_biases_keep_gradients_and_leave_bias_free_matmuls(tmp_path) -> None:
+@pytest.mark.tp2("_unfused_bias_worker")
+def test_unfused_biases_keep_gradients_and_leave_bias_free_matmuls(tp2) -> None:
     """GPT-2 style (a bias on every projection) under tp2 + sequence parallel with the biases split
     from their matmuls (for async TP): the loss and every gradient equal one process's, and the
     compiled sublayer graphs hold ``mm`` only (``addmm`` is what async TP cannot fuse)."""
-    from tests._spawn import spawn
-
-    results = spawn(_unfused_bias_worker, 2, tmp_path, init_group=True)
-    for r in results:
+    for r in tp2:
         assert r["changed"] == 2 * 6  # q, k, v, o, up, down per block
         assert abs(r["loss"] - r["ref_loss"]) < 1e-5 * abs(r["ref_loss"])
         assert r["worst_grad_rel"] < 1e-5, r["worst_grad_rel"]
@@ -307,15 +345,13 @@ def _cast_worker(rank: int, world: int, out_dir) -> dict:
     return out
 
 
-def test_sequence_parallel_gathers_move_the_autocast_dtype(tmp_path) -> None:
+@pytest.mark.tp2("_cast_worker")
+def test_sequence_parallel_gathers_move_the_autocast_dtype(tp2) -> None:
     """bf16 autocast over tp2 + sequence parallel: the norms' fp32 outputs are cast to bf16 before
     their all-gather (and so their gradients are reduce-scattered in bf16): the forward is the same
     (the linears behind the gather ran in bf16 anyway), the gradients agree to bf16 rounding, and
     the block gathers move half the bytes."""
-    from tests._spawn import spawn
-
-    results = spawn(_cast_worker, 2, tmp_path, init_group=True)
-    for r in results:
+    for r in tp2:
         plain, cast = r["plain"], r["cast"]
         assert cast["loss"] == plain["loss"]
         gathers = lambda seen: [d for k, d in seen if k == "forward all_gather"]  # noqa: E731
@@ -349,34 +385,42 @@ def _llama_compiled_worker(rank: int, world: int, out_dir) -> dict:
     return {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref)}
 
 
-def test_compiled_tp_blocks_fed_by_the_embedding_match_one_process(tmp_path) -> None:
+@pytest.mark.tp2("_llama_compiled_worker")
+def test_compiled_tp_blocks_fed_by_the_embedding_match_one_process(tp2) -> None:
     """Llama-style tp2 + sequence parallel, blocks compiled with their hooks: the first block's input
     is the vocab-parallel embedding's ``to_local()`` view, which as a raw graph input gets a wrong
     gradient (the embedding's) or crashes DTensor's backward; every gradient equals one process's."""
-    from tests._spawn import spawn
-
-    for r in spawn(_llama_compiled_worker, 2, tmp_path, init_group=True):
+    for r in tp2:
         assert abs(r["loss"] - r["ref_loss"]) < 1e-5 * abs(r["ref_loss"])
         bad = {k: v for k, v in r["worst"].items() if v > 1e-5}
         assert not bad, bad
 
 
-def _overlap_worker(rank: int, world: int, out_dir) -> dict:
-    import re
-
+@functools.lru_cache(maxsize=None)
+def _inductor_tp_step(preset: str, sequence_parallel, tp_overlap: str, world: int) -> dict:
+    """This rank's tp2 step of ``preset`` with its blocks compiled by Inductor: loss, the reference loss,
+    the gradient errors and the generated code. Once per process and configuration: several workers
+    check the same run."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_perf.parallel.compile import compile_blocks
     from lightning_perf.parallel.tensor_parallel import apply_tp
 
+    idx, ref, ref_loss, model = _reference_and_copy(preset)
+    apply_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel=sequence_parallel, local_output=True)
+    torch._dynamo.reset()
+    compile_blocks(list(model.blocks.values()), "default", tensor_parallel=True, tp_overlap=tp_overlap)
+    loss, codes = _loss_parallel_step_with_code(model, idx)
+    return {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref), "codes": codes}
+
+
+def _overlap_worker(rank: int, world: int, out_dir) -> dict:
+    import re
+
     out = {}
     for mode in ("none", "reorder", "reorder_peak_memory"):
-        idx, ref, ref_loss, model = _reference_and_copy("tiny")
-        apply_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel=True, local_output=True)
-        torch._dynamo.reset()
-        compile_blocks(list(model.blocks.values()), "default", tensor_parallel=True, tp_overlap=mode)
-
-        loss, codes = _loss_parallel_step_with_code(model, idx)
+        step = _inductor_tp_step("tiny", True, mode, world)
+        codes = step["codes"]
         # per compiled graph: the matmuls that run between a collective's launch and its wait
         hidden = []
         for code in codes:
@@ -385,19 +429,18 @@ def _overlap_worker(rank: int, world: int, out_dir) -> dict:
                                  r"reduce_scatter_tensor)\.default\(", body):
                 wait = body.index(f"wait_tensor.default({m.group(1)})", m.end())
                 hidden.append(len(re.findall(r"extern_kernels\.(?:mm|addmm)\(", body[m.end():wait])))
-        out[mode] = {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref),
-                     "hidden": hidden, "graphs": len(codes)}
+        out[mode] = {"loss": step["loss"], "ref_loss": step["ref_loss"], "worst": step["worst"], "hidden": hidden,
+                     "graphs": len(codes)}
     return out
 
 
-def test_inductor_overlaps_tp_collectives_with_weight_gradient_matmuls(tmp_path) -> None:
+@pytest.mark.tp2("_overlap_worker")
+def test_inductor_overlaps_tp_collectives_with_weight_gradient_matmuls(tp2) -> None:
     """Blocks compiled by Inductor under tp2 + sequence parallel: left as issued, every collective is
     waited on before any other matmul runs; with either reordering mode some of the backward's
     collectives run while weight-gradient matmuls compute, and loss and every gradient still equal
     one process's."""
-    from tests._spawn import spawn
-
-    for r in spawn(_overlap_worker, 2, tmp_path, init_group=True, timeout=600):
+    for r in tp2:
         none = r["none"]
         assert sum(none["hidden"]) == 0, none["hidden"]
         for mode in ("reorder", "reorder_peak_memory"):
@@ -416,20 +459,12 @@ def _batch_shard_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel.compile import compile_blocks
-    from lightning_perf.parallel.tensor_parallel import apply_tp
-
     out = {}
     for preset in ("tiny", "tiny-llama"):  # learned position table / RoPE
         for sp in (True, "batch"):
-            idx, ref, ref_loss, model = _reference_and_copy(preset)
-            apply_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel=sp, local_output=True)
-            torch._dynamo.reset()
-            compile_blocks(list(model.blocks.values()), "default", tensor_parallel=True, tp_overlap="none")
-
-            loss, codes = _loss_parallel_step_with_code(model, idx)
-            kernels = {k for code in codes for k in re.findall(r"\b(cpp_fused_\w+) = ", code)}
-            out[(preset, sp)] = {"loss": float(loss.detach()), "ref_loss": ref_loss, "worst": _grad_errors(model, ref),
+            step = _inductor_tp_step(preset, sp, "none", world)
+            kernels = {k for code in step["codes"] for k in re.findall(r"\b(cpp_fused_\w+) = ", code)}
+            out[(preset, sp)] = {"loss": step["loss"], "ref_loss": step["ref_loss"], "worst": step["worst"],
                                  "relayout": sorted(k for k in kernels if re.search(r"_cat(_|$)", k))}
     # a batch the TP ranks cannot share evenly (3 sequences over 2 ranks, a ragged last batch): padded
     # with a copy of the last sequence whose targets the loss ignores, outputs cut back to 3
@@ -468,16 +503,15 @@ def _batch_shard_worker(rank: int, world: int, out_dir) -> dict:
     return out
 
 
-def test_batch_sharded_residual_stream_matches_one_process_without_relayout_copies(tmp_path) -> None:
+@pytest.mark.tp2("_batch_shard_worker")
+def test_batch_sharded_residual_stream_matches_one_process_without_relayout_copies(tp2) -> None:
     """tp2 with the residual stream sharded along the batch (``sequence_parallel="batch"``), blocks
     compiled by Inductor with their hooks: loss and every gradient equal one process's, for learned
     positions (a replicated table added to batch-sharded token rows) and RoPE; the compiled graphs
     hold no cat/split re-layout kernels, which sharding the sequence needs around every collective;
     an odd batch (3 sequences on 2 ranks) is padded with an ignored sequence: same loss, gradients and
     logits as one process; a model naming no ignored target refuses it before the first collective."""
-    from tests._spawn import spawn
-
-    for r in spawn(_batch_shard_worker, 2, tmp_path, init_group=True, timeout=600):
+    for r in tp2:
         for key, res in r.items():
             if key == "refused":
                 continue
@@ -567,14 +601,13 @@ def _fused_qkv_worker(rank: int, world: int, out_dir) -> dict:
     return out
 
 
-def test_fused_qkv_under_tensor_parallelism_matches_one_process(tmp_path) -> None:
+@pytest.mark.tp2("_fused_qkv_worker")
+def test_fused_qkv_under_tensor_parallelism_matches_one_process(tp2) -> None:
     """``GPTConfig(fused_qkv=True)`` under tp2: the three column-parallel weights' local rows form one
     matmul; loss and every q/k/v gradient equal one unfused process's (replicated, sequence- and
     batch-sharded streams; biases split for async TP), and a compiled block's forward runs 3 matmuls
     (q/k/v, o, up; plus down for 4) instead of 6."""
-    from tests._spawn import spawn
-
-    for r in spawn(_fused_qkv_worker, 2, tmp_path, init_group=True, timeout=600):
+    for r in tp2:
         for key, res in r.items():
             assert abs(res["loss"] - res["ref_loss"]) < 1e-5 * abs(res["ref_loss"]), key
             bad = {k: v for k, v in res["worst"].items() if v > 1e-5}
@@ -648,13 +681,12 @@ def _split_worker(rank: int, world: int, out_dir) -> dict:
     return out
 
 
-def test_tp_split_halves_match_one_process(tmp_path) -> None:
+@pytest.mark.tp2("_split_worker")
+def test_tp_split_halves_match_one_process(tp2) -> None:
     """``tp_split=2``: each compiled TP block runs two halves of its batch in one graph; loss and every
     gradient equal one process's. Blocks fed a plain tensor are split; the batch-sharded first block
     fed a DTensor (token rows + replicated position table) runs whole."""
-    from tests._spawn import spawn
-
-    for r in spawn(_split_worker, 2, tmp_path, init_group=True, timeout=600):
+    for r in tp2:
         for key, res in r.items():
             assert abs(res["loss"] - res["ref_loss"]) < 1e-5 * abs(res["ref_loss"]), key
             bad = {k: v for k, v in res["worst"].items() if v > 1e-5}
@@ -674,41 +706,46 @@ def _fp8_worker(rank: int, world: int, out_dir) -> dict:
     from lightning_perf.models.gpt import parallelize
 
     out = {}
+    original = parallelize._fp8_collectives  # restored: later workers share this process
     # (preset, sequence_parallel, compiled, recipe, fused q/k/v); torchao's FP8 styles need FP8
     # collectives (NCCL): on gloo only the replicated stream, which has none, runs them
-    for preset, sp, compiled, recipe, fused in (("tiny", True, False, "tensorwise", False),
-                                                ("tiny", False, False, "tensorwise", False),
-                                                ("tiny-llama", "batch", False, "tensorwise", False),
-                                                ("tiny", False, True, "tensorwise", False),
-                                                ("tiny-llama", True, False, "rowwise", False),
-                                                ("tiny", True, False, "tensorwise", True)):
-        cfg = GPTConfig.from_name(preset, n_layer=2, fp8=recipe, fused_qkv=fused)
-        idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-        torch.manual_seed(0)
-        # the reference: one process, the same FP8 linears (q/k/v as three matmuls, as under TP)
-        ref = GPT(cfg.replace(fused_qkv=False))
-        ref_loss = ref(idx, idx)
-        ref_loss.backward()
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        mesh = init_device_mesh("cpu", (world,))
-        fp8_styles = sp is False and not compiled
-        parallelize._fp8_collectives = lambda m, on=fp8_styles: on
-        styles = sorted({type(st).__name__ for st in model.tensor_parallel_plan(mesh).values()})
-        apply_tp(model, mesh, sequence_parallel=sp, local_output=True)
-        torch._dynamo.reset()
-        if compiled:  # Dynamo + AOTAutograd over torchao's subclasses (Inductor's code is tested elsewhere)
-            compile_blocks(list(model.blocks.values()), "default", backend="aot_eager", tensor_parallel=True,
-                           tp_overlap="none")
-        with loss_parallel():
-            loss = model(idx, idx)
-            loss.backward()
-        out[(preset, sp, compiled, recipe, fused)] = {"loss": float(loss.detach()), "ref_loss": float(ref_loss),
-                                                      "worst": _grad_errors(model, ref), "styles": styles}
+    try:
+        for preset, sp, compiled, recipe, fused in (("tiny", True, False, "tensorwise", False),
+                                                    ("tiny", False, False, "tensorwise", False),
+                                                    ("tiny-llama", "batch", False, "tensorwise", False),
+                                                    ("tiny", False, True, "tensorwise", False),
+                                                    ("tiny-llama", True, False, "rowwise", False),
+                                                    ("tiny", True, False, "tensorwise", True)):
+            cfg = GPTConfig.from_name(preset, n_layer=2, fp8=recipe, fused_qkv=fused)
+            idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+            torch.manual_seed(0)
+            # the reference: one process, the same FP8 linears (q/k/v as three matmuls, as under TP)
+            ref = GPT(cfg.replace(fused_qkv=False))
+            ref_loss = ref(idx, idx)
+            ref_loss.backward()
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            mesh = init_device_mesh("cpu", (world,))
+            fp8_styles = sp is False and not compiled
+            parallelize._fp8_collectives = lambda m, on=fp8_styles: on
+            styles = sorted({type(st).__name__ for st in model.tensor_parallel_plan(mesh).values()})
+            apply_tp(model, mesh, sequence_parallel=sp, local_output=True)
+            torch._dynamo.reset()
+            if compiled:  # Dynamo + AOTAutograd over torchao's subclasses (Inductor's code is tested elsewhere)
+                compile_blocks(list(model.blocks.values()), "default", backend="aot_eager", tensor_parallel=True,
+                               tp_overlap="none")
+            with loss_parallel():
+                loss = model(idx, idx)
+                loss.backward()
+            out[(preset, sp, compiled, recipe, fused)] = {"loss": float(loss.detach()), "ref_loss": float(ref_loss),
+                                                          "worst": _grad_errors(model, ref), "styles": styles}
+    finally:
+        parallelize._fp8_collectives = original
     return out
 
 
-def test_fp8_linears_under_tensor_parallelism_match_one_process(tmp_path) -> None:
+@pytest.mark.tp2("_fp8_worker")
+def test_fp8_linears_under_tensor_parallelism_match_one_process(tp2) -> None:
     """FP8 linears under tp2 (torchao: tensorwise through its FP8 tensor-parallel styles, whose scales
     are the whole tensor's, rowwise through the plain styles) give the loss and gradients of one process
     with the same FP8 linears (sequence-, batch-sharded and replicated streams, compiled, fused q/k/v).
@@ -717,9 +754,7 @@ def test_fp8_linears_under_tensor_parallelism_match_one_process(tmp_path) -> Non
     activation one fp32 ulp away from the one-process value can round to the neighbouring FP8 value,
     so a few gradient elements move by up to a few percent of the largest (rowwise: twice that, its
     partial products are rounded to bf16 on each rank before they are summed)."""
-    from tests._spawn import spawn
-
-    for r in spawn(_fp8_worker, 2, tmp_path, init_group=True, timeout=600):
+    for r in tp2:
         for (preset, sp, compiled, recipe, fused), res in r.items():
             key = (preset, sp, compiled, recipe, fused)
             float8_styles = recipe == "tensorwise" and sp is False and not compiled

@@ -1,8 +1,9 @@
 """Shared pieces of the reliability tests: rank processes that may die, a tiny GPT, token data.
 
-``launch`` starts one spawned process per rank and never fails the test by itself: it
-returns each rank's exit code, result (``rank{r}.pt``) or traceback (``rank{r}.err``) and
-when the error was written, so a test can assert how a rank failed and how fast.
+``launch`` starts one process per rank (forked from the warm interpreter of ``tests/_warm.py``)
+and never fails the test by itself: it returns each rank's exit code, result (``rank{r}.pt``)
+or traceback (``rank{r}.err``) and when the error was written, so a test can assert how a rank
+failed and how fast.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
+from _warm import context, enter, stop
 
 T = 32  # sequence length = block_size of the tiny GPT
 VOCAB = 128
@@ -106,7 +108,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: tuple, env: dict) -> None:
+    log = os.open(Path(out_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    enter(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -138,11 +145,10 @@ def launch(fn: Callable, world: int, out_dir: Path, *args: Any, timeout: float =
     # a fork server that imported torch and Lightning once forks every rank of every launch:
     # no per-process import (most of a spawned rank's start-up), and no fork of a process
     # whose OpenMP pool already ran (the test process trains too)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "lightning_perf.strategies",
-                                "lightning_perf.callbacks", "lightning_perf.data"])
+    ctx = context() or mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, fn, world, port, str(out_dir), args), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, fn, world, port, str(out_dir), args, env), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -153,11 +159,11 @@ def launch(fn: Callable, world: int, out_dir: Path, *args: Any, timeout: float =
             if not p.is_alive() and not ended[r]:
                 ended[r] = time.time()
         time.sleep(0.05)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    stop([procs[r].pid for r in hung])  # a hang: stacks into the rank's log; the test fails on the exit code
     for r, p in enumerate(procs):
-        if p.is_alive():  # a hang: the test then fails on the exit code
-            p.kill()
-            p.join()
-        elif not ended[r]:
+        p.join()
+        if not ended[r] and r not in hung:
             ended[r] = time.time()
     results, errors, times = [], [], []
     for r in range(world):
@@ -168,6 +174,10 @@ def launch(fn: Callable, world: int, out_dir: Path, *args: Any, timeout: float =
             when, _, rest = err.read_text().partition("\n")
             errors.append(rest)
             times.append(float(when))
+        elif r in hung:
+            log = (out_dir / f"rank{r}.log").read_text(errors="replace")
+            errors.append(f"Hang\nno result in {timeout}s; the end of its log:\n{log[-6000:]}")
+            times.append(None)
         else:
             errors.append(None)
             times.append(None)

@@ -214,6 +214,15 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
     return {"losses": r["losses"], "final": r["final"]}
 
 
+def _without_shared_memory_allreduce() -> None:
+    """DeepSpeed's CPU backend compiles its shared-memory allreduce (a C++ extension, most of a minute
+    on a fresh machine) when it starts; only its inference allreduce uses it, never ZeRO training,
+    which reduces through the gloo group either way."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def _worker2(rank: int, world: int, out: Path) -> dict:
     from lightning_perf.plugins import PerfPrecision
     from lightning_perf.strategies import ZeroStrategy, register_strategies
@@ -241,6 +250,7 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
                        epochs_of=2 * STEPS)
     # DeepSpeed backend (CPU accelerator over gloo): stages 1-3, accumulation, offload, resume
     if importlib.util.find_spec("deepspeed") is not None:
+        _without_shared_memory_allreduce()
         for stage in (1, 2, 3):
             res[f"ds{stage}"] = fit(ZeroStrategy(stage=stage, backend="deepspeed"), world)
         res["ds2_acc"] = fit(ZeroStrategy(stage=2, backend="deepspeed"), world, accumulate=2, steps=STEPS // 2)

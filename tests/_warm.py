@@ -1,0 +1,187 @@
+"""Processes forked from one warm interpreter: test ranks, the command line, the docs' examples.
+
+Importing torch and Lightning costs seconds of CPU in every new process, more than most of the
+tests' processes then spend working. One fork server imports them once, when a test first needs a
+process, and forks every later process from it: the same interpreter state a fresh process reaches
+after its first imports, without an OpenMP pool (the server never computes).
+
+A fork runs under the caller's environment, as a spawned process would. The modules the server
+imported read the environment it started with; when the caller's differs from it in a variable an
+import may read (anything but the run-time variables below), ``context()`` answers ``None`` and the
+caller starts a fresh process instead.
+
+Only the standard library is imported here: a forked command line or example must not find pytest
+(or anything else the test process loaded) imported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Optional, Sequence
+
+# what most of the tests' processes import, and what their first torch.compile would import
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_perf", "lightning_perf.strategies",
+           "lightning_perf.callbacks", "lightning_perf.data", "lightning_perf.models.gpt", "lightning_perf.cli",
+           "torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx"]
+# set per test (pytest), by ``seed_everything`` or by a launcher; read at run time, never at import
+_RUN_TIME = {"PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+             "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
+
+HANG_SIGNAL = signal.SIGUSR1
+
+_server_env: Optional[dict[str, str]] = None
+
+
+def _import_env(env) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in _RUN_TIME}
+
+
+def context():
+    """The fork server's multiprocessing context, started on first use; ``None`` when the environment
+    differs from the one the server started with."""
+    global _server_env
+    ctx = multiprocessing.get_context("forkserver")
+    if _server_env is None:
+        ctx.set_forkserver_preload(PRELOAD)
+        multiprocessing.forkserver.ensure_running()
+        _server_env = _import_env(os.environ)
+    return ctx if _import_env(os.environ) == _server_env else None
+
+
+def enter(env: dict[str, str]) -> None:
+    """In a forked process: the caller's environment, random generators seeded afresh as in a new
+    interpreter (forks would otherwise all continue the server's streams), and ``HANG_SIGNAL`` set to
+    dump every thread's stack to stderr (``stop`` sends it before it kills)."""
+    os.environ.clear()
+    os.environ.update(env)
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # (``random`` reseeds itself after a fork)
+    faulthandler.register(HANG_SIGNAL, all_threads=True)
+
+
+def stop(pids: Sequence[int], grace: float = 2.0, *, group: bool = False) -> None:
+    """Kill processes that ran past their time: first ``HANG_SIGNAL`` (each dumps its threads' stacks
+    to its stderr), then, after ``grace`` seconds, SIGKILL (to each one's process group with ``group``)."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, HANG_SIGNAL)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    if alive:
+        time.sleep(grace)
+    for pid in alive:
+        try:
+            os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Timeout(subprocess.TimeoutExpired):
+    """``subprocess.TimeoutExpired`` whose message ends with the stacks the command dumped."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{(self.stderr or '')[-6000:]}"
+
+
+_PATHS: dict[tuple, list[str]] = {}
+
+
+def _startup_path(env: dict[str, str]) -> list[str]:
+    """``sys.path`` of a fresh interpreter under ``env``, less its first entry (the script's folder or
+    the working directory): site-packages, ``PYTHONPATH`` and ``.pth`` entries."""
+    key = tuple(sorted(_import_env(env).items()))
+    if key not in _PATHS:
+        out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+                             env=env, capture_output=True, text=True, check=True)
+        _PATHS[key] = json.loads(out.stdout)
+    return _PATHS[key]
+
+
+def _main(args: list[str], cwd: str, env: dict[str, str], path: list[str], out: str, err: str) -> None:
+    """``python ARGS`` in ``cwd``: a module (``-m NAME ...``) or a script, stdout/stderr to files."""
+    os.setsid()  # a timeout kills the group: the command and any ranks it launched
+    for fd, name in ((1, out), (2, err)):
+        f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    os.chdir(cwd)
+    enter(env)
+    code = 0
+    try:
+        if args[0] == "-m":
+            sys.path[:] = [cwd, *path]
+            sys.argv = ["-m", *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(args[0])
+            sys.path[:] = [os.path.dirname(script), *path]
+            sys.argv = list(args)
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        # what an interpreter does at exit: join its threads, run the atexit functions, flush
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def python(args: Sequence[str], *, timeout: float, cwd=None, env: Optional[dict[str, str]] = None,
+           fresh: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout)`` for ``args`` = ``("-m", module, ...)`` or ``(script, ...)``, forked from the
+    warm interpreter; a fresh process when it cannot be, or with ``fresh`` (a script that sets
+    environment variables for its own imports). Raises ``subprocess.TimeoutExpired`` (its message
+    ending with the stacks of the forked command's threads) after killing the process and
+    everything it started."""
+    args = [str(a) for a in args]
+    cwd = os.getcwd() if cwd is None else cwd
+    env = dict(os.environ if env is None else env)
+    ctx = None if fresh else context()
+    if ctx is None or _import_env(env) != _server_env:
+        return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        proc = ctx.Process(target=_main, args=(args, str(cwd), env, _startup_path(env), str(out), str(err)))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            stop([proc.pid], group=True)  # the command and any ranks it launched
+            proc.join()
+            raise Timeout([sys.executable, *args], timeout, out.read_text(errors="replace"),
+                          err.read_text(errors="replace"))
+        return subprocess.CompletedProcess([sys.executable, *args], proc.exitcode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))

@@ -1,0 +1,79 @@
+"""The warm interpreter of ``_warm.py``: forked commands and ranks start as fresh processes would
+(their own random streams, the caller's environment, no test modules imported), a failure fails, and
+a hang is killed with the stacks of where it hung."""
+
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+from _spawn import spawn
+from _warm import context, python
+
+
+
+@pytest.fixture(autouse=True)
+def _served():
+    """(Started here, not at import: ranks import this module.)"""
+    if context() is None:
+        pytest.skip("the environment differs from the fork server's")
+
+_PROBE = """
+import json, os, random, sys
+import numpy, torch
+print(json.dumps({"torch": torch.rand(2).tolist(), "numpy": numpy.random.rand(2).tolist(),
+                  "random": random.random(), "env": os.environ.get("WARM_PROBE"), "cwd": os.getcwd(),
+                  "loaded": sorted(m for m in ("pytest", "_pytest", "_spawn", "_warm") if m in sys.modules)}))
+"""
+
+
+def test_forked_commands_start_as_fresh_interpreters(tmp_path, monkeypatch):
+    import json
+
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "a run-time variable: still forked")
+    runs = [python([script], cwd=tmp_path, timeout=60, env={**os.environ, "WARM_PROBE": str(i)}) for i in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    a, b = (json.loads(r.stdout) for r in runs)
+    assert (a["env"], b["env"]) == ("0", "1") and a["cwd"] == b["cwd"] == str(tmp_path)
+    assert a["loaded"] == b["loaded"] == []
+    for stream in ("torch", "numpy", "random"):
+        assert a[stream] != b[stream], stream  # not the server's one stream continued twice
+
+
+def test_forked_command_failures_and_exit_codes_reach_the_caller(tmp_path):
+    (tmp_path / "raises.py").write_text("raise ValueError('from the example')\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    raised = python([tmp_path / "raises.py"], timeout=60)
+    assert raised.returncode == 1 and "ValueError: from the example" in raised.stderr
+    assert python([tmp_path / "exits.py"], timeout=60).returncode == 3
+    missing = python(["-m", "no_such_module_here"], timeout=60)
+    assert missing.returncode == 1 and "No module named no_such_module_here" in missing.stderr
+
+
+def test_a_hung_command_is_killed_with_its_stacks(tmp_path):
+    (tmp_path / "hangs.py").write_text("import time\n\ndef wait_forever():\n    while True:\n        time.sleep(0.05)\n\n"
+                                       "wait_forever()\n")
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        python([tmp_path / "hangs.py"], timeout=1)
+    assert time.monotonic() - start < 30
+    assert "wait_forever" in str(info.value) and "hangs.py" in str(info.value)
+
+
+def _rank_draws(rank: int, world: int, out_dir) -> list[float]:
+    return torch.rand(4).tolist()
+
+
+def _rank_hangs(rank: int, world: int, out_dir) -> None:
+    while True:
+        time.sleep(0.05)
+
+
+def test_forked_ranks_draw_their_own_streams_and_a_hang_fails_with_stacks(tmp_path):
+    a, b = spawn(_rank_draws, 2, tmp_path / "draws", timeout=60)
+    assert a != b
+    with pytest.raises(pytest.fail.Exception, match="(?s)did not finish in 1.0s.*_rank_hangs"):
+        spawn(_rank_hangs, 2, tmp_path / "hangs", timeout=1.0)
