@@ -187,6 +187,9 @@ class WallClockWindow(Callback):
             recompiles_in_window=int(counters["stats"].get("unique_graphs", 0)) - self._graphs0,
             graph_breaks_in_window=sum(counters.get("graph_break", {}).values()) - self._breaks0,
             peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+            # CUDA graph replays draw on memory their capture reserved before the window, which the
+            # allocated peak above does not see: the reserved peak over the whole run does
+            peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
         )
         import os
 

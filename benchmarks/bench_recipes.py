@@ -254,6 +254,7 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
         **({"profile": profile.stop(str(out.parent / f"profile_{out.name}"))} if profile is not None else {}),
         **window_stats(t1 - t0, times, batch * seq_len * steps),
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if device.type == "cuda" else None,
         "model": {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "kernels", "attention")},
     }, indent=2))
 
@@ -460,7 +461,7 @@ def main() -> None:
                 plain_cache[plain_key] = dict(row[side], recipe=name)
             target.unlink(missing_ok=True)
             print(f"[{name}] {side}: " + json.dumps({k: row[side].get(k) for k in
-                  ("tokens_per_s", "step_ms_mean", "step_ms_median", "step_ms_p90", "peak_mem_gb")}), flush=True)
+                  ("tokens_per_s", "step_ms_mean", "step_ms_median", "step_ms_p90", "peak_mem_gb", "peak_reserved_gb")}), flush=True)
         write()
         for spec in args.variant:
             label, _, extra = spec.partition("=")
@@ -475,7 +476,7 @@ def main() -> None:
                 result[f"vs_{base}"] = result["tokens_per_s"] / row[base]["tokens_per_s"]
             row.setdefault("variants", {})[label] = result
             print(f"[{name}] variant {label}: " + json.dumps({k: result.get(k) for k in
-                  ("tokens_per_s", f"vs_{base}", "step_ms_median", "step_ms_p90", "peak_mem_gb")}), flush=True)
+                  ("tokens_per_s", f"vs_{base}", "step_ms_median", "step_ms_p90", "peak_mem_gb", "peak_reserved_gb")}), flush=True)
         if "tokens_per_s" in row[base] and "tokens_per_s" in row["recipe"]:
             row[f"recipe_vs_{base}"] = row["recipe"]["tokens_per_s"] / row[base]["tokens_per_s"]
             if kind in PEAK_BF16 and not args.smoke:  # per GPU
