@@ -238,9 +238,8 @@ class StartUp(Callback):
             for n, p in pl_module.named_parameters()
             if n.replace("_orig_mod.", "").endswith(name)
         )
-        value = (
-            param.full_tensor() if hasattr(param, "full_tensor") else param
-        )  # a one-rank mesh: no traffic
+        # a sharded parameter gathered whole: on a one-rank mesh that moves nothing
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
         stored = HFWeights(self.folder).get(key)
         return bool(torch.equal(value.detach().float().cpu(), stored.float()))
 
