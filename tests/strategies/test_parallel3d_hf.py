@@ -6,8 +6,10 @@ untied head (under tp2) and a GPT-2 with its tied head (under pp2, the first and
 holding a copy). On 2 gloo ranks, built on meta (each rank reads its own slices) and built whole (every
 rank reads the folder, then shards), every rank's local shards and stage parameters must equal the
 matching slices of the checkpoint, and the first losses one process's from the same folder (rtol 1e-4).
-On 4 ranks, pp2 x tp2 does the same for the tied GPT-2. The tp2 run's sharded checkpoint, consolidated
-and written with ``save_hf``, loads in ``transformers`` with the one-process model's logits.
+On 4 ranks, pp2 x tp2 does the same for the tied GPT-2. The sharded checkpoints of the tp2 Llama run and
+of pp2 runs of both models (the tied GPT-2, whose embedding both stages hold, and the untied Llama, whose
+embedding and head sit on different stages), consolidated and written with ``save_hf``, load in
+``transformers`` with the one-process model's logits.
 """
 
 from __future__ import annotations
@@ -93,7 +95,10 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     for meta in (True, False):
         res[f"tp2_llama_meta{meta}"] = fit_hf(S(tensor_parallel_size=2, meta_init=meta), world, out / "llama",
                                               save_to=out / "tp2.ckpt" if meta else None)
-        res[f"pp2_gpt2_meta{meta}"] = fit_hf(S(pipeline_parallel_size=2, meta_init=meta), world, out / "gpt2")
+        res[f"pp2_gpt2_meta{meta}"] = fit_hf(S(pipeline_parallel_size=2, meta_init=meta), world, out / "gpt2",
+                                             save_to=out / "pp2_gpt2.ckpt" if meta else None)
+    res["pp2_llama"] = fit_hf(S(pipeline_parallel_size=2, meta_init=True), world, out / "llama",
+                              save_to=out / "pp2_llama.ckpt")
     return res
 
 
@@ -117,6 +122,15 @@ def hf_runs(tmp_path_factory) -> dict:
     return runs
 
 
+@pytest.fixture(scope="module")
+def ranks2(hf_runs, tmp_path_factory) -> tuple[list[dict], Path]:
+    """``_worker2`` on 2 ranks: their results and the folder holding their sharded checkpoints."""
+    out = tmp_path_factory.mktemp("ranks2")
+    for kind in ("llama", "gpt2"):
+        (out / kind).symlink_to(hf_runs["folder"] / kind)
+    return spawn(_worker2, 2, out, timeout=300.0), out
+
+
 def _check_start(results: list[dict], key: str, checkpoint: dict[str, torch.Tensor], stages: list[set[str]]) -> None:
     """Every rank's starting tensors are the checkpoint's slices; rank r holds stage ``stages[r]``'s names."""
     for rank, (r, names) in enumerate(zip(results, stages)):
@@ -130,7 +144,7 @@ def _check_start(results: list[dict], key: str, checkpoint: dict[str, torch.Tens
 def _check_losses(results: list[dict], key: str, ref: dict) -> None:
     for rank, r in enumerate(results):
         torch.testing.assert_close(torch.tensor(r[key]["losses"]), torch.tensor(ref["losses"]), rtol=1e-4,
-                                   atol=0, msg=lambda m: f"{key} rank {rank} losses: {m}")
+                                   atol=0, msg=lambda m, rank=rank: f"{key} rank {rank} losses: {m}")
 
 
 def _gpt2_stages(checkpoint: dict[str, torch.Tensor]) -> tuple[set[str], set[str]]:
@@ -139,15 +153,33 @@ def _gpt2_stages(checkpoint: dict[str, torch.Tensor]) -> tuple[set[str], set[str
     return first, last
 
 
-@pytest.mark.slow
-def test_hf_weights_under_tp2_and_pp2(hf_runs, tmp_path) -> None:
+def _check_export(ckpt: Path, kind: str, hf_runs: dict, out: Path) -> None:
+    """The sharded checkpoint ``ckpt`` of a ``kind`` run, consolidated and written with ``save_hf``: its tensors
+    are the one-process run's, and ``transformers`` loads it with the one-process model's logits."""
     from lightning_perf.models import GPT
     from lightning_perf.models.gpt.hf import save_hf
     from lightning_perf.parallel.checkpoint import consolidate
 
-    for kind in ("llama", "gpt2"):
-        (tmp_path / kind).symlink_to(hf_runs["folder"] / kind)
-    results = spawn(_worker2, 2, tmp_path, timeout=300.0)
+    state = torch.load(consolidate(ckpt, out / f"{ckpt.stem}.pt"), weights_only=True)
+    config = GPT.from_hf(hf_runs["folder"] / kind).config
+    save_hf(state, config, out / f"{ckpt.stem}-hf")
+    final = {name.removeprefix("model."): value for name, value in hf_runs[kind]["final"].items()}
+    assert set(state) == set(final), set(state) ^ set(final)
+    for name, value in final.items():  # trained as one process would have
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=5e-5,
+                                   msg=lambda m, name=name: f"{ckpt.stem} {name}: {m}")
+    single = GPT(config)
+    single.load_state_dict(state)
+    idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out / f"{ckpt.stem}-hf")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(idx).logits, single.eval()(idx), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(back(idx).logits, GPT.from_hf(hf_runs["folder"] / kind).eval()(idx))
+
+
+@pytest.mark.slow
+def test_hf_weights_under_tp2_and_pp2(hf_runs, ranks2, tmp_path) -> None:
+    results, out = ranks2
     llama, gpt2 = hf_runs["llama_hf"], hf_runs["gpt2_hf"]
     for meta in (True, False):
         # tensor parallel: both ranks hold every name, each its own rows / columns of it
@@ -161,18 +193,20 @@ def test_hf_weights_under_tp2_and_pp2(hf_runs, tmp_path) -> None:
     assert q[0] == (16, 0) and q[1].shape == (16, 32)
 
     # back to Hugging Face from the sharded tp2 checkpoint: transformers gives the one-process model's logits
-    state = torch.load(consolidate(tmp_path / "tp2.ckpt", tmp_path / "tp2.pt"), weights_only=True)
-    config = GPT.from_hf(hf_runs["folder"] / "llama").config
-    save_hf(state, config, tmp_path / "tuned")
-    for name, value in hf_runs["llama"]["final"].items():  # trained as one process would have
-        torch.testing.assert_close(state[name.removeprefix("model.")], value, rtol=1e-4, atol=5e-5)
-    single = GPT(config)
-    single.load_state_dict(state)
-    idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "tuned")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(back(idx).logits, single.eval()(idx), atol=1e-5, rtol=1e-5)
-        assert not torch.allclose(back(idx).logits, GPT.from_hf(hf_runs["folder"] / "llama").eval()(idx))
+    _check_export(out / "tp2.ckpt", "llama", hf_runs, tmp_path)
+
+
+@pytest.mark.slow
+def test_hf_export_from_pp2(hf_runs, ranks2, tmp_path) -> None:
+    """Back to Hugging Face from pp2 checkpoints: the tied GPT-2 (its embedding on both stages, one tensor in
+    the export) and the untied Llama (embedding on the first stage, head on the last)."""
+    results, out = ranks2
+    llama = hf_runs["llama_hf"]
+    first = {k for k in llama if k.startswith(("model.tok_emb", "model.blocks.0."))}
+    _check_start(results, "pp2_llama", llama, [first, set(llama) - first])
+    _check_losses(results, "pp2_llama", hf_runs["llama"])
+    for kind in ("gpt2", "llama"):
+        _check_export(out / f"pp2_{kind}.ckpt", kind, hf_runs, tmp_path)
 
 
 @pytest.mark.slow
