@@ -233,6 +233,14 @@ class WallClockWindow(Callback):
     def _last_step(self, trainer: Any) -> int:
         return self.warmup + self.steps if self.steps is not None else trainer.max_steps
 
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.max_steps < 0:
+            raise ValueError("WallClockWindow needs Trainer(max_steps=...): the window ends at a known step")
+        if self._last_step(trainer) > trainer.max_steps or self.warmup >= self._last_step(trainer):
+            raise ValueError(f"WallClockWindow times steps {self.warmup} to {self._last_step(trainer) - 1}, "
+                             f"but the fit runs steps 0 to {trainer.max_steps - 1}: raise max_steps or lower "
+                             f"warmup / steps")
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if step == self.warmup and self.window is None:

@@ -108,3 +108,13 @@ def test_wall_clock_window_times_the_steps_after_warmup_and_stops_after_steps(tm
     assert result["checkpoint_save_s"] is None and result["strategy"] == "SingleDeviceStrategy"
     for key in ("gc_in_window", "gc_count_in_window", "recompiles_in_window", "graph_breaks_in_window"):
         assert key in result
+
+
+@pytest.mark.parametrize("warmup,steps,max_steps", [(4, None, 4), (2, 3, 4), (2, 0, 6)])
+def test_wall_clock_window_refuses_a_window_outside_the_fit(warmup, steps, max_steps, tmp_path):
+    data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[WallClockWindow(warmup=warmup, steps=steps, checkpoint=False)])
+    with pytest.raises(ValueError, match=f"times steps {warmup} to .* but the fit runs steps 0 to {max_steps - 1}"):
+        trainer.fit(_Regression(), DataLoader(data, batch_size=4))
