@@ -1,9 +1,12 @@
-"""Step timing shared by the benchmarks: one CUDA event (or host clock) per step, read after the run."""
+"""Step timing shared by the benchmarks: the wall-clock window every throughput headline comes from
+(:class:`Window`, and :class:`WallClockWindow` around a Trainer), and one CUDA event (or host clock)
+per step, read after the run."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -82,31 +85,146 @@ def window_stats(wall_s: float, step_times: list[float], tokens: int) -> dict[st
     }
 
 
-class WallClockWindow(Callback):
-    """A Lightning callback: wall-clock time over the steps after ``warmup``, as the user pays it.
+class Window:
+    """Wall-clock time over a window of steps, as the user pays it: ``open()`` before the first timed
+    step, ``step(tokens)`` at the start of every timed step, ``close()`` after the last.
 
-    The window opens at the start of step ``warmup`` and closes at the end of the last step, with a
-    device synchronisation at both ends only; everything between (the loop, logging, callbacks,
-    garbage collection, data) counts. Per-step CUDA event times and host timestamps, Python
-    garbage collections, Dynamo recompilations, one validation pass and one checkpoint save are
-    recorded beside it. Configured by ``BENCH_WINDOW_WARMUP`` and written as JSON to
-    ``BENCH_WINDOW_OUT`` (environment variables, so a recipe run needs no extra arguments).
+    The device is synchronised at both ends only, each time followed by ``barrier`` where one is
+    given (a multi-rank run opens and closes its window together on every rank, so rank 0's clock
+    spans every rank's steps); everything between counts. Per-step CUDA events (host marks on a CPU)
+    give the median, p90 and slowest step; Python garbage collections and Dynamo recompilations and
+    graph breaks inside the window are recorded beside them, so a slow window can be explained.
     """
 
-    def __init__(self, warmup: Optional[int] = None, out: Optional[str] = None) -> None:
+    def __init__(self, cuda: bool, barrier: Callable[[], Any] | None = None, first_step: int = 0) -> None:
+        self.cuda = cuda
+        self.barrier = barrier
+        self.first_step = first_step
+        self.result: dict[str, Any] = {}
+        self._host: list[float] = []
+        self._events: list[Any] = []
+        self._gc: list[tuple[int, float, Any]] = []
+        self._gc_t0: float | None = None
+        self._t0: float | None = None
+        self._t1: float | None = None
+        self._tokens = 0
+        self._peak_before = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._t0 is not None and self._t1 is None
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        if self.barrier is not None:
+            self.barrier()
+            if self.cuda:
+                torch.cuda.synchronize()
+
+    def _gc_cb(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            step = self.first_step + max(0, len(self._host) - 1)
+            self._gc.append((step, time.perf_counter() - self._gc_t0, info.get("generation")))
+            self._gc_t0 = None
+
+    def open(self) -> None:
+        import gc
+
+        from torch._dynamo.utils import counters
+
+        if self._t0 is not None:
+            raise RuntimeError("a window opens once; make a new Window for another")
+        self._sync()
+        self._graphs0 = int(counters["stats"].get("unique_graphs", 0))
+        self._breaks0 = sum(counters.get("graph_break", {}).values())
+        if self.cuda:
+            self._peak_before = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        gc.callbacks.append(self._gc_cb)
+        self._t0 = time.perf_counter()
+
+    def step(self, tokens: int) -> None:
+        """At the start of a timed step: its mark, and the tokens it trains on (over all replicas)."""
+        if not self.is_open:
+            raise RuntimeError("Window.step() between open() and close() only")
+        self._host.append(time.perf_counter())
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+        self._tokens += int(tokens)
+
+    def close(self) -> dict[str, Any]:
+        """Ends the window (once; later calls return the same result): :func:`window_stats` and what
+        explains a slow window."""
+        import gc
+
+        from torch._dynamo.utils import counters
+
+        if self._t1 is not None:
+            return self.result
+        if not self._host:
+            raise RuntimeError("a window needs at least one step() between open() and close()")
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+        self._sync()
+        self._t1 = time.perf_counter()
+        self._host.append(self._t1)
+        if self._gc_cb in gc.callbacks:
+            gc.callbacks.remove(self._gc_cb)
+        device = [a.elapsed_time(b) / 1e3 for a, b in zip(self._events, self._events[1:])]
+        times = device or [b - a for a, b in zip(self._host, self._host[1:])]
+        peak = torch.cuda.max_memory_allocated() if self.cuda else None
+        self.result.update(
+            window_stats(self._t1 - self._t0, times, self._tokens),
+            slowest_steps=sorted(
+                ({"step": self.first_step + i, "ms": round(1e3 * t, 2)} for i, t in enumerate(times)),
+                key=lambda r: -r["ms"],
+            )[:5],
+            gc_in_window=[{"step": s, "ms": round(1e3 * d, 2), "generation": g} for s, d, g in self._gc],
+            gc_count_in_window=len(self._gc),
+            gc_ms_in_window=1e3 * sum(d for _, d, _ in self._gc),
+            recompiles_in_window=int(counters["stats"].get("unique_graphs", 0)) - self._graphs0,
+            graph_breaks_in_window=sum(counters.get("graph_break", {}).values()) - self._breaks0,
+            peak_mem_gb=peak / 1e9 if peak is not None else None,
+            peak_mem_gb_before_window=self._peak_before / 1e9 if self.cuda else None,
+            # CUDA graph replays draw on memory their capture reserved before the window, which the
+            # allocated peaks above do not see: the reserved peak over the whole run does
+            peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if self.cuda else None,
+        )
+        return self.result
+
+
+class WallClockWindow(Callback):
+    """A Lightning callback: a :class:`Window` over the ``steps`` steps after ``warmup`` (default: to
+    the end of the fit), as the user pays it.
+
+    The window opens at the start of step ``warmup`` and closes at the end of its last step, after a
+    device synchronisation and the strategy's barrier at both ends only; everything between (the
+    loop, logging, callbacks, garbage collection, data) counts. One validation pass and one
+    checkpoint save (``checkpoint``) are timed beside it. ``warmup`` and ``out`` default to
+    ``BENCH_WINDOW_WARMUP`` and ``BENCH_WINDOW_OUT``, ``checkpoint`` to ``BENCH_WINDOW_CHECKPOINT``
+    (environment variables, so a recipe run needs no extra arguments); the result is written there
+    as JSON.
+    """
+
+    def __init__(self, warmup: int | None = None, out: str | None = None, steps: int | None = None,
+                 checkpoint: bool | None = None) -> None:
         import os
 
         super().__init__()
         self.warmup = int(warmup if warmup is not None else os.environ.get("BENCH_WINDOW_WARMUP", 10))
         self.out = out or os.environ.get("BENCH_WINDOW_OUT")
+        self.steps = steps
+        self.checkpoint = (checkpoint if checkpoint is not None
+                           else os.environ.get("BENCH_WINDOW_CHECKPOINT", "1") != "0")
         self.result: dict[str, Any] = {}
-        self._host: list[float] = []
-        self._events: list[Any] = []
-        self._gc: list[tuple[int, float]] = []
-        self._gc_t0: Optional[float] = None
-        self._step = -1
-        self._t0 = self._t1 = None
-        self._tokens = 0
+        self.window: Window | None = None
         self._val_s: list[float] = []
         profiled = int(os.environ.get("BENCH_PROFILE_STEPS", 0))
         self._profile = StepProfile(profiled) if profiled else None
@@ -115,84 +233,44 @@ class WallClockWindow(Callback):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _gc_cb(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._gc_t0 = time.perf_counter()
-        elif self._gc_t0 is not None:
-            self._gc.append((self._step, time.perf_counter() - self._gc_t0, info.get("generation")))
-            self._gc_t0 = None
+    def _last_step(self, trainer: Any) -> int:
+        return self.warmup + self.steps if self.steps is not None else trainer.max_steps
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        import gc
-
-        gc.callbacks.append(self._gc_cb)
+        if trainer.max_steps < 0:
+            raise ValueError("WallClockWindow needs Trainer(max_steps=...): the window ends at a known step")
+        if self._last_step(trainer) > trainer.max_steps or self.warmup >= self._last_step(trainer):
+            raise ValueError(f"WallClockWindow times steps {self.warmup} to {self._last_step(trainer) - 1}, "
+                             f"but the fit runs steps 0 to {trainer.max_steps - 1}: raise max_steps or lower "
+                             f"warmup / steps")
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._step = trainer.global_step
-        if self._step == self.warmup:
-            from torch._dynamo.utils import counters
-
-            self._sync(trainer)
-            self._graphs0 = int(counters["stats"].get("unique_graphs", 0))
-            self._breaks0 = sum(counters.get("graph_break", {}).values())
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            self._t0 = time.perf_counter()
-        if self._t0 is not None:
-            if self._profile is not None and self._step == trainer.max_steps - self._profile.steps:
+        step = trainer.global_step
+        if step == self.warmup and self.window is None:
+            self.window = Window(trainer.strategy.root_device.type == "cuda", barrier=trainer.strategy.barrier,
+                                 first_step=step)
+            self.window.open()
+        if self.window is not None and self.window.is_open:
+            if self._profile is not None and step == self._last_step(trainer) - self._profile.steps:
                 self._profile.start()
-            self._host.append(time.perf_counter())
-            if torch.cuda.is_available():
-                e = torch.cuda.Event(enable_timing=True)
-                e.record()
-                self._events.append(e)
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
             # every data-parallel replica sees its own batch; tensor / pipeline ranks share one
             replicas = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
-            self._tokens += int(x.numel()) * max(1, int(replicas))
+            self.window.step(int(x.numel()) * max(1, int(replicas)))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._t0 is not None and trainer.global_step >= trainer.max_steps:
+        if self.window is not None and self.window.is_open and trainer.global_step >= self._last_step(trainer):
             self._close(trainer)
 
     def _close(self, trainer: Any) -> None:
         import os
 
-        if self._t1 is not None:
+        if self.window is None or not self.window.is_open:
             return
-        from torch._dynamo.utils import counters
-
-        if torch.cuda.is_available():
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self._events.append(e)
-        self._sync(trainer)
-        self._t1 = time.perf_counter()
-        self._host.append(self._t1)
+        self.result.update(self.window.close())
         if self._profile is not None and trainer.is_global_zero:
             trace = os.path.join(os.path.dirname(self.out), "profile_" + os.path.basename(self.out)) if self.out else None
             self.result["profile"] = self._profile.stop(trace)
-        wall = self._t1 - self._t0
-        device = [a.elapsed_time(b) / 1e3 for a, b in zip(self._events, self._events[1:])]
-        host = [b - a for a, b in zip(self._host, self._host[1:])]
-        times = device or host
-        in_window = [(s, d, g) for s, d, g in self._gc if s >= self.warmup]
-        self.result.update(
-            window_stats(wall, times, self._tokens),
-            slowest_steps=sorted(
-                ({"step": self.warmup + i, "ms": round(1e3 * t, 2)} for i, t in enumerate(times)),
-                key=lambda r: -r["ms"],
-            )[:5],
-            gc_in_window=[{"step": s, "ms": round(1e3 * d, 2), "generation": g} for s, d, g in in_window],
-            recompiles_in_window=int(counters["stats"].get("unique_graphs", 0)) - self._graphs0,
-            graph_breaks_in_window=sum(counters.get("graph_break", {}).values()) - self._breaks0,
-            peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-            # CUDA graph replays draw on memory their capture reserved before the window, which the
-            # allocated peak above does not see: the reserved peak over the whole run does
-            peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
-        )
-        import os
-
         if os.environ.get("BENCH_GC_CENSUS") == "1":
             self.result["gc_census"] = gc_census()
 
@@ -209,18 +287,14 @@ class WallClockWindow(Callback):
         self._val_s.append(time.perf_counter() - self._v0)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        import gc
         import json
-        import os
         import shutil
         import tempfile
 
         self._close(trainer)
-        if self._gc_cb in gc.callbacks:
-            gc.callbacks.remove(self._gc_cb)
         self.result["validation_s"] = self._val_s
         self.result["checkpoint_save_s"] = None
-        if os.environ.get("BENCH_WINDOW_CHECKPOINT", "1") != "0":
+        if self.checkpoint:
             # one directory for every rank: a sharded checkpoint is one directory written by all of them
             tmp = trainer.strategy.broadcast(tempfile.mkdtemp() if trainer.is_global_zero else None)
             self._sync(trainer)

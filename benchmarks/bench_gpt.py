@@ -1,11 +1,21 @@
 """The GPT through the Lightning Trainer against a plain PyTorch loop over the same model, same run.
 
 Both sides: bf16 autocast, per-block torch.compile, fused AdamW, synthetic tokens from the same
-DataLoader, the same GPT module. Per-step times come from CUDA events recorded every step and
-read once at the end (no host sync inside the timed region). Optional variants ablate the
-pack's Triton kernels and CUDA graphs.
+DataLoader, the same GPT module. Optional variants ablate the pack's Triton kernels and CUDA graphs.
+
+Both sides are timed over a window of ``--steps`` steps after ``--warmup``, by the same rules: a
+device synchronisation before the first timed step and after the last, the host clock between;
+the Trainer side by ``_timing.WallClockWindow`` (its loop, logging and callbacks inside the
+window), the plain loop by ``_timing.Window`` (data loading inside the window). Headline:
+``tokens_per_s``, tokens over the window's wall time (the mean step, slow steps included), and
+``ratio_vs_plain`` and MFU from it; beside it ``step_ms_mean`` / ``_median`` / ``_p90`` /
+``_max`` (per-step CUDA events, read once at the end), the garbage collections and Dynamo
+recompilations inside the window, and the median step's figures as the earlier results report
+them (``tokens_per_s_median_step``, ``ratio_vs_plain_median_step``, ``mfu_causal_989_median_step``).
+The JSON is rewritten after every variant.
 
     python benchmarks/bench_gpt.py --out $OUT                      # both models, default variants
+    python benchmarks/bench_gpt.py --out $OUT --models gpt2-124m:1024:16 --steps 60 --warmup 20
     python benchmarks/bench_gpt.py --smoke                         # CPU, tiny, checks the code paths
 """
 
@@ -27,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import StepTimer, clear_graph_breaks, graph_breaks  # noqa: E402
+from _timing import WallClockWindow, Window, clear_graph_breaks, graph_breaks  # noqa: E402
 
 from lightning_perf.kernels.ops import fp8_linear as _f8  # noqa: E402
 
@@ -83,39 +93,32 @@ def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode
     dm = make_data(cfg, seq_len, batch, warmup + steps, device)
     dm.setup("fit")
     loader = dm.train_dataloader()
-    timer = StepTimer(device.type == "cuda")
+    window = Window(device.type == "cuda", first_step=warmup)
     it = iter(loader)
     use_amp = device.type == "cuda"
     for i in range(warmup + steps):
+        if i == warmup:
+            window.open()
+        if window.is_open:
+            window.step(batch * seq_len)
         x, y = next(it)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        timer.mark()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
             loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    timer.mark()
-    return timer.step_times(skip=warmup), cfg
+    return window.close(), cfg
 
 
 def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block", extra=None):
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
 
     from lightning_perf.models import GPTConfig, GPTLightningModule
 
     cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa",
                               **(extra or {}))
-    timer = StepTimer(device.type == "cuda")
-
-    class Timing(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            timer.mark()
-
-        def on_train_end(self, trainer, pl_module):
-            timer.mark()
-
+    window = WallClockWindow(warmup=warmup, steps=steps, checkpoint=False)
     torch.manual_seed(0)
     module = GPTLightningModule(cfg, learning_rate=1e-4, warmup_steps=0, compile=compile_mode, compile_scope=scope)
     dm = make_data(cfg, seq_len, batch, warmup + steps, device)
@@ -130,29 +133,29 @@ def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mo
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[Timing()],
+        callbacks=[window],
     )
     trainer.fit(module, dm)
-    return timer.step_times(skip=warmup), cfg
+    return window.result, cfg
 
 
-def summarise(times, cfg, seq_len, batch, ceiling):
-    med = statistics.median(times)
-    # every interval between step starts is in ``times``, so their sum is the window's wall time
-    tok_s = batch * seq_len * len(times) / sum(times)
+def summarise(window, cfg, seq_len, batch, ceiling):
+    """The window's figures (tokens over its wall time, the headline) with MFU from them; the median
+    step's tokens/s and MFU beside them under ``*_median_step``."""
+    tok_s = window["tokens_per_s"]
+    tok_s_median = batch * seq_len / (window["step_ms_median"] / 1e3)
     fpt = cfg.flops_per_token(seq_len)
+    run_peak = max(window["peak_mem_gb"] or 0.0, window["peak_mem_gb_before_window"] or 0.0)
     return {
-        "step_ms_median": med * 1e3,
-        "step_ms_min": min(times) * 1e3,
-        "step_ms_max": max(times) * 1e3,
-        "tokens_per_s": tok_s,
-        "tokens_per_s_median_step": batch * seq_len / med,
-        "step_ms_mean": sum(times) / len(times) * 1e3,
+        **window,
+        "tokens_per_s_median_step": tok_s_median,
         "mfu_causal_989": fpt * tok_s / PEAK_BF16,
+        "mfu_causal_989_median_step": fpt * tok_s_median / PEAK_BF16,
         "mfu_full_attention_989": cfg.flops_per_token_full_attention(seq_len) * tok_s / PEAK_BF16,
         "mfu_vs_measured_ceiling": (fpt * tok_s / ceiling) if ceiling else None,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-        "steps_timed": len(times),
+        # the whole run's peak (warm-up and compilation included), as the earlier results report it
+        "peak_mem_gb": run_peak if window["peak_mem_gb"] is not None else None,
+        "peak_mem_gb_window": window["peak_mem_gb"],
     }
 
 
@@ -195,7 +198,7 @@ VARIANTS = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--models", default="gpt2-124m:1024:16,gpt-1.3b:2048:8")
@@ -204,13 +207,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, eager, to check the code paths")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    variants = dict(VARIANTS)
     if args.smoke:
         args.models, args.steps, args.warmup = "tiny:64:4", 3, 1
-        for k in list(VARIANTS):
-            VARIANTS[k] = (VARIANTS[k][0], "torch", None) + tuple(VARIANTS[k][3:])
+        variants = {k: (v[0], "torch", None) + tuple(v[3:]) for k, v in VARIANTS.items()}
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     ceiling = measure_matmul_ceiling(device) if device.type == "cuda" else None
@@ -224,13 +227,19 @@ def main() -> None:
         "triton": triton.__version__,
         "matmul_ceiling_tflops": ceiling / 1e12 if ceiling else None,
         "peak_bf16_tflops": PEAK_BF16 / 1e12,
+        "headline": "tokens / wall-clock seconds over the timed window (mean step)",
+        "steps": args.steps,
+        "warmup": args.warmup,
         "runs": [],
     }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fname = out / f"bench_gpt{args.tag}{'_smoke' if args.smoke else ''}.json"
     for spec in args.models.split(","):
         name, T, B = spec.split(":")
         T, B = int(T), int(B)
         for variant in args.variants.split(","):
-            runner, kernels, compile_mode, *rest = VARIANTS[variant]
+            runner, kernels, compile_mode, *rest = variants[variant]
             scope = rest[0] if rest else "block"
             extra = rest[1] if len(rest) > 1 else {}
             entry = {"model": name, "seq_len": T, "batch": B, "variant": variant, "kernels": kernels,
@@ -238,49 +247,53 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            t0 = time.time()
+            t0 = time.perf_counter()
             extra = dict(extra)
             amax = extra.pop("amax", "triton")
             _f8.absmax = _ABSMAX if amax == "triton" else (lambda t: t.abs().amax().float())
             clear_graph_breaks()  # Dynamo's tally, per variant
             try:
-                times, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode, scope,
-                                    extra)
-                entry.update(summarise(times, cfg, T, B, ceiling))
+                window, cfg = runner(name, T, B, args.steps, args.warmup, device, kernels, compile_mode, scope,
+                                     extra)
+                entry.update(summarise(window, cfg, T, B, ceiling))
             except Exception as err:  # record and go on with the next variant
                 entry["error"] = f"{type(err).__name__}: {err}"
                 entry["traceback"] = traceback.format_exc()[-3000:]
             entry.update(graph_breaks())
-            entry["wall_s"] = time.time() - t0
+            entry["variant_s"] = time.perf_counter() - t0  # the whole variant: build, compile, warm-up, window
             result["runs"].append(entry)
+            add_ratios(result["runs"])
+            fname.write_text(json.dumps(result, indent=2))
             gc.collect()
             print(json.dumps({k: v for k, v in entry.items() if k != "traceback"}), flush=True)
-    # ratios against the plain loop of the same model
-    for run in result["runs"]:
+    print(f"\n{'model':<11} {'variant':<24} {'tok/s':>10} {'ratio':>6} {'median':>6} {'MFU(989)':>8} {'mem GB':>7}")
+    for r in result["runs"]:
+        if "tokens_per_s" in r:
+            print(f"{r['model']:<11} {r['variant']:<24} {r['tokens_per_s']:>10.0f} "
+                  f"{r.get('ratio_vs_plain', float('nan')):>6.3f} {r.get('ratio_vs_plain_median_step', float('nan')):>6.3f} "
+                  f"{r['mfu_causal_989']:>8.1%} {(r['peak_mem_gb'] or 0):>7.1f}")
+        else:
+            print(f"{r['model']:<11} {r['variant']:<24} ERROR {r['error'][:80]}")
+    print("tok/s, ratio: tokens / wall time over the window (mean step); median: the ratio of median steps")
+    print(f"wrote {fname}")
+
+
+def add_ratios(runs: list[dict]) -> None:
+    """Each run against the plain loop of the same model, by wall clock (``ratio_vs_plain``) and by the
+    median step (``ratio_vs_plain_median_step``)."""
+    for run in runs:
         # the plain loop with the same kernels / compile settings (the variant name with trainer -> plain)
         twin = run["variant"].replace("trainer", "plain").replace("-fp8", "")
-        base = next((r for r in result["runs"] if r["model"] == run["model"] and r["variant"] == twin
+        base = next((r for r in runs if r["model"] == run["model"] and r["variant"] == twin
                      and "tokens_per_s" in r), None)
         for fallback in (["plain-compile-model"] if run["variant"].endswith("-model") else []) + ["plain-compile"]:
             if base is None:
-                base = next((r for r in result["runs"] if r["model"] == run["model"] and r["variant"] == fallback
+                base = next((r for r in runs if r["model"] == run["model"] and r["variant"] == fallback
                              and "tokens_per_s" in r), None)
         if base and "tokens_per_s" in run:
             run["baseline"] = base["variant"]
             run["ratio_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    fname = out / f"bench_gpt{args.tag}{'_smoke' if args.smoke else ''}.json"
-    fname.write_text(json.dumps(result, indent=2))
-    print(f"\n{'model':<11} {'variant':<24} {'tok/s':>10} {'ratio':>6} {'MFU(989)':>8} {'mem GB':>7}")
-    for r in result["runs"]:
-        if "tokens_per_s" in r:
-            print(f"{r['model']:<11} {r['variant']:<24} {r['tokens_per_s']:>10.0f} "
-                  f"{r.get('ratio_vs_plain', float('nan')):>6.3f} {r['mfu_causal_989']:>8.1%} "
-                  f"{(r['peak_mem_gb'] or 0):>7.1f}")
-        else:
-            print(f"{r['model']:<11} {r['variant']:<24} ERROR {r['error'][:80]}")
-    print(f"wrote {fname}")
+            run["ratio_vs_plain_median_step"] = run["tokens_per_s_median_step"] / base["tokens_per_s_median_step"]
 
 
 if __name__ == "__main__":

@@ -8,9 +8,18 @@ GPU), so peak-memory figures are clean and one failing variant cannot take the o
 down: its error is recorded in the JSON and the run goes on.
 
 Per variant, inside Lightning's ``Trainer.fit`` (bf16-mixed, random tokens, AdamW):
-gpt-1.3b, T=2048, B=8 per GPU; ``--warmup`` steps, then ``--steps`` timed with CUDA
-events (median step), then one profiled step for the exposed-communication share
-(NCCL kernel time not overlapped by any compute kernel, over the step time).
+gpt-1.3b, T=2048, B=8 per GPU; ``--warmup`` steps, then a window of ``--steps`` steps timed
+by ``_timing.WallClockWindow`` (a device synchronisation and a barrier on every rank at both
+ends only; rank 0's host clock between them), then one profiled step for the
+exposed-communication share (NCCL kernel time not overlapped by any compute kernel, over the
+mean step).
+
+Headline: ``tokens_per_s``, the tokens of all ranks over the window's wall time (the mean step,
+slow steps included), with ``step_ms_mean`` / ``_median`` / ``_p90`` / ``_max``, the garbage
+collections and Dynamo recompilations inside the window (per rank), and every ratio from it.
+The CUDA-event median step of the earlier results stays beside it: ``step_s_median`` and the
+figures derived from it under ``*_median_step`` (``tokens_per_s_median_step``,
+``speedup_vs_lightning_fsdp_full_shard_median_step``, ...).
 
 Per variant, one more step starts from an idle GPU (after a synchronize) and records the host time
 to issue it against its GPU time (``issue_s_and_probe_step_s_per_rank``: close means host-bound).
@@ -43,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import launch, read_ranks  # noqa: E402
-from _timing import graph_breaks  # noqa: E402
+from _timing import WallClockWindow, graph_breaks  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
@@ -267,6 +276,7 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
         module = GPTLightningModule(config, warmup_steps=0, compile=spec.get("compile"),
                                     activation_checkpointing=spec.get("ac", "none"))
         timer = _Timer(args["warmup"], args["steps"], args["profile_dir"])
+        window = WallClockWindow(warmup=args["warmup"], steps=args["steps"], checkpoint=False)
         accelerator = "cpu" if smoke else "gpu"
         precision: dict[str, Any] = {"precision": "bf16-mixed" if not smoke else "32-true"}
         if spec.get("reduce_dtype"):  # our precision plugin with a gradient-reduction dtype of its own
@@ -284,17 +294,25 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             accelerator=accelerator, devices=world, strategy=build_strategy(spec["strategy"], smoke),
             max_steps=args["warmup"] + args["steps"] + 2, **precision,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer] + gc_callbacks,
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, window] + gc_callbacks,
         )
         loader = DataLoader(Tokens(), batch_size=B, num_workers=0, pin_memory=not smoke)
         t0 = time.perf_counter()
         trainer.fit(module, loader)
         times = timer.step_times()
         step = statistics.median(times)
-        tokens_per_s = world * B * T / step
+        tokens_per_s_median_step = world * B * T / step
         flops_per_token = config.flops_per_token(T)
+        # the headline: this rank's window (opened and closed together on every rank), tokens of all ranks
+        result.update(window.result)
+        tokens_per_s = result["tokens_per_s"]
+        mean_step = result["step_ms_mean"] / 1e3
+        if torch.cuda.is_available():  # since training started, as before the window reset the counter
+            result["peak_mem_gb_window"] = result["peak_mem_gb"]
+            result["peak_mem_gb"] = max(torch.cuda.max_memory_allocated() / 1e9, result["peak_mem_gb_before_window"])
         result.update(
             ok=True,
+            rank=rank,
             preset=config.name,
             batch_per_gpu=B,
             seq_len=T,
@@ -305,10 +323,10 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             host_step_s_median=statistics.median(timer.host_times()),
             issue_s=timer.probe()[0],
             probe_step_s=timer.probe()[1],
-            tokens_per_s=tokens_per_s,
+            tokens_per_s_median_step=tokens_per_s_median_step,
             mfu=flops_per_token * tokens_per_s / world / PEAK_BF16,
+            mfu_median_step=flops_per_token * tokens_per_s_median_step / world / PEAK_BF16,
             mfu_attention_twice=config.flops_per_token_full_attention(T) * tokens_per_s / world / PEAK_BF16,
-            peak_mem_gb=(torch.cuda.max_memory_allocated() / 1e9) if torch.cuda.is_available() else None,
             fit_s=time.perf_counter() - t0,
             final_loss=float(trainer.callback_metrics["train/loss"]) if "train/loss" in trainer.callback_metrics
             else None,
@@ -317,7 +335,8 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             from lightning_perf.perf.comm import analyze_comm_trace
 
             analysis = analyze_comm_trace(timer.profile_events, ranks=world)
-            result["exposed_comm_pct"] = 100.0 * analysis.overlap.exposed / step
+            result["exposed_comm_pct"] = 100.0 * analysis.overlap.exposed / mean_step
+            result["exposed_comm_pct_median_step"] = 100.0 * analysis.overlap.exposed / step
             result["comm_overlap_pct"] = 100.0 * analysis.overlap.overlap_fraction
             from lightning_perf.perf.gpu_time import gpu_time_breakdown
 
@@ -334,7 +353,12 @@ def run_variant(variant: str, spec: dict, args: dict, world: int, timeout: float
     out_file = os.path.join(tmp, "result")
     args = dict(args, profile_dir=tmp)
     error = launch(_worker, (variant, spec, args, out_file), world, timeout)
-    results = read_ranks(lambda r: f"{out_file}.rank{r}", world)
+    return merge_ranks(variant, read_ranks(lambda r: f"{out_file}.rank{r}", world), error)
+
+
+def merge_ranks(variant: str, results: list[dict], error: str | None) -> dict:
+    """One row from the ranks' results: rank 0's window (the headline), memory and exposed communication
+    at their maximum over ranks, and per rank what explains a slow window."""
     if not results:
         return {"variant": variant, "ok": False, "error": error or "no result"}
     merged = dict(results[0])
@@ -345,6 +369,11 @@ def run_variant(variant: str, spec: dict, args: dict, world: int, timeout: float
     if exposed:
         merged["exposed_comm_pct"] = max(exposed)
         merged["exposed_comm_pct_per_rank"] = exposed
+        merged["exposed_comm_pct_median_step"] = max(r["exposed_comm_pct_median_step"] for r in results
+                                                     if r.get("exposed_comm_pct") is not None)
+    for key in ("gc_count_in_window", "gc_ms_in_window", "recompiles_in_window"):
+        if any(key in r for r in results):
+            merged[f"{key}_per_rank"] = [r.get(key) for r in results]
     hosts = [r.get("host_step_s_median") for r in results if r.get("host_step_s_median") is not None]
     if hosts:
         merged["host_step_s_median_per_rank"] = hosts
@@ -357,6 +386,17 @@ def run_variant(variant: str, spec: dict, args: dict, world: int, timeout: float
     elif error:
         merged.setdefault("error", error)
     return merged
+
+
+def add_ratios(results: list[dict]) -> None:
+    """Each variant against Lightning's FSDP FULL_SHARD of the same run: by wall clock and, under
+    ``*_median_step``, by the median step."""
+    base = next((r for r in results if r["variant"] == "lightning_fsdp_full_shard" and r.get("ok")), None)
+    for r in results:
+        if base and r.get("ok"):
+            r["speedup_vs_lightning_fsdp_full_shard"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["speedup_vs_lightning_fsdp_full_shard_median_step"] = (r["tokens_per_s_median_step"]
+                                                                     / base["tokens_per_s_median_step"])
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -391,14 +431,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         t0 = time.perf_counter()
         timeout = a.timeout * (2 if "llama" in name or "compile" in name else 1)
         r = run_variant(name, VARIANTS[name], args, a.gpus, timeout)
-        r["wall_s"] = time.perf_counter() - t0
+        r["variant_s"] = time.perf_counter() - t0  # the whole variant: spawn, build, warm-up, window, probe
         results.append(r)
         status = f"{r['tokens_per_s']:.0f} tok/s" if r.get("ok") else f"FAILED {r.get('error', '')[:200]}"
-        print(f"[{name}] {status} ({r['wall_s']:.0f}s)", flush=True)
-    base = next((r for r in results if r["variant"] == "lightning_fsdp_full_shard" and r.get("ok")), None)
-    for r in results:
-        if base and r.get("ok"):
-            r["speedup_vs_lightning_fsdp_full_shard"] = r["tokens_per_s"] / base["tokens_per_s"]
+        print(f"[{name}] {status} ({r['variant_s']:.0f}s)", flush=True)
+    add_ratios(results)
     try:
         import triton
 
@@ -413,6 +450,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "torch": torch.__version__,
         "triton": triton_version,
         "config": {**args, "variants": names, "peak_flops": PEAK_BF16},
+        "headline": "tokens / wall-clock seconds over the timed window (mean step), rank 0's clock",
         "results": results,
     }
     out = Path(a.out)

@@ -24,16 +24,23 @@ same global batch of 16 x 2048 tokens per step in every layout:
 Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 and tp2
 with full activation checkpointing, 4 x 2048 tokens per step.
 
-Per variant: ``--warmup`` steps, then ``--steps`` timed with CUDA events (median), then
-one profiled step. Reported: tokens/s, MFU per GPU (causal attention counted once,
-against 989 TFLOP/s dense bf16), peak allocated memory (max over ranks), exposed
-communication % (NCCL kernel time overlapped by no compute kernel, over the step), the
-GPU compute-idle share of the step (max over ranks), the host time to issue one step
-(``host_step_s_median``: close to the step time means the host, not the GPU, sets the
-pace, as with eager DTensor dispatch), and for pipelines the measured
-bubble ``1 - t(dp2) / t(pp2)`` (same global batch: a bubble-free pipeline would match
-dp2's step time) against the theory ``(p-1) / (s*m + p-1)``, plus throughput as a share
-of the bubble bound ``dp2 tokens/s * (1 - theory)``.
+Per variant: ``--warmup`` steps, then a window of ``--steps`` steps timed by
+``_timing.WallClockWindow`` (a device synchronisation and a barrier on every rank at both ends
+only; rank 0's host clock between them), then one profiled step. Headline: ``tokens_per_s``,
+the global batch's tokens over the window's wall time (the mean step, slow steps included), with
+``step_ms_mean`` / ``_median`` / ``_p90`` / ``_max`` and the garbage collections and Dynamo
+recompilations inside the window (per rank). Reported from it: MFU per GPU (causal attention
+counted once, against 989 TFLOP/s dense bf16), exposed communication % (NCCL kernel time
+overlapped by no compute kernel, over the mean step), the GPU compute-idle share of the mean
+step (max over ranks), and for pipelines the measured bubble ``1 - t(dp2) / t(pp2)`` (same
+global batch: a bubble-free pipeline would match dp2's step time) against the theory
+``(p-1) / (s*m + p-1)``, plus throughput as a share of the bubble bound
+``dp2 tokens/s * (1 - theory)``. Also: peak allocated memory since training started (max over
+ranks) and the host time to issue one step (``host_step_s_median``: close to the step time means
+the host, not the GPU, sets the pace, as with eager DTensor dispatch). The CUDA-event median step
+of the earlier results stays beside them: ``step_s_median`` and every figure derived from it under
+``*_median_step`` (``tokens_per_s_median_step``, ``vs_dp2_tokens_per_s_median_step``,
+``bubble_measured_median_step``, ...).
 
 Variants of one model share one spawned process group (started once, CUDA state freed
 between variants); a failing variant is recorded in the JSON and the run goes on.
@@ -59,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import launch, read_ranks  # noqa: E402
-from _timing import clear_graph_breaks, graph_breaks  # noqa: E402
+from _timing import WallClockWindow, clear_graph_breaks, graph_breaks  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
@@ -312,19 +319,26 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
               else None)
     module = GPTLightningModule(config, warmup_steps=0)
     timer = _timer(args["warmup"], args["steps"], trace_dir)
+    window = WallClockWindow(warmup=args["warmup"], steps=args["steps"], checkpoint=False)
     trainer = L.Trainer(
         accelerator="cpu" if smoke else "gpu", devices=world, strategy=_strategy(spec, world, args["compile_backend"]),
         precision="32-true" if smoke else "bf16-mixed", max_steps=args["warmup"] + args["steps"] + 1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer] + _gc_callbacks(spec),
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, window] + _gc_callbacks(spec),
     )
     t0 = time.perf_counter()
     trainer.fit(module, DataLoader(Tokens(), batch_size=B, pin_memory=not smoke))
     times = timer.step_times()
     step = statistics.median(times)
-    tokens_per_s = global_batch * T / step
-    out: dict[str, Any] = {
-        "ok": True, "preset": config.name, "world": world, "dp": dp, "tp": spec.get("tp", 1),
+    tokens_per_s_median_step = global_batch * T / step
+    # the headline: this rank's window (opened and closed together on every rank), tokens of all replicas
+    out: dict[str, Any] = dict(window.result)
+    tokens_per_s, mean_step = out["tokens_per_s"], out["step_ms_mean"] / 1e3
+    if torch.cuda.is_available():  # since training started, as before the window reset the counter
+        out["peak_mem_gb_window"] = out["peak_mem_gb"]
+        out["peak_mem_gb"] = max(torch.cuda.max_memory_allocated() / 1e9, out["peak_mem_gb_before_window"])
+    out.update({
+        "ok": True, "rank": rank, "preset": config.name, "world": world, "dp": dp, "tp": spec.get("tp", 1),
         "pp": spec.get("pp", 1), "schedule": spec.get("schedule"), "microbatches": spec.get("m"),
         "stages_per_rank": spec.get("spr", 1), "activation_checkpointing": spec.get("ac", "none"),
         "strategy": spec.get("strategy", "parallel3d"), "zero_stage": spec.get("zero", 2) if dp > 1 else None,
@@ -336,12 +350,12 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "tp_split": spec.get("tp_split", 1),
         "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
         "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_median_step": tokens_per_s_median_step,
         "mfu": config.flops_per_token(T) * tokens_per_s / world / PEAK_BF16,
+        "mfu_median_step": config.flops_per_token(T) * tokens_per_s_median_step / world / PEAK_BF16,
         "mfu_attention_twice": config.flops_per_token_full_attention(T) * tokens_per_s / world / PEAK_BF16,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
         "fit_s": time.perf_counter() - t0,
-    }
+    })
     if census is not None:  # what async TP managed to fuse (per compiled graph, forward and backward)
         out["collectives_in_compiled_graphs"] = dict(census.counts)
         from torch._inductor import config as inductor_config
@@ -351,16 +365,18 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         from lightning_perf.perf.comm import analyze_comm_trace
 
         analysis = analyze_comm_trace(timer.trace, ranks=world)
-        out["exposed_comm_pct"] = 100.0 * analysis.overlap.exposed / step
+        out["exposed_comm_pct"] = 100.0 * analysis.overlap.exposed / mean_step
+        out["exposed_comm_pct_median_step"] = 100.0 * analysis.overlap.exposed / step
         # per collective kind in the profiled step: count, bytes, kernel seconds, bus bandwidth
         out["collectives"] = {k: vars(v) for k, v in analysis.collectives.items()}
         out["comm_s_per_step"] = analysis.overlap.comm  # the trace holds one step
         from lightning_perf.perf.gpu_time import gpu_time_breakdown
 
         out["gpu_time"] = gpu_time_breakdown(timer.trace, steps=1, top=40)
-        idle = _idle_share(timer.trace, step)
+        idle, idle_median = _idle_share(timer.trace, mean_step), _idle_share(timer.trace, step)
         out["compute_idle_pct"] = None if idle is None else 100.0 * idle
-    del trainer, module, timer
+        out["compute_idle_pct_median_step"] = None if idle_median is None else 100.0 * idle_median
+    del trainer, module, timer, window
     return out
 
 
@@ -385,28 +401,36 @@ def _worker(rank: int, world: int, port: int, names: list[str], specs: dict, arg
 
 
 def run_group(names: list[str], specs: dict, args: dict, world: int, timeout: float) -> list[dict]:
-    """One process group runs ``names`` in order; per variant, ranks' results are merged."""
+    """One process group runs ``names`` in order; per variant, ranks' results are merged (:func:`merge_ranks`)."""
     tmp = tempfile.mkdtemp(prefix="bench3d_")
     error = launch(_worker, (names, specs, args, tmp), world, timeout)
     if error and error.startswith("timed out"):
         error = "group " + error
-    merged = []
-    for name in names:
-        ranks = read_ranks(lambda r: os.path.join(tmp, f"{name}.rank{r}.json"), world)
-        if not ranks:
-            merged.append({"variant": name, "ok": False, "error": error or "no result"})
-            continue
-        res = dict(next((x for x in ranks if not x.get("ok")), ranks[0]))
-        for key in ("peak_mem_gb", "exposed_comm_pct", "compute_idle_pct"):
-            vals = [x[key] for x in ranks if x.get(key) is not None]
-            if vals:
-                res[key] = max(vals)
-        merged.append(res)
-    return merged
+    return [merge_ranks(name, read_ranks(lambda r: os.path.join(tmp, f"{name}.rank{r}.json"), world), error)
+            for name in names]
+
+
+def merge_ranks(name: str, ranks: list[dict], error: str | None) -> dict:
+    """One row from a variant's rank results: rank 0's window (the headline; a failed rank's error
+    first), memory, exposed communication and idle share at their maximum over ranks, and per rank
+    what explains a slow window."""
+    if not ranks:
+        return {"variant": name, "ok": False, "error": error or "no result"}
+    res = dict(next((x for x in ranks if not x.get("ok")), ranks[0]))
+    for key in ("peak_mem_gb", "exposed_comm_pct", "compute_idle_pct", "exposed_comm_pct_median_step",
+                "compute_idle_pct_median_step"):
+        vals = [x[key] for x in ranks if x.get(key) is not None]
+        if vals:
+            res[key] = max(vals)
+    for key in ("gc_count_in_window", "gc_ms_in_window", "recompiles_in_window"):
+        if any(key in x for x in ranks):
+            res[f"{key}_per_rank"] = [x.get(key) for x in ranks]
+    return res
 
 
 def add_bubble_figures(results: list[dict]) -> None:
-    """Throughput vs dp2 and, for pipelines, measured bubble against theory, same global batch.
+    """Throughput vs dp2 and, for pipelines, measured bubble against theory, same global batch: from
+    the wall-clock mean step, and under ``*_median_step`` from the median step.
 
     The baseline is dp2 in the same mode: ``dp2_compile_fp8`` for an FP8 variant and ``dp2_compile``
     for a compiled one (when they ran), ``dp2`` otherwise (named in ``baseline``); ``vs_dp2_eager``
@@ -425,14 +449,17 @@ def add_bubble_figures(results: list[dict]) -> None:
         if base is None or r["preset"] != base["preset"]:
             continue
         r["baseline"] = base["variant"]
-        r["vs_dp2_tokens_per_s"] = r["tokens_per_s"] / base["tokens_per_s"]
-        if eager is not None:
-            r["vs_dp2_eager"] = r["tokens_per_s"] / eager["tokens_per_s"]
-        if r.get("pp", 1) > 1:
-            theory = bubble_fraction(r["pp"], r["microbatches"], r["stages_per_rank"])
-            r["bubble_theory"] = theory
-            r["bubble_measured"] = 1.0 - base["step_s_median"] / r["step_s_median"]
-            r["share_of_bubble_bound"] = r["tokens_per_s"] / (base["tokens_per_s"] * (1.0 - theory))
+        for suffix in ("", "_median_step"):
+            tokens_per_s = f"tokens_per_s{suffix}"
+            r[f"vs_dp2_tokens_per_s{suffix}"] = r[tokens_per_s] / base[tokens_per_s]
+            if eager is not None:
+                r[f"vs_dp2_eager{suffix}"] = r[tokens_per_s] / eager[tokens_per_s]
+            if r.get("pp", 1) > 1:
+                theory = bubble_fraction(r["pp"], r["microbatches"], r["stages_per_rank"])
+                r["bubble_theory"] = theory
+                # the same tokens per step in every layout: the step-time ratio is the throughput ratio
+                r[f"bubble_measured{suffix}"] = 1.0 - r[tokens_per_s] / base[tokens_per_s]
+                r[f"share_of_bubble_bound{suffix}"] = r[tokens_per_s] / (base[tokens_per_s] * (1.0 - theory))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -482,6 +509,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "triton": triton_version,
         "config": {**args, "variants": {**GPT_VARIANTS, **llama}, "peak_flops": PEAK_BF16, "only": a.only,
                    "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")},
+        "headline": "tokens / wall-clock seconds over the timed window (mean step), rank 0's clock",
         "wall_s": time.perf_counter() - start,
         "results": results,
     }

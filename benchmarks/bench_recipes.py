@@ -58,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from _timing import StepProfile, window_stats  # noqa: E402
+from _timing import StepProfile, Window  # noqa: E402
 
 PEAK_BF16 = {"h100": 989e12, "h200": 989e12}  # dense bf16 datasheet, SXM parts
 
@@ -216,23 +216,16 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
     dm.setup("fit")
     it = iter(dm.train_dataloader())
     amp = device.type == "cuda" and trainer_args.get("precision", "bf16-mixed") == "bf16-mixed"
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    host, events, t0 = [], [], None
+    window = Window(device.type == "cuda", first_step=warmup)
     profiled = int(os.environ.get("BENCH_PROFILE_STEPS", 0))
     profile = StepProfile(profiled) if profiled else None
     for i in range(total):
         if profile is not None and i == total - profiled:
             profile.start()
         if i == warmup:
-            sync()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-        if t0 is not None:
-            host.append(time.perf_counter())
-            if device.type == "cuda":
-                events.append(torch.cuda.Event(enable_timing=True))
-                events[-1].record()
+            window.open()
+        if window.is_open:
+            window.step(batch * seq_len)
         x, y = next(it)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
@@ -243,18 +236,10 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
         opt.step()
         opt.zero_grad(set_to_none=True)
         schedule.step()
-    if device.type == "cuda":
-        events.append(torch.cuda.Event(enable_timing=True))
-        events[-1].record()
-    sync()
-    t1 = time.perf_counter()
-    host.append(t1)
-    times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])] or [b - a for a, b in zip(host, host[1:])]
+    result = window.close()
     out.write_text(json.dumps({
         **({"profile": profile.stop(str(out.parent / f"profile_{out.name}"))} if profile is not None else {}),
-        **window_stats(t1 - t0, times, batch * seq_len * steps),
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
-        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if device.type == "cuda" else None,
+        **result,
         "model": {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "kernels", "attention")},
     }, indent=2))
 
