@@ -387,3 +387,49 @@ def test_delayed_linear_compiled_equals_eager_without_graph_breaks():
         torch.testing.assert_close(w_c.grad, w_e.grad, atol=0, rtol=0)
         assert torch.equal(h_c, h_e) and bool((h_e[:, : i + 1] > 0).all())
         w_e.grad = w_c.grad = None
+
+
+@requires_gpu
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_transpose_amax_bitwise_on_gpu_eager_and_compiled(src, dtype):
+    """The compiled kernel with the amax output: the reference's bits in both layouts, torch.amax's amax,
+    called directly and launched from torch.compile's generated code (twice: the word is zeroed per call)."""
+    torch._dynamo.reset()
+    t = (torch.randn(4096, 1024, device="cuda") * 3).to(src)
+    scale = f8._scale_of(t, dtype) * 0.5  # a history scale: nothing clips
+    want, want_t, want_amax = f8.cast_transpose_amax_fp8_reference(t, scale, dtype)
+    compiled = torch.compile(lambda a, s: f8.cast_transpose_amax_fp8(a, s, dtype), fullgraph=True)
+    for fn in (f8.cast_transpose_amax_fp8, compiled, compiled):
+        q, qt, amax = fn(t, scale) if fn is compiled else fn(t, scale, dtype)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
+        assert torch.equal(amax, want_amax) and torch.equal(amax, t.abs().amax().float())
+
+
+@requires_gpu
+def test_delayed_fp8_linear_on_gpu_compiled_equals_eager():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    w_e = (torch.randn(1024, 2048, device="cuda") * 0.02).requires_grad_()
+    w_c = w_e.detach().clone().requires_grad_()
+    h_e, h_c = f8.new_amax_history(device="cuda"), f8.new_amax_history(device="cuda")
+
+    def step(x, w, h):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fp8_linear(x, w, amax_history=h)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for i in range(3):
+        x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) * (1 + i)
+        ye, yc = step(x, w_e, h_e), compiled(x, w_c, h_c)
+        ye.float().square().sum().backward()
+        yc.float().square().sum().backward()
+        ref = F.linear(x.float(), w_e.detach())
+        assert (ye.float() - ref).norm() / ref.norm() < 0.05
+        for got, want in ((yc, ye), (w_c.grad, w_e.grad)):  # Inductor may round a scale's division apart
+            assert (got.float() - want.float()).norm() / want.float().norm() < 1e-3
+        assert torch.equal(h_c, h_e) and bool((h_e[:, : i + 1] > 0).all())
+        w_e.grad = w_c.grad = None
