@@ -371,6 +371,40 @@ def test_delayed_fp8_gpt_compiled_whole_equals_eager():
                 assert bool((a[:, : step + 1] > 0).all()) and not a[:, step + 1:].any(), n
 
 
+def test_delayed_fp8_gpt_checkpoints_are_the_tensorwise_ones_and_a_load_rewarms():
+    """The amax histories are not saved: a delayed GPT's state dict is the tensorwise GPT's, loads into it
+    either way (``load_state_dict`` and the DCP call the pack's strategies make), and every history is
+    empty after a load, so the next step scales by the current amaxes, as the tensorwise model does."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from lightning_perf.kernels.float8 import fp8_recipe_of
+
+    idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(6))
+    torch.manual_seed(0)
+    delayed = GPT(GPTConfig.from_name("tiny", n_layer=2, fp8="delayed", fused_qkv=True))
+    tensorwise = GPT(GPTConfig.from_name("tiny", n_layer=2, fp8="tensorwise", fused_qkv=True))
+    opt = torch.optim.AdamW(delayed.parameters(), lr=3e-3)
+    for _ in range(3):
+        delayed(idx, idx).backward()
+        opt.step()
+        opt.zero_grad()
+    layers = [m for m in delayed.modules() if fp8_recipe_of(m) == "delayed"]
+    unused = {id(p) for block in delayed.blocks.values() for p in (block.attn.k_proj, block.attn.v_proj)}
+    assert len(layers) == 12  # fused q/k/v records in q_proj's history: k_proj's and v_proj's stay empty
+    assert all(bool(m.fp8_amax_history.any()) == (id(m) not in unused) for m in layers)
+    saved = get_model_state_dict(delayed)
+    assert list(saved) == list(tensorwise.state_dict())
+    tensorwise.load_state_dict(saved)
+    with torch.no_grad():
+        warm = delayed(idx, idx)  # on the histories' scales
+    assert not torch.equal(warm, tensorwise(idx, idx))
+    for load in (lambda: set_model_state_dict(delayed, saved), lambda: delayed.load_state_dict(tensorwise.state_dict())):
+        delayed(idx, idx).backward()  # records again
+        load()
+        assert not any(m.fp8_amax_history.any() for m in layers)
+        torch.testing.assert_close(delayed(idx, idx), tensorwise(idx, idx), atol=0, rtol=0)
+
+
 def test_fp8_config_errors():
     from lightning_perf.models.gpt.parallelize import check_gpt_layout
 
