@@ -136,7 +136,9 @@ def convert_to_fp8(module: nn.Module, recipe: Union[bool, str], *,
         return take
 
     float8.convert_to_float8_training(module, module_filter_fn=keep, config=config)
-    for name in converted if recipe != "rowwise" else ():
+    if recipe == "rowwise":
+        return converted
+    for name in converted:
         layer = module.get_submodule(name) if name else module
         layer.__class__ = _tensorwise_class() if recipe == "tensorwise" else _delayed_class()
         if recipe == "delayed":

@@ -393,15 +393,16 @@ class _Float8Matmul(torch.autograd.Function):
     ``history`` None: current scaling (each operand's amax, then its cast). ``history`` (3, H): delayed
     scaling from its rows (x, W, dL/dy; see :func:`history_scale`), each operand cast by one pass that
     also yields its amax. The forward returns (y, amax(|x|), amax(|W|)) then, for the caller to record
-    (the dL/dy row is recorded here, in the backward); the weight is cast with its transpose, which
-    the input-gradient matmul takes as it is.
+    (the dL/dy row is recorded here, in the backward, when ``record``); the weight is cast with its
+    transpose, which the input-gradient matmul takes as it is.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, history, out_dtype, fast_accum):
+    def forward(ctx, x, weight, history, record, out_dtype, fast_accum):
         x = x.contiguous()
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.history = history  # not saved for backward: its rows change in place after this forward
+        ctx.record = record
         if history is None:
             x_scale = _scale_of(x, E4M3)
             xq, xq_t = cast_transpose_fp8(x, x_scale, E4M3)  # xq_t (K, M): the wgrad operand
@@ -434,7 +435,8 @@ class _Float8Matmul(torch.autograd.Function):
         else:
             g_scale = history_scale(grad, history[2], E5M2)
             gq, gq_t, g_amax = cast_transpose_amax_fp8(grad, g_scale, E5M2)
-            push_amax(history[2], g_amax)
+            if ctx.record:
+                push_amax(history[2], g_amax)
             w_col = w_saved.t()  # q(W)^T (K, N) row-major: q(W) column-major
         g_inv = g_scale.reciprocal()
         dx = dw = None
@@ -443,7 +445,7 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # q(g)^T (N, M) row-major times q(x) (M, K) column-major (= xq_t viewed transposed)
             dw = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=w_dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -465,8 +467,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     ``amax_history``: delayed scaling. A (3, H) fp32 tensor, zeros at first, whose rows hold the last
     H amaxes of x, of the weight and of dL/dy, newest first; each scale is ``fmax / max(row)`` (the
     current amax while a row is all zeros), and each cast records its operand's amax in its row, in
-    place (x and W here when ``record``, dL/dy in the backward). Values beyond the range the history
-    scale allows saturate at the FP8 maximum.
+    place (x and W in the forward, dL/dy in the backward; nothing when ``record`` is False). Values
+    beyond the range the history scale allows saturate at the FP8 maximum.
     """
     if not fp8_linear_supported(x, weight):
         return F.linear(x, weight, bias)
@@ -474,10 +476,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     lead = x.shape[:-1]
     with torch.autocast(x.device.type, enabled=False):
         if amax_history is None:
-            y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, None, out_dtype, bool(fast_accum))
+            y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, None, False, out_dtype, bool(fast_accum))
         else:
-            y, x_amax, w_amax = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, amax_history, out_dtype,
-                                                    bool(fast_accum))
+            y, x_amax, w_amax = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, amax_history, bool(record),
+                                                    out_dtype, bool(fast_accum))
             if record:
                 push_amax(amax_history[0], x_amax)
                 push_amax(amax_history[1], w_amax)
