@@ -398,7 +398,8 @@ def test_delayed_fp8_gpt_checkpoints_are_the_tensorwise_ones_and_a_load_rewarms(
     with torch.no_grad():
         warm = delayed(idx, idx)  # on the histories' scales
     assert not torch.equal(warm, tensorwise(idx, idx))
-    for load in (lambda: set_model_state_dict(delayed, saved), lambda: delayed.load_state_dict(tensorwise.state_dict())):
+    loads = (lambda: set_model_state_dict(delayed, saved), lambda: delayed.load_state_dict(tensorwise.state_dict()))
+    for load in loads:
         delayed(idx, idx).backward()  # records again
         load()
         assert not any(m.fp8_amax_history.any() for m in layers)
