@@ -3,11 +3,13 @@ loss chunking.
 
 Parts, all written to one JSON:
 1. ``linears``: one linear's forward + backward at the gpt-1.3b shapes (16384 tokens), compiled,
-   torchao's tensorwise and rowwise FP8 linears against ``F.linear`` under bf16 autocast.
+   the tensorwise (the pack's matmul and torchao's), delayed and rowwise FP8 linears against
+   ``F.linear`` under bf16 autocast.
 2. ``step``: a plain training loop (bf16 autocast, whole-model compile, fused AdamW) per model variant
    (``--step-variants``); tokens / wall time over the timed steps, peak memory, one profiled step.
 3. ``convergence``: the same model trained from the same seed on the built-in corpus (real text, bytes)
-   in bf16 and with FP8 linears; loss every step, so the curves can be compared point by point.
+   in bf16 and with FP8 linears (``--conv-runs``: tensorwise, delayed, rowwise, ...); loss every step,
+   so the curves can be compared point by point.
 4. ``numerics``: one linear's output and both gradients, eager and compiled, for each FP8 path against
    an fp32 ``F.linear`` of the same operands (relative error), and the pack's tensorwise matmul against
    torchao's directly: a gap between the two tensorwise paths shows here before it shows in a curve.
@@ -16,6 +18,7 @@ Parts, all written to one JSON:
    the time each chunking costs and its extra memory.
 
     python benchmarks/bench_fp8.py --out $OUT
+    python benchmarks/bench_fp8.py --parts convergence --conv-runs bf16,tensorwise,delayed --out $OUT
     python benchmarks/bench_fp8.py --smoke          # CPU, tiny shapes, checks the code paths
 """
 
@@ -57,7 +60,7 @@ def _fp8_linear(recipe: str, K: int, N: int, device) -> torch.nn.Module:
     from lightning_perf.kernels.float8 import convert_to_fp8
 
     holder = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device=device))
-    convert_to_fp8(holder, "tensorwise" if recipe == "torchao-tensorwise" else recipe)
+    convert_to_fp8(holder, "tensorwise" if recipe == "torchao-tensorwise" else recipe)  # "delayed": a history too
     return holder[0]
 
 
@@ -75,7 +78,7 @@ def _torchao_matmuls(on: bool):
         float8._pack_path = original
 
 
-LINEAR_VARIANTS = ("bf16", "tensorwise", "torchao-tensorwise", "rowwise")
+LINEAR_VARIANTS = ("bf16", "tensorwise", "torchao-tensorwise", "delayed", "rowwise")
 
 
 def bench_linears(device, M: int, shapes, iters: int, variants=LINEAR_VARIANTS) -> list[dict]:
@@ -156,7 +159,7 @@ def bench_numerics(device, M: int, shapes, variants=("tensorwise", "torchao-tens
 
 # name: (GPTConfig.fp8, tensorwise layers on torchao's matmul throughout)
 CONV_RUNS = {"bf16": (False, False), "tensorwise": ("tensorwise", False), "rowwise": ("rowwise", False),
-             "torchao-tensorwise": ("tensorwise", True)}
+             "torchao-tensorwise": ("tensorwise", True), "delayed": ("delayed", False)}
 
 
 def curves_svg(curves: dict[str, list[float]], title: str, window: int = 20, width: int = 720,
@@ -263,7 +266,8 @@ def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int,
             tail = max(1, steps // 10)
             ref, got = statistics.fmean(out["bf16"]["losses"][-tail:]), statistics.fmean(out[key]["losses"][-tail:])
             out[f"last_10pct_rel_diff_{key}_vs_bf16"] = (got - ref) / ref
-    for a, b in (("bf16", "tensorwise"), ("bf16", "rowwise"), ("bf16", "torchao-tensorwise")):
+    for a, b in (("bf16", "tensorwise"), ("bf16", "rowwise"), ("bf16", "torchao-tensorwise"), ("bf16", "delayed"),
+                 ("tensorwise", "delayed")):
         if a in out and b in out:
             x, y = out[a]["losses"], out[b]["losses"]
             out[f"max_abs_diff_{a}_vs_{b}"] = max(abs(p - q) for p, q in zip(x, y))
@@ -326,6 +330,8 @@ STEP_VARIANTS = {
     "tensorwise-fused-qkv": ({"fp8": "tensorwise", "fused_qkv": True}, False),
     "rowwise": ({"fp8": "rowwise"}, False),
     "rowwise-fused-qkv": ({"fp8": "rowwise", "fused_qkv": True}, False),
+    "delayed": ({"fp8": "delayed"}, False),
+    "delayed-fused-qkv": ({"fp8": "delayed", "fused_qkv": True}, False),
 }
 
 
@@ -383,9 +389,6 @@ def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: i
             print(json.dumps(row["gpu_time"]["ms_per_step"]), flush=True)
         patch.__exit__(None, None, None)
         model = compiled = opt = None  # free before the next variant
-        if on_run is not None:
-            on_run(out)
-        patch.__exit__(None, None, None)
         if cuda:
             torch.cuda.empty_cache()
     baseline = next((r for r in rows if r["variant"] == "bf16"), None)

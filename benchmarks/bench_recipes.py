@@ -31,6 +31,8 @@ window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. Th
     python benchmarks/bench_recipes.py --recipes gpt-1.3b-zero3,gpt-1.3b-tp2,gpt-1.3b-pp2 --steps 30 --warmup 10
     python benchmarks/bench_recipes.py --recipes llama-8b-3d --steps 10 --warmup 5   # 8 GPUs
     python benchmarks/bench_recipes.py --recipes gpt-1.3b --profile 4           # kernels and GPU idle, both sides
+    python benchmarks/bench_recipes.py --recipes gpt-1.3b-fp8 --steps 20 --warmup 10 --no_checkpoint \
+        --no_validation --variant delayed=--bench.fp8=delayed   # shipped FP8 recipe, fp8="delayed", plain bf16
     python benchmarks/bench_recipes.py --smoke                                  # CPU: the code paths only
 
 A multi-GPU recipe runs as Lightning launches it: the child process this script starts is rank 0,
@@ -163,10 +165,26 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
     ]
     if smoke:
         args += _smoke_overrides(recipe)
+    if os.environ.get("BENCH_NO_VALIDATION") == "1":  # no validation pass after the window (nor its compile)
+        args += ["--trainer.limit_val_batches", "0"]
+    fp8 = [a.partition("=")[2] for a in extra if a.startswith("--bench.fp8=")]
+    if fp8:  # a variant only: the recipe's model with another FP8 recipe (e.g. "delayed")
+        extra = [a for a in extra if not a.startswith("--bench.fp8=")]
+        args += _fp8_overrides(recipe, fp8[-1], smoke)
     if "--bench.fp8_linear=torchao" in extra:  # a variant only: torchao's tensorwise matmul throughout
         extra = [a for a in extra if a != "--bench.fp8_linear=torchao"]
         _torchao_matmuls_only()
     main(args + extra)
+
+
+def _fp8_overrides(recipe: dict, fp8: str, smoke: bool) -> list[str]:
+    """CLI arguments that run the recipe's model with ``GPTConfig.fp8 = fp8``, its other overrides kept
+    (the smoke's tiny model has none)."""
+    from lightning_perf.kernels.float8 import normalize_fp8
+
+    overrides = {} if smoke else dict((recipe.get("model") or {}).get("config_overrides") or {})
+    overrides["fp8"] = normalize_fp8(False if fp8.lower() in ("false", "none", "off") else fp8)
+    return ["--model.config_overrides", json.dumps(overrides, separators=(",", ":"))]
 
 
 def _torchao_matmuls_only() -> None:
@@ -344,6 +362,8 @@ def main() -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--no_checkpoint", action="store_true", help="skip timing one checkpoint save")
+    p.add_argument("--no_validation", action="store_true",
+                   help="skip the recipe's validation pass after the window (and the eval-mode compile it costs)")
     p.add_argument("--budget_s", type=float, default=None, help="start no further run after this many seconds")
     p.add_argument("--fsdp_compile_scope", choices=("block", "model"), default="block",
                    help="the FSDP baseline compiles each block or the whole model")
@@ -372,6 +392,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.no_checkpoint:
         os.environ["BENCH_WINDOW_CHECKPOINT"] = "0"
+    if args.no_validation:
+        os.environ["BENCH_NO_VALIDATION"] = "1"
     if args.profile:
         os.environ["BENCH_PROFILE_STEPS"] = str(args.profile)
     if args.child:

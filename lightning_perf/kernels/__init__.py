@@ -3,8 +3,8 @@
 Functional API (autograd-aware, ``torch.compile``-friendly through custom ops):
 ``flash_attention``, ``fused_linear_cross_entropy``, ``rms_norm``, ``layer_norm``,
 ``rotary_embedding``, ``swiglu``, ``gelu_tanh``, ``gelu_tanh_mul``; ``fp8_linear`` (a tensorwise FP8
-matmul through ``torch._scaled_mm``, Triton for the casts). FP8 linear layers: ``kernels.float8``
-(torchao.float8).
+matmul through ``torch._scaled_mm``, Triton for the casts; current or delayed scaling). FP8 linear
+layers: ``kernels.float8`` (torchao.float8).
 
 Submodules are imported on first use: importing this package does not import
 Triton, so CPU-only installs (Triton is the ``triton`` extra) and other modules are

@@ -3,10 +3,15 @@
 A converted linear computes y = x W^T (+ b) and both gradient matmuls on FP8 operands with fp32
 accumulation (``torch._scaled_mm``), dynamic scales recomputed from the current tensors each call:
 
-    tensorwise   s_t = fmax / amax(|t|)            one scale per tensor (fastest; the weights can
-                                                   be all-gathered in FP8 under FSDP2)
+    tensorwise   s_t = fmax / amax(|t|)            one scale per tensor (the weights can be
+                                                   all-gathered in FP8 under FSDP2)
     rowwise      s_t[i] = fmax / amax(|t[i, :]|)   one scale per row of each operand along the
                                                    contracted dimension (closer to bf16, slower)
+    delayed      s_t = fmax / max of the last H amaxes of t (H = 16), tensorwise: each layer keeps
+                 an amax history per operand (x, W, dL/dy) and the pass that casts an operand
+                 also records its amax, so every operand is read once instead of twice; the first
+                 call (an empty history) uses the current amax. A sudden jump past the recorded
+                 maximum saturates at the FP8 maximum for one step. Plain weights only.
 
 Parameters, optimizer state and checkpoints are unchanged: FP8 exists only inside the matmuls.
 torchao owns the layer, the rowwise recipe, FSDP2's FP8 all-gather (``parallel.fp8_all_gather``)
@@ -14,7 +19,14 @@ and the FP8 tensor-parallel styles; this module picks the layers and the recipe.
 by measurement: a tensorwise layer whose weight is a plain tensor when it runs (one device, DDP,
 pipeline stages, ZeRO gathering bf16/fp32 weights; not FP8-gathered or tensor-parallel) runs ``kernels.ops.fp8_linear``, which keeps the forward's
 FP8 copies for the backward instead of casting again (the gpt-1.3b FP8 recipe on an H200: 69.3k
-against 65.9k tokens/s).
+against 65.9k tokens/s). Delayed layers always run ``kernels.ops.fp8_linear`` (it holds the history
+logic and needs Triton); a weight that is a DTensor or FP8-gathered is refused at the call, and the
+pack's strategies refuse the recipe before any process group where they would make one.
+
+The history (``fp8_amax_history``, (3, H) fp32) is a non-persistent buffer: state dicts and
+checkpoints are those of the other recipes, and loading one into a model empties every history, so
+the first step after a load falls back to the current amax, as the first step of a run does.
+Evaluation (a module in eval mode) reads the history without recording.
 
 torchao is an optional dependency (``pip install 'lightning-perf[fp8]'``). FP8 matmuls need a
 GPU of compute capability >= 8.9 (Ada, Hopper and later) or a CPU build of PyTorch with FP8
@@ -32,13 +44,15 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-__all__ = ["FP8_RECIPES", "normalize_fp8", "require_torchao", "fp8_linear_config", "convert_to_fp8",
-           "is_fp8_linear", "fp8_recipe_of", "fp8_matmul", "check_fp8_device", "fp8_linear_reference"]
+__all__ = ["FP8_RECIPES", "normalize_fp8", "require_torchao", "require_fp8", "fp8_linear_config", "convert_to_fp8",
+           "is_fp8_linear", "fp8_recipe_of", "fp8_matmul", "check_fp8_device", "fp8_linear_reference",
+           "reset_amax_history", "uses_delayed_fp8"]
 
-FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 _PACK = "lightning_perf.kernels.ops.fp8_linear"  # the pack's tensorwise matmul (needs Triton)
 _ALIGN = 16  # torch._scaled_mm: both dimensions of each FP8 operand divisible by 16
 _TORCHAO_MIN = (0, 14)
+_AMAX_HISTORY = 16  # delayed: steps each scale looks back over (kernels.ops.fp8_linear.AMAX_HISTORY)
 
 
 def normalize_fp8(value: Union[bool, str, None]) -> Union[bool, str]:
@@ -65,8 +79,18 @@ def require_torchao() -> Any:
     return float8
 
 
+def require_fp8(recipe: Union[bool, str]) -> None:
+    """Raise ImportError now, naming the extra, if ``recipe`` cannot run here (torchao; Triton for "delayed")."""
+    recipe = normalize_fp8(recipe)
+    if recipe:
+        require_torchao()
+    if recipe == "delayed":
+        _require_pack("fp8='delayed'")
+
+
 def fp8_linear_config(recipe: str, *, fsdp_all_gather: bool = False) -> Any:
-    """torchao's ``Float8LinearConfig`` for ``recipe`` ("tensorwise" | "rowwise").
+    """torchao's ``Float8LinearConfig`` for ``recipe`` ("tensorwise" | "rowwise" | "delayed": tensorwise's,
+    the layer class adds the history).
 
     ``fsdp_all_gather`` (tensorwise only) makes FSDP2 all-gather the weights in FP8.
     """
@@ -76,7 +100,7 @@ def fp8_linear_config(recipe: str, *, fsdp_all_gather: bool = False) -> Any:
         raise ValueError("fp8_linear_config needs a recipe name, got False")
     if fsdp_all_gather and recipe != "tensorwise":
         raise ValueError(f"FP8 all-gather needs the 'tensorwise' recipe (one scale per weight); got {recipe!r}")
-    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    config = float8.Float8LinearConfig.from_recipe_name("tensorwise" if recipe == "delayed" else recipe)
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_all_gather)
 
 
@@ -85,17 +109,23 @@ def _fp8_shape_ok(module: nn.Module) -> bool:
 
 
 def convert_to_fp8(module: nn.Module, recipe: Union[bool, str], *,
-                   include: Optional[Callable[[nn.Module, str], bool]] = None) -> list[str]:
+                   include: Optional[Callable[[nn.Module, str], bool]] = None,
+                   amax_history: int = _AMAX_HISTORY) -> list[str]:
     """Swap ``module``'s ``nn.Linear`` layers for torchao ``Float8Linear`` in place; returns their names.
 
     Layers whose width or height is not a multiple of 16 stay as they are (FP8 matmuls cannot
     take them), as does any layer ``include(layer, name)`` rejects. Works on the ``meta`` device
-    (nothing is allocated; the parameters are the same objects).
+    (nothing is allocated; the parameters are the same objects). ``amax_history``: with "delayed",
+    how many steps of amax each scale is taken over.
     """
     recipe = normalize_fp8(recipe)
     if not recipe:
         return []
     float8 = require_torchao()
+    if recipe == "delayed":
+        _require_pack("fp8='delayed'")
+        if isinstance(amax_history, bool) or not isinstance(amax_history, int) or amax_history < 1:
+            raise ValueError(f"amax_history must be a positive number of steps, got {amax_history!r}")
     config = fp8_linear_config(recipe)
     converted: list[str] = []
 
@@ -106,11 +136,53 @@ def convert_to_fp8(module: nn.Module, recipe: Union[bool, str], *,
         return take
 
     float8.convert_to_float8_training(module, module_filter_fn=keep, config=config)
-    if recipe == "tensorwise":
-        for name in converted:
-            layer = module.get_submodule(name) if name else module
-            layer.__class__ = _tensorwise_class()
+    if recipe == "rowwise":
+        return converted
+    for name in converted:
+        layer = module.get_submodule(name) if name else module
+        layer.__class__ = _tensorwise_class() if recipe == "tensorwise" else _delayed_class()
+        if recipe == "delayed":
+            history = torch.zeros(3, amax_history, dtype=torch.float32, device=layer.weight.device)
+            layer.register_buffer("fp8_amax_history", history, persistent=False)
+            layer.register_load_state_dict_pre_hook(_empty_history_on_load)
     return converted
+
+
+def _require_pack(what: str) -> None:
+    """Import the pack's FP8 matmul (once, outside any traced code), or an ImportError naming the extra."""
+    try:
+        importlib.import_module(_PACK)
+    except ModuleNotFoundError as err:
+        if err.name != "triton":
+            raise
+        raise ImportError(f"{what} runs the pack's FP8 matmul, which needs Triton: pip install "
+                          "'lightning-perf[triton]' (Linux), or use fp8='tensorwise'") from err
+
+
+def _empty_history_on_load(module: nn.Module, *args: Any) -> None:
+    """Loading a state dict empties the layer's amax history (the weights it recorded are gone)."""
+    with torch.no_grad():
+        module.fp8_amax_history.zero_()
+
+
+def reset_amax_history(module: nn.Module) -> int:
+    """Empty the amax history of every delayed FP8 layer in ``module`` (the next call of each falls back
+    to the current amax); returns how many layers were reset."""
+    count = 0
+    with torch.no_grad():
+        for sub in module.modules():
+            if fp8_recipe_of(sub) == "delayed":
+                sub.fp8_amax_history.zero_()
+                count += 1
+    return count
+
+
+def uses_delayed_fp8(module: nn.Module) -> bool:
+    """Whether ``module`` has delayed FP8 layers or will build them (its ``config.fp8`` is "delayed",
+    for a module that builds its network later, as ``GPTLightningModule`` does)."""
+    if getattr(getattr(module, "config", None), "fp8", None) == "delayed":
+        return True
+    return any(fp8_recipe_of(sub) == "delayed" for sub in module.modules())
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,9 +208,47 @@ def _tensorwise_class() -> type:
     return TensorwiseFloat8Linear
 
 
+@functools.lru_cache(maxsize=None)
+def _delayed_class() -> type:
+    """The tensorwise layer with delayed scaling: the pack's matmul with the layer's amax history."""
+
+    class DelayedFloat8Linear(_tensorwise_class()):
+        """A tensorwise FP8 linear whose scales come from ``fp8_amax_history`` (3, H): the last H amaxes of
+        its input, weight and output gradient, recorded by the casts themselves (see ``kernels.float8``)."""
+
+        _lp_fp8_recipe = "delayed"
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return _delayed_matmul(input, self.weight, self, self.bias)
+
+        def reset_parameters(self) -> None:
+            super().reset_parameters()
+            history = getattr(self, "fp8_amax_history", None)  # None while nn.Linear.__init__ runs
+            if history is not None:
+                with torch.no_grad():
+                    history.zero_()
+
+    DelayedFloat8Linear.__module__ = __name__
+    DelayedFloat8Linear.__qualname__ = "DelayedFloat8Linear"
+    return DelayedFloat8Linear
+
+
+def _delayed_matmul(x: torch.Tensor, weight: torch.Tensor, layer: nn.Module,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in FP8 with ``layer``'s amax history, recorded while it trains."""
+    if type(weight) not in (torch.Tensor, nn.Parameter) or type(x) is not torch.Tensor:
+        raise ValueError(
+            f"fp8='delayed' keeps an amax history for plain weights; this layer got a {type(weight).__name__} weight "
+            f"and a {type(x).__name__} input (tensor parallelism or FSDP2 make DTensors, FP8 all-gather makes FP8 "
+            "weights): use fp8='tensorwise' there")
+    return sys.modules[_PACK].fp8_linear(x, weight, bias, amax_history=layer.fp8_amax_history, record=layer.training)
+
+
 def __getattr__(name: str) -> Any:
     if name == "TensorwiseFloat8Linear":  # defined once torchao is imported
         return _tensorwise_class()
+    if name == "DelayedFloat8Linear":
+        return _delayed_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -162,9 +272,12 @@ def is_fp8_linear(module: nn.Module) -> bool:
 
 
 def fp8_recipe_of(module: nn.Module) -> Optional[str]:
-    """"tensorwise" / "rowwise" for a torchao ``Float8Linear``, by its weight's scaling granularity."""
+    """"tensorwise" / "rowwise" / "delayed" for a torchao ``Float8Linear`` (by its weight's scaling
+    granularity; "delayed" for the layers that keep an amax history)."""
     if not is_fp8_linear(module):
         return None
+    if getattr(type(module), "_lp_fp8_recipe", None) == "delayed":  # no class lookup: traced code calls this
+        return "delayed"
     granularity = module.config.cast_config_weight.scaling_granularity
     return "tensorwise" if granularity.name == "TENSORWISE" else "rowwise"
 
@@ -173,9 +286,13 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, like: nn.Module) -> torch.
     """``x @ weight.T`` as the FP8 linear ``like`` computes it (its recipe, both gradients in FP8).
 
     For a weight that is not ``like``'s own, e.g. the q, k and v weights concatenated by rows:
-    one FP8 cast of ``x`` and one matmul instead of three.
+    one FP8 cast of ``x`` and one matmul instead of three. With a delayed ``like``, ``weight`` is recorded
+    in ``like``'s history (the concatenation's amax, every call alike).
     """
-    if fp8_recipe_of(like) == "tensorwise" and _pack_path(x, weight):
+    recipe = fp8_recipe_of(like)
+    if recipe == "delayed":
+        return _delayed_matmul(x, weight, like)
+    if recipe == "tensorwise" and _pack_path(x, weight):
         return sys.modules[_PACK].fp8_linear(x, weight)
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
@@ -194,13 +311,16 @@ def check_fp8_device(device: torch.device) -> None:
                 f"{torch.cuda.get_device_name(device)} is {major}.{minor}: set fp8=False")
 
 
-def _quantized(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
+def _quantized(t: torch.Tensor, rowwise: bool, history: Optional[torch.Tensor] = None) -> torch.Tensor:
     """t rounded to e4m3 and dequantised: one scale per tensor, or per row along the last dim rounded
-    down to a power of two (torchao's recipes)."""
+    down to a power of two (torchao's recipes); ``history`` (H,): the tensor's scale from its recorded
+    amaxes (its own amax while they are all zeros), values beyond saturating."""
     e4m3 = torch.float8_e4m3fn
     fmax = torch.finfo(e4m3).max
     t = t.float()
     amax = t.abs().amax(dim=-1, keepdim=True) if rowwise else t.abs().amax()
+    if history is not None and bool(history.amax() > 0):
+        amax = history.amax().float()
     scale = (fmax / amax.double().clamp(min=1e-12)).float()
     if rowwise:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
@@ -208,13 +328,17 @@ def _quantized(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                         recipe: str = "tensorwise") -> torch.Tensor:
+                         recipe: str = "tensorwise", amax_history: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The forward of an FP8 linear in plain PyTorch: e4m3 operands with dynamic scales fmax / amax,
     per tensor ("tensorwise") or per row of x and of W along the contracted dimension, rounded down to
     a power of two ("rowwise"), multiplied in fp32 (rowwise: the product rounded to bf16, as the
-    row-scaled FP8 matmul writes it); returns x's dtype."""
-    rowwise = normalize_fp8(recipe) == "rowwise"
-    y = _quantized(x, rowwise) @ _quantized(weight, rowwise).t()
+    row-scaled FP8 matmul writes it); returns x's dtype. "delayed": per tensor, x and W scaled by
+    fmax / max of rows 0 and 1 of ``amax_history`` (a delayed layer's ``fp8_amax_history`` before the
+    call), as "tensorwise" where a row is all zeros or no history is given."""
+    recipe = normalize_fp8(recipe)
+    rowwise = recipe == "rowwise"
+    hx, hw = (amax_history[0], amax_history[1]) if recipe == "delayed" and amax_history is not None else (None, None)
+    y = _quantized(x, rowwise, hx) @ _quantized(weight, rowwise, hw).t()
     if rowwise:
         y = y.to(torch.bfloat16).float()
     if bias is not None:

@@ -210,6 +210,22 @@ class PerfParallelStrategy(ParallelStrategy):
 
         require_fp8_config(module) if builds_in_configure_model(module) else require_fp8_linears(module)
 
+    def _check_delayed_fp8(self, module: Optional["pl.LightningModule"], dtensors: Optional[str]) -> None:
+        """Refuse delayed FP8 scaling where ``dtensors`` (what makes the weights DTensors; None: nothing) applies.
+
+        Its amax history belongs to the pack's FP8 matmul, which takes plain weights only.
+        """
+        if module is None or dtensors is None:
+            return
+        from lightning_perf.kernels.float8 import uses_delayed_fp8
+
+        if uses_delayed_fp8(module):
+            raise ValueError(
+                f"fp8='delayed' keeps an amax history in each FP8 linear for plain weights, but {dtensors} "
+                f"makes {type(module).__name__}'s weights DTensors: use fp8='tensorwise' (scales from the current "
+                "amax) with this layout, or fp8='delayed' on one device or with replicated weights "
+                "(ZeroStrategy(stage=1), Parallel3DStrategy with zero_stage=0 and tensor_parallel_size=1)")
+
     def _check_before_process_group(self) -> None:
         """Raise for a configuration that would fail in a collective: every check that needs no other rank."""
         module = self.lightning_module

@@ -232,6 +232,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
             dims = self.config.dims(self.num_nodes * self.num_processes)
             check_tied_layout(self.config.pipeline, zero_sharded=self.config.zero_stage > 0 and dims.dp * dims.cp > 1)
         self._check_fp8_all_gather(module)
+        self._check_delayed_fp8(module, self._dtensor_weights())
         # the data module's numbers too (a batch the pipeline cannot split would fail in a collective)
         batch_size, seq_len = data_shape(datamodule)
         check_data_layout(
@@ -243,6 +244,16 @@ class Parallel3DStrategy(PerfParallelStrategy):
             pipeline=self.config.pipeline,
             cp=self.config.context_parallel_size,
         )
+
+    def _dtensor_weights(self) -> Optional[str]:
+        """What makes this layout's weights DTensors (tensor parallelism, FSDP2 over dp x cp), or None."""
+        tp, zero = self.config.tensor_parallel_size, self.config.zero_stage
+        if tp > 1:
+            return f"tensor_parallel_size={tp}"
+        dims = self.config.dims(self.num_nodes * self.num_processes)
+        if zero > 0 and dims.dp * dims.cp > 1:
+            return f"zero_stage={zero} over dp({dims.dp}) * cp({dims.cp}) = {dims.dp * dims.cp} ranks (FSDP2)"
+        return None
 
     @override
     def _check_before_process_group(self) -> None:

@@ -179,6 +179,8 @@ class ZeroStrategy(PerfParallelStrategy):
         if not builds_in_configure_model(module):
             _require_parameters(module)
         self._check_fp8_all_gather(module)
+        if self.config.uses_fsdp:
+            self._check_delayed_fp8(module, f"ZeroStrategy(stage={self.config.stage}) sharding them with FSDP2")
         _, seq_len = data_shape(datamodule)
         check_data_layout(seq_len=seq_len, model_config=getattr(module, "config", None))
 

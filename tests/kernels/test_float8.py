@@ -14,11 +14,13 @@ def test_recipe_names():
     assert float8.normalize_fp8(False) is False and float8.normalize_fp8(None) is False
     assert float8.normalize_fp8(True) == "tensorwise"
     assert float8.normalize_fp8("rowwise") == "rowwise"
+    assert float8.normalize_fp8("delayed") == "delayed"
     for bad in ("e4m3", 1, "Tensorwise"):
         with pytest.raises(ValueError, match="fp8 must be False, True"):
             float8.normalize_fp8(bad)
-    with pytest.raises(ValueError, match="FP8 all-gather needs the 'tensorwise' recipe"):
-        float8.fp8_linear_config("rowwise", fsdp_all_gather=True)
+    for recipe in ("rowwise", "delayed"):
+        with pytest.raises(ValueError, match="FP8 all-gather needs the 'tensorwise' recipe"):
+            float8.fp8_linear_config(recipe, fsdp_all_gather=True)
     assert float8.fp8_linear_config("tensorwise", fsdp_all_gather=True).enable_fsdp_float8_all_gather
 
 
@@ -57,13 +59,88 @@ def test_missing_torchao_names_the_extra(monkeypatch):
     assert not float8.is_fp8_linear(torch.nn.Linear(16, 16))
 
 
-def test_converted_model_copies_and_pickles():
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_converted_model_copies_and_pickles(recipe):
     import copy
     import pickle
 
     net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
-    float8.convert_to_fp8(net, "tensorwise")
+    float8.convert_to_fp8(net, recipe)
     x = torch.randn(16, 32)
+    net.eval()  # a delayed layer in eval mode records nothing: every call below sees the same history
     for clone in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
-        assert type(clone[0]) is type(net[0]) and float8.fp8_recipe_of(clone[0]) == "tensorwise"
+        assert type(clone[0]) is type(net[0]) and float8.fp8_recipe_of(clone[0]) == recipe
         torch.testing.assert_close(clone(x), net(x), atol=0, rtol=0)
+
+
+# ---- delayed scaling: the layer, its history as state ------------------------------------------
+
+
+def _pair(K: int = 32, N: int = 48, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A delayed and a tensorwise FP8 linear with the same parameters."""
+    torch.manual_seed(seed)
+    delayed = torch.nn.Sequential(torch.nn.Linear(K, N))
+    tensorwise = torch.nn.Sequential(torch.nn.Linear(K, N))
+    tensorwise.load_state_dict(delayed.state_dict())
+    assert float8.convert_to_fp8(delayed, "delayed", amax_history=4) == ["0"]
+    float8.convert_to_fp8(tensorwise, "tensorwise")
+    return delayed[0], tensorwise[0]
+
+
+def test_delayed_layer_history_is_state_outside_the_state_dict():
+    """The history is a non-persistent buffer: state dicts are the tensorwise layer's, and loading one
+    empties it, so the next step falls back to the current amax (= the tensorwise layer's output)."""
+    delayed, tensorwise = _pair()
+    assert delayed.fp8_amax_history.shape == (3, 4) and not delayed.fp8_amax_history.any()
+    assert list(delayed.state_dict()) == list(tensorwise.state_dict()) == ["weight", "bias"]
+    assert float8.fp8_recipe_of(delayed) == "delayed" and float8.is_fp8_linear(delayed)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 32, generator=gen) * (1 + i) for i in range(3)]
+    torch.testing.assert_close(delayed(xs[0]), tensorwise(xs[0]), atol=0, rtol=0)  # first call: current scaling
+    for x in xs[1:]:
+        delayed(x).sum().backward()
+    # x and W recorded by three forwards, dL/dy by two backwards, newest first
+    assert (delayed.fp8_amax_history[:2, :3] > 0).all() and delayed.fp8_amax_history[2].tolist() == [1, 1, 0, 0]
+    assert not torch.equal(delayed(xs[0]), tensorwise(xs[0]))  # scales of the history (larger x seen)
+    saved = {k: v.clone() for k, v in tensorwise.state_dict().items()}
+    delayed.load_state_dict(saved)  # a tensorwise checkpoint loads into a delayed layer and vice versa
+    assert not delayed.fp8_amax_history.any()
+    torch.testing.assert_close(delayed(xs[0]), tensorwise(xs[0]), atol=0, rtol=0)
+    tensorwise.load_state_dict(delayed.state_dict())
+    assert float8.reset_amax_history(torch.nn.Sequential(delayed, tensorwise)) == 1
+    assert not delayed.fp8_amax_history.any()
+    delayed.reset_parameters()  # a re-initialised layer starts with an empty history too
+    assert not delayed.fp8_amax_history.any()
+
+
+def test_delayed_layer_on_meta_and_its_errors():
+    with torch.device("meta"):
+        net = torch.nn.Sequential(torch.nn.Linear(32, 48))
+    float8.convert_to_fp8(net, "delayed")
+    assert net[0].fp8_amax_history.is_meta and net[0].fp8_amax_history.shape == (3, 16)
+    net.to_empty(device="cpu")
+    assert float8.reset_amax_history(net) == 1 and not net[0].fp8_amax_history.any()
+    assert float8.uses_delayed_fp8(net) and not float8.uses_delayed_fp8(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="amax_history must be a positive number of steps"):
+        float8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32)), "delayed", amax_history=0)
+
+    class Shard(torch.Tensor):  # stands for a DTensor or an FP8-gathered weight
+        pass
+
+    w = torch.Tensor._make_subclass(Shard, torch.randn(48, 32))
+    with pytest.raises(ValueError, match=r"fp8='delayed' keeps an amax history for plain weights; .* Shard weight"):
+        float8.fp8_matmul(torch.randn(16, 32), w, net[0])
+
+
+def test_delayed_layer_records_while_training_and_fp8_matmul_records_in_like():
+    delayed, _ = _pair()
+    x = torch.randn(16, 32)
+    delayed.eval()
+    delayed(x)
+    assert not delayed.fp8_amax_history.any()  # evaluation reads the history, records nothing
+    delayed.train()
+    w = torch.cat([delayed.weight, 2 * delayed.weight])  # e.g. q, k, v weights by rows
+    y = float8.fp8_matmul(x, w, delayed)
+    torch.testing.assert_close(y, float8.fp8_linear_reference(x, w), atol=1e-5, rtol=1e-5)  # empty: current scales
+    assert delayed.fp8_amax_history[0, 0] == x.abs().max()
+    assert delayed.fp8_amax_history[1, 0] == w.abs().max()  # the matrix it multiplied

@@ -231,3 +231,209 @@ def test_absmax_on_gpu_eager_and_compiled(src):
     compiled = torch.compile(lambda a: f8.absmax(a * 2) / 2, fullgraph=True)  # with a producer before it
     assert torch.equal(compiled(t), want)
     assert torch.equal(compiled(t), want)  # a second call: the output word is zeroed each time
+
+
+# ---- delayed scaling: the cast that also reduces the amax, the history, the matmul --------------
+
+
+@pytest.mark.parametrize("M,N", [(1, 1), (17, 5), (37, 50), (64, 16)])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("src", [torch.float32, torch.float16])
+def test_cast_transpose_amax_kernel_equals_reference_cast_and_true_amax(M, N, dtype, src, relaunching_tuner):
+    """The interpreted kernel (CPU) with the amax output: both layouts as the reference writes them and the
+    exact max |t| over every tile, tails included. The tuner launches each configuration twice into the
+    same (unzeroed) amax word: a max folded in again changes nothing."""
+    if ON_GPU:
+        pytest.skip("the GPU test below checks the compiled kernel")
+    fmax = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(M * 100 + N)
+    t = (torch.randn(M, N, generator=gen) * 8).to(dtype).float()  # on the fp8 grid (see the test above)
+    t.view(-1)[:: 7] = 448.0 if dtype == E4M3 else 57344.0
+    t.view(-1)[(M * N) // 2] = -3 * fmax  # the largest magnitude, clamped in q; anywhere, also the last tile
+    t = t.to(src) if src == torch.float32 or dtype == E4M3 else t.clamp(-6e4, 6e4).to(src)
+    scale = torch.tensor(1.0)
+    q = torch.full((M, N), float("nan")).to(dtype)
+    qt = torch.full((N, M), float("nan")).to(dtype)
+    amax = torch.zeros(())
+    f8._cast_transpose_launch(t, scale, dtype, out=(q, qt), amax=amax)
+    want, want_t, want_amax = f8.cast_transpose_amax_fp8_reference(t, scale, dtype)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
+    assert amax.dtype == torch.float32 and torch.equal(amax, want_amax) and torch.equal(amax, t.float().abs().amax())
+
+
+def test_cast_transpose_amax_kernel_on_values_off_the_grid_and_nan():
+    """The amax is that of the source, whatever the cast rounds to; a NaN anywhere gives NaN (as torch.amax)."""
+    if ON_GPU:
+        pytest.skip("the GPU test below checks the compiled kernel")
+    t = torch.randn(40, 24, generator=torch.Generator().manual_seed(0)) * 3.7
+    amax = torch.zeros(())
+    f8._cast_transpose_launch(t, torch.tensor(10.0), E4M3, amax=amax)
+    assert torch.equal(amax, t.abs().amax())
+    t[39, 23] = float("nan")
+    f8._cast_transpose_launch(t, torch.tensor(10.0), E4M3, amax=amax.zero_())
+    assert torch.isnan(amax)
+
+
+def test_absmax_unless_prior_reads_only_without_a_recorded_amax():
+    t = torch.rand(3 * 4096 + 5, generator=torch.Generator().manual_seed(2)) - 0.5
+    t[77] = -2.5
+    t = t.to(_kernel_device())
+    empty, recorded = torch.zeros((), device=t.device), torch.tensor(1.5, device=t.device)
+    assert float(f8._absmax_launch(t, prior=empty)) == 2.5  # nothing recorded: the current amax
+    assert float(f8._absmax_launch(t, prior=recorded)) == 0.0  # a recorded amax stands in: nothing read
+    assert float(f8._absmax_unless_op(t.cpu(), empty.cpu())) == 2.5  # the op's PyTorch path (CPU)
+    assert float(f8._absmax_unless_op(t.cpu(), recorded.cpu())) == 0.0
+
+
+def test_history_push_and_scale():
+    h = torch.zeros(4)
+    fmax = torch.finfo(E4M3).max
+    x = torch.tensor([[1.0, -3.0]])
+    assert torch.equal(f8.history_scale(x, h, E4M3), torch.tensor(fmax / 3.0))  # empty: the current amax
+    for v in (2.0, 5.0, float("nan"), 1.0, float("inf"), 0.5):
+        f8.push_amax(h, torch.tensor(v))
+    # newest first, the oldest (2.0 and 5.0) dropped, non-finite amaxes recorded as "nothing seen"
+    assert h.tolist() == [0.5, 0.0, 1.0, 0.0]
+    assert torch.equal(f8.history_scale(x, h, E4M3), torch.tensor(fmax / 1.0))  # the max over the history
+    assert torch.equal(f8.history_scale(x, h, E5M2), torch.tensor(torch.finfo(E5M2).max / 1.0))
+    with pytest.raises(ValueError, match="at least one entry"):
+        f8.new_amax_history(0)
+
+
+def _history_deq(t: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """t as the delayed cast sees it: scaled by fmax / max(row) (own amax if the row is empty), saturated,
+    rounded to ``dtype`` and dequantised; with the exact amax the cast must record."""
+    fmax = torch.finfo(dtype).max
+    amax = row.max() if row.max() > 0 else t.abs().max()
+    scale = (fmax / amax.double()).float()
+    return (t.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale, t.abs().max().float()
+
+
+def test_delayed_linear_equals_dequantised_matmuls_with_the_history_scale_over_steps():
+    """Five steps of a delayed FP8 linear: each output and gradient equals the fp32 matmuls of its operands
+    cast with the scale from the history before the call, and each step records the three amaxes, newest
+    first. Step 3 scales x up 20-fold: that step saturates (its history is of smaller x), the next does not."""
+    K, N, M = 32, 48, 16
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).requires_grad_()
+    hist = f8.new_amax_history(3)
+    recorded = []
+    for step, gain in enumerate((1.0, 0.5, 1.0, 20.0, 1.0)):
+        x = (torch.randn(M, K, generator=gen) * gain).requires_grad_()
+        g = torch.randn(M, N, generator=gen) * (1 + step)
+        before = hist.clone()
+        y = fp8_linear(x, w, amax_history=hist)
+        y.backward(g)
+        xd, ax = _history_deq(x.detach(), before[0], E4M3)
+        wd, aw = _history_deq(w.detach(), before[1], E4M3)
+        gd, ag = _history_deq(g, before[2], E5M2)
+        torch.testing.assert_close(y, xd @ wd.t(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.grad, gd @ wd, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w.grad, gd.t() @ xd, atol=1e-5, rtol=1e-5)
+        recorded.insert(0, (ax, aw, ag))
+        want = torch.zeros(3, 3)
+        for i, amaxes in enumerate(recorded[:3]):
+            want[:, i] = torch.stack(amaxes)
+        assert torch.equal(hist, want), (step, hist, want)
+        clipped = int((x.detach().abs() > before[0].max()).sum())
+        if step == 3:  # x grew past the recorded amaxes: its largest values clip at the history's maximum
+            assert clipped > M and x.detach().abs().max() > 5 * before[0].max()
+            torch.testing.assert_close(xd.abs().max(), before[0].max(), atol=0, rtol=1e-6)
+        if step == 4:  # the jump is recorded now: nothing clips
+            assert clipped == 0
+        w.grad = None
+
+
+def test_delayed_linear_without_recording_and_with_bias():
+    gen = torch.Generator().manual_seed(6)
+    x, w, b = torch.randn(2, 16, 32, generator=gen), torch.randn(16, 32, generator=gen), torch.randn(16, generator=gen)
+    hist = f8.new_amax_history()
+    assert hist.shape == (3, f8.AMAX_HISTORY)
+    x.requires_grad_()
+    y = fp8_linear(x, w, b, amax_history=hist, record=False)  # evaluation: read, record nothing
+    y.sum().backward()
+    assert not hist.any()
+    x = x.detach()
+    torch.testing.assert_close(y, fp8_linear(x, w, b), atol=0, rtol=0)  # empty history = current scaling
+    hist[0, 5], hist[1, 0] = 3 * x.abs().max(), w.abs().max()  # not a power of two: other roundings
+    from lightning_perf.kernels.float8 import fp8_linear_reference
+
+    torch.testing.assert_close(fp8_linear(x, w, b, amax_history=hist, record=False),
+                               fp8_linear_reference(x, w, b, recipe="delayed", amax_history=hist), atol=1e-5, rtol=1e-5)
+    assert not torch.equal(fp8_linear(x, w, b, amax_history=hist), y)  # a coarser scale for x
+    assert hist[0, 0] == x.abs().max() and hist[0, 6] == 3 * x.abs().max()  # recorded; the rest moved along
+
+
+def test_delayed_linear_compiled_equals_eager_without_graph_breaks():
+    """``fullgraph=True``: the history reads, the casts and the in-place records (also the dL/dy one, in the
+    backward graph) are one graph; outputs, gradients and histories equal eager mode's, step by step."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(7)
+    w_e = (torch.randn(48, 32, generator=gen) / 6).requires_grad_()
+    w_c = w_e.detach().clone().requires_grad_()
+    h_e, h_c = f8.new_amax_history(4), f8.new_amax_history(4)
+
+    def step(x, w, h):
+        return fp8_linear(x, w, amax_history=h)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for i in range(4):
+        x = torch.randn(2, 16, 32, generator=gen) * (1 + i)
+        g = torch.randn(2, 16, 48, generator=gen)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ye, yc = step(xe, w_e, h_e), compiled(xc, w_c, h_c)
+        ye.backward(g)
+        yc.backward(g)
+        torch.testing.assert_close(yc, ye, atol=0, rtol=0)
+        torch.testing.assert_close(xc.grad, xe.grad, atol=0, rtol=0)
+        torch.testing.assert_close(w_c.grad, w_e.grad, atol=0, rtol=0)
+        assert torch.equal(h_c, h_e) and bool((h_e[:, : i + 1] > 0).all())
+        w_e.grad = w_c.grad = None
+
+
+@requires_gpu
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_transpose_amax_bitwise_on_gpu_eager_and_compiled(src, dtype):
+    """The compiled kernel with the amax output: the reference's bits in both layouts, torch.amax's amax,
+    called directly and launched from torch.compile's generated code (twice: the word is zeroed per call)."""
+    torch._dynamo.reset()
+    t = (torch.randn(4096, 1024, device="cuda") * 3).to(src)
+    scale = f8._scale_of(t, dtype) * 0.5  # a history scale: nothing clips
+    want, want_t, want_amax = f8.cast_transpose_amax_fp8_reference(t, scale, dtype)
+    compiled = torch.compile(lambda a, s: f8.cast_transpose_amax_fp8(a, s, dtype), fullgraph=True)
+    for fn in (f8.cast_transpose_amax_fp8, compiled, compiled):
+        q, qt, amax = fn(t, scale) if fn is compiled else fn(t, scale, dtype)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
+        assert torch.equal(amax, want_amax) and torch.equal(amax, t.abs().amax().float())
+
+
+@requires_gpu
+def test_delayed_fp8_linear_on_gpu_compiled_equals_eager():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    w_e = (torch.randn(1024, 2048, device="cuda") * 0.02).requires_grad_()
+    w_c = w_e.detach().clone().requires_grad_()
+    h_e, h_c = f8.new_amax_history(device="cuda"), f8.new_amax_history(device="cuda")
+
+    def step(x, w, h):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fp8_linear(x, w, amax_history=h)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for i in range(3):
+        x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)  # fresh values, a steady amax
+        ye, yc = step(x, w_e, h_e), compiled(x, w_c, h_c)
+        ye.float().square().sum().backward()
+        yc.float().square().sum().backward()
+        ref = F.linear(x.float(), w_e.detach())
+        assert (ye.float() - ref).norm() / ref.norm() < 0.05
+        for got, want in ((yc, ye), (w_c.grad, w_e.grad)):  # Inductor may round a scale's division apart
+            assert (got.float() - want.float()).norm() / want.float().norm() < 1e-3
+        torch.testing.assert_close(h_c, h_e, atol=0, rtol=1e-3)  # x and W's rows exact; dL/dy's from y
+        assert bool((h_e[:, : i + 1] > 0).all())
+        w_e.grad = w_c.grad = None

@@ -274,12 +274,14 @@ def test_fused_qkv_same_loss_and_gradients(name):
 
 
 @pytest.mark.parametrize("name,fused_qkv,recipe", [("tiny", False, "tensorwise"), ("tiny-llama", False, "tensorwise"),
-                                                   ("tiny", True, "tensorwise"), ("tiny-llama", True, "rowwise")])
+                                                   ("tiny", True, "tensorwise"), ("tiny-llama", True, "rowwise"),
+                                                   ("tiny-llama", False, "delayed"), ("tiny", True, "delayed")])
 def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv, recipe):
     """``GPTConfig(fp8=recipe)``: the blocks' projections are torchao FP8 linears (same parameters and
     state dict); every projection gives what the plain-PyTorch FP8 reference gives on the input it
     sees, the loss stays within FP8 error of the bf16-free exact model, and a few AdamW steps lower it
-    as much; the fused q/k/v matmul equals the three projections."""
+    as much; the fused q/k/v matmul equals the three projections. "delayed" layers have empty histories
+    at the first forward, so it is the tensorwise reference there; the steps after run on history scales."""
     from lightning_perf.kernels.float8 import fp8_linear_reference, fp8_recipe_of, is_fp8_linear
 
     idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -335,6 +337,75 @@ def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv, rec
     assert abs(models[recipe] - models[False]) < 0.1 * models[False] + 0.05
 
 
+def test_delayed_fp8_gpt_compiled_whole_equals_eager():
+    """``GPTConfig(fp8="delayed")`` with the whole model compiled in one graph (``fullgraph``: no graph breaks;
+    the amax histories are recorded in the forward and in the backward graph): losses, gradients and every
+    layer's history equal eager mode's over three AdamW steps, the history rows filling as they go."""
+    from lightning_perf.kernels.float8 import fp8_recipe_of
+
+    torch._dynamo.reset()
+    idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(4))
+    models, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPT(GPTConfig.from_name("tiny-llama", n_layer=2, fp8="delayed", fused_qkv=True)))
+        opts.append(torch.optim.AdamW(models[-1].parameters(), lr=3e-3))
+    eager, compiled = models[0], torch.compile(models[1], backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        losses = []
+        for fn, opt in ((eager, opts[0]), (compiled, opts[1])):
+            loss = fn(idx, idx)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=1e-6)
+        for (n, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=n)
+        for opt in opts:
+            opt.zero_grad()
+        histories = [[(n, m.fp8_amax_history) for n, m in model.named_modules() if fp8_recipe_of(m) == "delayed"]
+                     for model in models]
+        for (n, a), (_, b) in zip(*histories):
+            assert torch.equal(a, b), n
+            if not n.endswith(("k_proj", "v_proj")):  # fused q/k/v records in q_proj's history
+                assert bool((a[:, : step + 1] > 0).all()) and not a[:, step + 1:].any(), n
+
+
+def test_delayed_fp8_gpt_checkpoints_are_the_tensorwise_ones_and_a_load_rewarms():
+    """The amax histories are not saved: a delayed GPT's state dict is the tensorwise GPT's, loads into it
+    either way (``load_state_dict`` and the DCP call the pack's strategies make), and every history is
+    empty after a load, so the next step scales by the current amaxes, as the tensorwise model does."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from lightning_perf.kernels.float8 import fp8_recipe_of
+
+    idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(6))
+    torch.manual_seed(0)
+    delayed = GPT(GPTConfig.from_name("tiny", n_layer=2, fp8="delayed", fused_qkv=True))
+    tensorwise = GPT(GPTConfig.from_name("tiny", n_layer=2, fp8="tensorwise", fused_qkv=True))
+    opt = torch.optim.AdamW(delayed.parameters(), lr=3e-3)
+    for _ in range(3):
+        delayed(idx, idx).backward()
+        opt.step()
+        opt.zero_grad()
+    layers = [m for m in delayed.modules() if fp8_recipe_of(m) == "delayed"]
+    unused = {id(p) for block in delayed.blocks.values() for p in (block.attn.k_proj, block.attn.v_proj)}
+    assert len(layers) == 12  # fused q/k/v records in q_proj's history: k_proj's and v_proj's stay empty
+    assert all(bool(m.fp8_amax_history.any()) == (id(m) not in unused) for m in layers)
+    saved = get_model_state_dict(delayed)
+    assert list(saved) == list(tensorwise.state_dict())
+    tensorwise.load_state_dict(saved)
+    with torch.no_grad():
+        warm = delayed(idx, idx)  # on the histories' scales
+    assert not torch.equal(warm, tensorwise(idx, idx))
+    loads = (lambda: set_model_state_dict(delayed, saved), lambda: delayed.load_state_dict(tensorwise.state_dict()))
+    for load in loads:
+        delayed(idx, idx).backward()  # records again
+        load()
+        assert not any(m.fp8_amax_history.any() for m in layers)
+        torch.testing.assert_close(delayed(idx, idx), tensorwise(idx, idx), atol=0, rtol=0)
+
+
 def test_fp8_config_errors():
     from lightning_perf.models.gpt.parallelize import check_gpt_layout
 
@@ -342,6 +413,7 @@ def test_fp8_config_errors():
         GPTConfig.from_name("tiny", fp8="e4m3")
     assert GPTConfig.from_name("tiny", fp8=True).fp8 == "tensorwise"
     assert GPTConfig.from_name("tiny", fp8="rowwise").fp8 == "rowwise"
+    assert GPTConfig.from_name("tiny", fp8="delayed").fp8 == "delayed"
     check_gpt_layout(GPTConfig.from_name("tiny", fp8=True), tp=2)  # FP8 tensor-parallel styles
     check_gpt_layout(GPTConfig.from_name("tiny", fp8=True, tie_embeddings=False), pp=2)  # fine
 

@@ -217,3 +217,54 @@ def test_cli_good_layout_passes_the_check(spawned, monkeypatch, tmp_path) -> Non
              "--trainer.strategy=lightning_perf.strategies.Parallel3DStrategy",
              "--trainer.strategy.tensor_parallel_size=2")
     assert len(spawned) == 1
+
+
+# ---- delayed FP8 scaling needs plain weights ----------------------------------------------------
+
+_DELAYED = r"^fp8='delayed' keeps an amax history in each FP8 linear for plain weights, but "
+
+
+class DelayedNet(PlainNet):
+    """A user's network whose linears were converted to delayed FP8 in ``__init__``."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        from lightning_perf.kernels.float8 import convert_to_fp8
+
+        self.model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        assert convert_to_fp8(self.model, "delayed") == ["0", "2"]
+
+
+def _delayed_gpt() -> GPTLightningModule:
+    return _gpt(fp8="delayed")
+
+
+@pytest.mark.parametrize("strategy, module, match", [
+    (lambda: Parallel3DStrategy(tensor_parallel_size=2), _delayed_gpt, _DELAYED + r"tensor_parallel_size=2 makes "
+     r"GPTLightningModule's weights DTensors: use fp8='tensorwise'"),
+    (lambda: Parallel3DStrategy(data_parallel_size=2, zero_stage=2), _delayed_gpt,
+     _DELAYED + r"zero_stage=2 over dp\(2\) \* cp\(1\) = 2 ranks \(FSDP2\) makes"),
+    (lambda: Parallel3DStrategy(context_parallel_size=2, zero_stage=3), _delayed_gpt,
+     _DELAYED + r"zero_stage=3 over dp\(1\) \* cp\(2\) = 2 ranks \(FSDP2\) makes"),
+    (lambda: ZeroStrategy(stage=3), _delayed_gpt, _DELAYED + r"ZeroStrategy\(stage=3\) sharding them with FSDP2"),
+    (lambda: ZeroStrategy(stage=2), DelayedNet, _DELAYED + r"ZeroStrategy\(stage=2\) .* makes DelayedNet's weights"),
+], ids=["3d-tp2", "3d-fsdp-dp2", "3d-fsdp-cp2", "zero3-gpt", "zero2-layers"])
+def test_delayed_fp8_with_dtensor_weights_raises_in_the_parent(strategy, module, match, spawned, tmp_path) -> None:
+    trainer = _trainer(strategy(), tmp_path)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module())
+    assert spawned == []
+
+
+@pytest.mark.parametrize("strategy, module", [
+    (lambda: ZeroStrategy(stage=1), _delayed_gpt),  # DDP: every rank holds plain weights
+    (lambda: Parallel3DStrategy(data_parallel_size=2, zero_stage=0), _delayed_gpt),
+    (lambda: Parallel3DStrategy(pipeline_parallel_size=2, zero_stage=0), lambda: GPTLightningModule(
+        GPTConfig.from_name("tiny", fp8="delayed"))),
+    (lambda: ZeroStrategy(stage=3), lambda: _gpt(fp8="tensorwise")),
+], ids=["zero1", "3d-dp2-replicated", "3d-pp2", "zero3-tensorwise"])
+def test_delayed_fp8_with_plain_weights_passes_the_check(strategy, module, spawned, tmp_path) -> None:
+    trainer = _trainer(strategy(), tmp_path)
+    with pytest.raises(ReachedProcessGroup):
+        trainer.fit(module(), datamodule=TokenDataModule(source="synthetic", vocab_size=260, seq_len=16, batch_size=4))
+    assert len(spawned) == 1

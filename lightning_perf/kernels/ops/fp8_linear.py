@@ -14,14 +14,22 @@ the three matmuls of a training step run on FP8 operands and accumulate in fp32:
               dW = (q(g)^T q(x)) / (s_g s_x)
               db = sum over rows of g                          (fp32, exact)
 e4m3 keeps precision for activations and weights, e5m2 keeps the range gradients need (the
-"hybrid" format). Scales are recomputed from the current tensor every call (no amax history),
-so no state needs checkpointing. The backward reuses the forward's FP8 copies of x and W: the
-activation saved for backward is one byte per element instead of two.
+"hybrid" format). By default scales are recomputed from the current tensor every call ("current"
+scaling: each operand is read once for its amax, then again for its cast), so no state needs
+checkpointing. The backward reuses the forward's FP8 copies of x and W: the activation saved for
+backward is one byte per element instead of two.
+
+Delayed scaling (``amax_history=``, what ``kernels.float8``'s delayed layers pass) takes each scale
+from the operand's recorded amaxes instead,
+    s_t = fmax / max(amax_{t-1}, ..., amax_{t-H})                    (H = 16 by default)
+and the pass that casts t with s_t also reduces amax_t, which is recorded: one read per operand.
+A row with nothing recorded yet (the first step) uses the current amax. An operand that grows past
+its recorded maximum saturates at +-fmax for that step, and the next step's scale covers it.
 
 Matmul operands must have both dimensions of each FP8 matrix divisible by 16 (the rows of x
 become the inner dimension of dW); a call that breaks this, a device without FP8 tensor cores
-(CUDA before compute capability 8.9) or a DTensor argument runs the plain ``F.linear``. Each amax is
-one streaming Triton pass (:func:`absmax`, in eager mode and under ``torch.compile``); x and g are
+(CUDA before compute capability 8.9) or a DTensor argument runs the plain ``F.linear``. Under current
+scaling each amax is one streaming Triton pass (:func:`absmax`, in eager mode and under ``torch.compile``); x and g are
 then cast by :func:`cast_transpose_fp8`, which also writes the transposed copies the weight
 gradient needs.
 """
@@ -46,12 +54,19 @@ __all__ = [
     "quantize_fp8",
     "cast_transpose_fp8",
     "cast_transpose_fp8_reference",
+    "cast_transpose_amax_fp8",
+    "cast_transpose_amax_fp8_reference",
+    "history_scale",
+    "push_amax",
+    "new_amax_history",
+    "AMAX_HISTORY",
 ]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _ALIGN = 16
 _TINY = 1e-12
+AMAX_HISTORY = 16  # delayed scaling: steps of amax each scale is taken over
 
 
 def _scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,7 +84,9 @@ def _scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _absmax_kernel(X, OUT, n, BLOCK: tl.constexpr):
+def _absmax_kernel(X, OUT, PRIOR, n, BLOCK: tl.constexpr, UNLESS_PRIOR: tl.constexpr):
+    if UNLESS_PRIOR:  # delayed scaling: a recorded amax (PRIOR > 0) stands in, so nothing is read
+        n = tl.where(tl.load(PRIOR) > 0, 0, n)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     best = tl.zeros((BLOCK,), dtype=tl.int32)
@@ -99,10 +116,14 @@ def _absmax_ok(t: torch.Tensor) -> bool:
             and can_launch(_ABSMAX_DEVICE, t))
 
 
-def _absmax_launch(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The kernel on ``t`` (any device it can launch on: tests drive the interpreted one on CPU)."""
+def _absmax_launch(t: torch.Tensor, out: Optional[torch.Tensor] = None, prior: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:
+    """The kernel on ``t`` (any device it can launch on: tests drive the interpreted one on CPU); with
+    ``prior`` (a 0-dim fp32 tensor), 0 without reading ``t`` when ``prior > 0``."""
     out = torch.zeros((), dtype=torch.float32, device=t.device) if out is None else out.zero_()
-    _absmax_kernel[(_absmax_grid(t.numel(), t.device),)](t, out, t.numel(), BLOCK=_ABSMAX_BLOCK, num_warps=8)
+    _absmax_kernel[(_absmax_grid(t.numel(), t.device),)](t, out, out if prior is None else prior, t.numel(),
+                                                         BLOCK=_ABSMAX_BLOCK, UNLESS_PRIOR=prior is not None,
+                                                         num_warps=8)
     return out
 
 
@@ -111,8 +132,8 @@ def _absmax_op(t: torch.Tensor) -> torch.Tensor:
     if not _absmax_ok(t):
         return t.abs().amax().float()
     out = t.new_zeros((), dtype=torch.float32)
-    wrap_triton(_absmax_kernel)[(_absmax_grid(t.numel(), t.device),)](t, out, t.numel(), BLOCK=_ABSMAX_BLOCK,
-                                                                      num_warps=8)
+    wrap_triton(_absmax_kernel)[(_absmax_grid(t.numel(), t.device),)](t, out, out, t.numel(), BLOCK=_ABSMAX_BLOCK,
+                                                                      UNLESS_PRIOR=False, num_warps=8)
     return out
 
 
@@ -144,8 +165,8 @@ def quantize_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
 
 
 @triton.jit
-def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, stride_xm, FMAX: tl.constexpr, ROUND_TO_2_BITS: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _cast_transpose_kernel(X, Q, QT, SCALE, AMAX, M, N, stride_xm, FMAX: tl.constexpr, ROUND_TO_2_BITS: tl.constexpr,
+                           WITH_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm64 = rm.to(tl.int64)
@@ -154,6 +175,9 @@ def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, stride_xm, FMAX: tl.constexpr,
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(X + rm64[:, None] * stride_xm + rn64[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(Q + rm64[:, None] * N + rn64[None, :], _scaled_fp8(x, scale, FMAX, ROUND_TO_2_BITS, Q), mask=mask)
+    if WITH_AMAX:  # this tile's max |x| folded into one word, as in _absmax_kernel (NaN above inf)
+        bits = tl.max(tl.max(tl.abs(x).to(tl.int32, bitcast=True), 1), 0)
+        tl.atomic_max(AMAX.to(tl.pointer_type(tl.int32)), bits)
     # the transposed tile is loaded again (from L2) in transposed order rather than transposed on chip:
     # with Triton 3.6 an in-kernel tl.trans of a tile from an fp32 source (or of the FP8 tile as bytes)
     # can write q^T wrongly, while this form is exact and as fast for bf16 sources
@@ -187,8 +211,10 @@ def cast_transpose_fp8_reference(t: torch.Tensor, scale: torch.Tensor, dtype: to
 
 
 def _cast_transpose_launch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                           out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                           amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on ``t``; with ``amax`` (a zeroed 0-dim fp32 tensor) it also folds max |t| into it.
+    Launching again on the same input leaves the same values (a max is idempotent), so tuning may."""
     M, N = t.shape
     if out is None:
         out = (torch.empty((M, N), dtype=dtype, device=t.device), torch.empty((N, M), dtype=dtype, device=t.device))
@@ -197,8 +223,8 @@ def _cast_transpose_launch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 
     def run(cfg):
         grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]))
-        _cast_transpose_kernel[grid](t, q, qt, scale, M, N, t.stride(0), FMAX=fmax,
-                                     ROUND_TO_2_BITS=dtype == E5M2, **cfg)
+        _cast_transpose_kernel[grid](t, q, qt, scale, scale if amax is None else amax, M, N, t.stride(0), FMAX=fmax,
+                                     ROUND_TO_2_BITS=dtype == E5M2, WITH_AMAX=amax is not None, **cfg)
 
     configs = _CT_CONFIGS_GPU if t.is_cuda else [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4)]
     key = (shape_bucket(M), shape_bucket(N), t.dtype, dtype)
@@ -240,8 +266,9 @@ def _cast_transpose_op(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
 
-    wrap_triton(_cast_transpose_tuned)[grid](t, q, qt, scale, M, N, t.stride(0), FMAX=float(torch.finfo(dtype).max),
-                                             ROUND_TO_2_BITS=dtype == E5M2)
+    wrap_triton(_cast_transpose_tuned)[grid](t, q, qt, scale, scale, M, N, t.stride(0),
+                                             FMAX=float(torch.finfo(dtype).max), ROUND_TO_2_BITS=dtype == E5M2,
+                                             WITH_AMAX=False)
     return q, qt
 
 
@@ -254,6 +281,80 @@ def cast_transpose_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     t (M, N) with unit stride along N; scale a 0-dim fp32 tensor.
     """
     return _cast_transpose_op(t, scale, dtype)
+
+
+# ---- delayed scaling: scales from an amax history, the amax from the cast itself ------------------
+# A layer keeps amax_history (3, H) fp32, one row per operand (x, W, dL/dy), newest amax first, zeros
+# where nothing was recorded. The step's scale is fmax / max(row); the kernel that casts with it
+# also folds max |t| into one word, which is pushed onto the row. So each operand is read once, not
+# twice (amax, then cast). An empty row (the first call, or after a load) falls back to the current
+# amax; that pass is launched every call but reads nothing once the row holds a value, so eager and
+# compiled graphs take one path whatever the history holds (no host sync, no recompile).
+
+
+def cast_transpose_amax_fp8_reference(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, q^T contiguous, amax(|t|) as a 0-dim fp32 tensor): :func:`cast_transpose_fp8_reference` and the amax."""
+    q, qt = cast_transpose_fp8_reference(t, scale, dtype)
+    return q, qt, t.detach().abs().amax().float()
+
+
+@torch.library.triton_op("lightning_perf::fp8_cast_transpose_amax", mutates_args=())
+def _cast_transpose_amax_op(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not _cast_transpose_ok(t):
+        return cast_transpose_amax_fp8_reference(t, scale, dtype)
+    M, N = t.shape
+    q = t.new_empty((M, N), dtype=dtype)
+    qt = t.new_empty((N, M), dtype=dtype)
+    amax = t.new_zeros((), dtype=torch.float32)
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
+
+    wrap_triton(_cast_transpose_tuned)[grid](t, q, qt, scale, amax, M, N, t.stride(0),
+                                             FMAX=float(torch.finfo(dtype).max), ROUND_TO_2_BITS=dtype == E5M2,
+                                             WITH_AMAX=True)
+    return q, qt, amax
+
+
+def cast_transpose_amax_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, q^T contiguous, amax(|t|)) from one pass over ``t``: :func:`cast_transpose_fp8` whose kernel also
+    reduces each tile's max |t| and folds it into one fp32 word (an atomic max on its bits: NaN wins, as
+    in ``torch.amax``). The reference elsewhere (:func:`cast_transpose_amax_fp8_reference`)."""
+    return _cast_transpose_amax_op(t, scale, dtype)
+
+
+@torch.library.triton_op("lightning_perf::fp8_absmax_unless", mutates_args=())
+def _absmax_unless_op(t: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    if not _absmax_ok(t):
+        return torch.where(prior > 0, torch.zeros_like(prior), t.detach().abs().amax().float())
+    out = t.new_zeros((), dtype=torch.float32)
+    wrap_triton(_absmax_kernel)[(_absmax_grid(t.numel(), t.device),)](t, out, prior, t.numel(), BLOCK=_ABSMAX_BLOCK,
+                                                                      UNLESS_PRIOR=True, num_warps=8)
+    return out
+
+
+@torch.library.triton_op("lightning_perf::fp8_amax_push", mutates_args=("history",))
+def _amax_push_op(history: torch.Tensor, amax: torch.Tensor) -> None:
+    # torch ops only: torch.compile traces them into its own kernels (a mutation it accepts in the
+    # forward and in the backward graph); a non-finite amax is recorded as "nothing seen"
+    new = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax)).to(history.dtype).reshape(1)
+    history.copy_(torch.cat([new, history[:-1]]))
+
+
+def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """Record ``amax`` (0-dim) as the newest entry of ``history`` (H,), in place; the oldest drops out.
+    A NaN or inf amax is recorded as 0 (nothing seen), so one bad step does not spoil the next H."""
+    _amax_push_op(history, amax)
+
+
+def history_scale(t: torch.Tensor, history: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fmax / max(history)`` as a 0-dim fp32 tensor; ``fmax / amax(|t|)`` where ``history`` is all zeros."""
+    prior = history.amax().float()
+    amax = torch.maximum(prior, _absmax_unless_op(t.detach(), prior))
+    return (torch.finfo(dtype).max / torch.clamp(amax.double(), min=_TINY)).float()
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -287,36 +388,64 @@ def _weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """x (M, K) @ W (N, K)^T on FP8 operands; see the module docstring for the maths."""
+    """x (M, K) @ W (N, K)^T on FP8 operands; see the module docstring for the maths.
+
+    ``history`` None: current scaling (each operand's amax, then its cast). ``history`` (3, H): delayed
+    scaling from its rows (x, W, dL/dy; see :func:`history_scale`), each operand cast by one pass that
+    also yields its amax. The forward returns (y, amax(|x|), amax(|W|)) then, for the caller to record
+    (the dL/dy row is recorded here, in the backward, when ``record``); the weight is cast with its
+    transpose, which the input-gradient matmul takes as it is.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, out_dtype, fast_accum):
+    def forward(ctx, x, weight, history, record, out_dtype, fast_accum):
         x = x.contiguous()
-        x_scale = _scale_of(x, E4M3)
-        xq, xq_t = cast_transpose_fp8(x, x_scale, E4M3)  # xq_t (K, M): the wgrad operand
-        wq, w_inv = _weight_fp8(weight)
-        x_inv = x_scale.reciprocal()
-        y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype,
-                             use_fast_accum=fast_accum)
-        ctx.save_for_backward(xq_t, x_inv, wq, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype)
-        return y
+        ctx.history = history  # not saved for backward: its rows change in place after this forward
+        ctx.record = record
+        if history is None:
+            x_scale = _scale_of(x, E4M3)
+            xq, xq_t = cast_transpose_fp8(x, x_scale, E4M3)  # xq_t (K, M): the wgrad operand
+            wq, w_inv = _weight_fp8(weight)
+            x_inv = x_scale.reciprocal()
+            y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype,
+                                 use_fast_accum=fast_accum)
+            ctx.save_for_backward(xq_t, x_inv, wq, w_inv)
+            return y
+        x_scale = history_scale(x, history[0], E4M3)
+        xq, xq_t, x_amax = cast_transpose_amax_fp8(x, x_scale, E4M3)
+        w_scale = history_scale(weight, history[1], E4M3)
+        wq, wq_t, w_amax = cast_transpose_amax_fp8(weight.detach(), w_scale, E4M3)
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
+        ctx.mark_non_differentiable(x_amax, w_amax)
+        return y, x_amax, w_amax
 
     @staticmethod
-    def backward(ctx, grad):
-        xq_t, x_inv, wq, w_inv = ctx.saved_tensors
+    def backward(ctx, grad, *amax_grads):
+        xq_t, x_inv, w_saved, w_inv = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
+        history = ctx.history
         grad = grad.contiguous()
-        g_scale = _scale_of(grad, E5M2)
-        gq, gq_t = cast_transpose_fp8(grad, g_scale, E5M2)
+        if history is None:
+            g_scale = _scale_of(grad, E5M2)
+            gq, gq_t = cast_transpose_fp8(grad, g_scale, E5M2)
+            w_col = _col_major(w_saved)
+        else:
+            g_scale = history_scale(grad, history[2], E5M2)
+            gq, gq_t, g_amax = cast_transpose_amax_fp8(grad, g_scale, E5M2)
+            if ctx.record:
+                push_amax(history[2], g_amax)
+            w_col = w_saved.t()  # q(W)^T (K, N) row-major: q(W) column-major
         g_inv = g_scale.reciprocal()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch._scaled_mm(gq, _col_major(wq), scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
+            dx = torch._scaled_mm(gq, w_col, scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
         if ctx.needs_input_grad[1]:
             # q(g)^T (N, M) row-major times q(x) (M, K) column-major (= xq_t viewed transposed)
             dw = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=w_dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None, None
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -326,24 +455,45 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-               fast_accum: bool = True) -> torch.Tensor:
+               fast_accum: bool = True, amax_history: Optional[torch.Tensor] = None,
+               record: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its forward and both gradient matmuls in FP8.
 
     x (..., K), weight (N, K), bias (N,) or None. The output dtype is the autocast dtype when
     autocast is on, else x's. Falls back to ``F.linear`` where :func:`fp8_linear_supported` is False.
     ``fast_accum``: the forward matmul accumulates in the tensor cores' native FP8 precision, without
     cuBLAS's periodic promotion to fp32 (Hopper; faster); the gradient matmuls always promote.
+
+    ``amax_history``: delayed scaling. A (3, H) fp32 tensor, zeros at first, whose rows hold the last
+    H amaxes of x, of the weight and of dL/dy, newest first; each scale is ``fmax / max(row)`` (the
+    current amax while a row is all zeros), and each cast records its operand's amax in its row, in
+    place (x and W in the forward, dL/dy in the backward; nothing when ``record`` is False). Values
+    beyond the range the history scale allows saturate at the FP8 maximum.
     """
     if not fp8_linear_supported(x, weight):
         return F.linear(x, weight, bias)
     out_dtype = _out_dtype(x)
     lead = x.shape[:-1]
     with torch.autocast(x.device.type, enabled=False):
-        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype, bool(fast_accum))
+        if amax_history is None:
+            y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, None, False, out_dtype, bool(fast_accum))
+        else:
+            y, x_amax, w_amax = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, amax_history, bool(record),
+                                                    out_dtype, bool(fast_accum))
+            if record:
+                push_amax(amax_history[0], x_amax)
+                push_amax(amax_history[1], w_amax)
         y = y.view(*lead, weight.shape[0])
         if bias is not None:
             y = y + bias.to(out_dtype)
     return y
+
+
+def new_amax_history(length: int = AMAX_HISTORY, device: Optional[torch.device] = None) -> torch.Tensor:
+    """An empty history for :func:`fp8_linear`'s ``amax_history``: zeros (3, ``length``) fp32."""
+    if length < 1:
+        raise ValueError(f"an amax history needs at least one entry, got length={length}")
+    return torch.zeros(3, length, dtype=torch.float32, device=device)
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

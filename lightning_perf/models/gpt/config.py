@@ -67,8 +67,10 @@ class GPTConfig:
     fused_qkv: bool = False
     # the blocks' linears (attention and MLP projections, not the LM head) run their forward and both
     # gradient matmuls in FP8 through torchao.float8 (lightning_perf.kernels.float8): "tensorwise"
-    # (True means this) or "rowwise" scales; parameters, optimizer state and checkpoints stay as they are
-    fp8: Union[bool, Literal["tensorwise", "rowwise"]] = False
+    # (True means this) or "rowwise" scales, or "delayed" (tensorwise scales from each layer's last 16
+    # amaxes, recorded by the casts: one read per operand; one device or DDP-like data parallelism);
+    # parameters, optimizer state and checkpoints stay as they are
+    fp8: Union[bool, Literal["tensorwise", "rowwise", "delayed"]] = False
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:

@@ -271,6 +271,10 @@ class GPT(nn.Module):
         Works on materialised sharded parameters (DTensors) as well as plain tensors. With
         ``init_from_hf`` set, every parameter (or its local shard) is read from that checkpoint instead.
         """
+        if self.config.fp8 == "delayed":  # after to_empty the histories hold whatever memory held
+            from lightning_perf.kernels.float8 import reset_amax_history
+
+            reset_amax_history(self)
         if self.init_from_hf is not None:
             from lightning_perf.models.gpt.hf import load_hf_weights
 

@@ -112,9 +112,9 @@ class GPTLightningModule(L.LightningModule):
             # headers only: a vocabulary or shape mismatch fails here, before any process or process group
             check_hf_weights(cfg, init_from_hf)
         if cfg.fp8:
-            from lightning_perf.kernels.float8 import require_torchao
+            from lightning_perf.kernels.float8 import require_fp8
 
-            require_torchao()  # a missing extra fails here, before any process or process group
+            require_fp8(cfg.fp8)  # a missing extra fails here, before any process or process group
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile={compile!r} is not one of {COMPILE_MODES}")
         if compile_scope not in COMPILE_SCOPES:
