@@ -71,7 +71,7 @@ def test_replicate2_shard2_equals_one_process_and_resumes_without_hsdp(reference
                                "dp": [0, 1, 2, 3]}
         assert r["sampler"] == {"num_replicas": 4, "rank": rank}  # every dp rank loads its own part
         # FSDP2 on the 2-D mesh: replicated over dp_replicate, each rank holding half the model, not a quarter
-        assert r["layouts"] == {(("dp_replicate", "dp_shard"), ("Replicate()", "Shard(dim=0)"))}
+        assert r["layouts"] == {(("dp_replicate", "dp_shard"), ("R", "S(0)"))}
     n = sum(v.numel() for v in reference["first_epoch"]["final"].values())
     assert all(abs(r["local_numel"] - n / 2) <= 64 for r in results), (n, [r["local_numel"] for r in results])
 
