@@ -5,8 +5,8 @@ layout must give the single-process losses (rtol 1e-4) and parameters:
 
 - replicate 2 x shard 2 (ZeRO 3) for one epoch, the mesh's coordinates and sampler ranks, its
   sharded checkpoint resumed under dp4 without replication for the second epoch;
-- tensor parallelism beside it: tp2 x (replicate 2 x shard 1), 6 steps;
-- pipeline parallelism beside it: pp2 x (replicate 2 x shard 1), 6 steps.
+- beside tensor, pipeline and context parallelism, one epoch each: tp2 x (replicate 2 x shard 1),
+  pp2 x (replicate 2 x shard 1) and (replicate 2 x shard 1) x cp2, FSDP2 sharding over the cp ranks.
 """
 
 from __future__ import annotations
@@ -38,10 +38,14 @@ def _hsdp_worker(rank: int, world: int, out: Path) -> dict:
 
 
 def _composition_worker(rank: int, world: int, out: Path) -> dict:
-    return {
-        "tp2_hsdp": fit(S(tensor_parallel_size=2, replicate_size=2, zero_stage=2), world, dp=2),
-        "pp2_hsdp": fit(S(pipeline_parallel_size=2, replicate_size=2, zero_stage=2), world, dp=2),
-    }
+    res: dict[str, Any] = {}
+    for key, kwargs in (("tp2_hsdp", {"tensor_parallel_size": 2}), ("pp2_hsdp", {"pipeline_parallel_size": 2}),
+                        ("cp2_hsdp", {"context_parallel_size": 2})):
+        strategy = S(replicate_size=2, zero_stage=2, **kwargs)
+        res[key] = fit(strategy, world, dp=2, steps=PER_EPOCH)
+        # FSDP2's mesh: the shard dimension is "dp_shard", or "dp_shard_cp" (the cp ranks) under context parallelism
+        res[key]["fsdp_mesh"] = {p.device_mesh.mesh_dim_names[:2] for p in strategy.lightning_module.parameters()}
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +81,10 @@ def test_replicate2_shard2_equals_one_process_and_resumes_without_hsdp(reference
 
 
 @pytest.mark.slow
-def test_hsdp_beside_tensor_and_pipeline_parallelism(reference, tmp_path) -> None:
+def test_hsdp_beside_tensor_pipeline_and_context_parallelism(reference, tmp_path) -> None:
     results = spawn(_composition_worker, 4, tmp_path, timeout=300.0)
-    _check_run(results, "tp2_hsdp", reference["full"])
-    _check_run(results, "pp2_hsdp", reference["full"])
+    for key in ("tp2_hsdp", "pp2_hsdp", "cp2_hsdp"):
+        _check_run(results, key, reference["first_epoch"])
+    for r in results:
+        assert r["tp2_hsdp"]["fsdp_mesh"] == r["pp2_hsdp"]["fsdp_mesh"] == {("dp_replicate", "dp_shard")}
+        assert r["cp2_hsdp"]["fsdp_mesh"] == {("dp_replicate", "dp_shard_cp")}
