@@ -1,4 +1,4 @@
-"""The layout of 3D parallelism (pp x dp x tp, with context parallelism "cp") and its checks, before any process group exists.
+"""The layout of 3D parallelism (pp x dp x tp, with "cp" and HSDP over "dp") and its checks, before any process group exists.
 
 :class:`Parallel3DConfig` is checked with numbers alone at construction; :func:`check_model`
 and :func:`check_model_config` check a model against it before any collective. A model
@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from lightning_perf.parallel.activation_checkpointing import AC_MODES
 from lightning_perf.parallel.compile import COMPILE_MODES, TP_OVERLAP_MODES
-from lightning_perf.parallel.dims import ParallelDims
+from lightning_perf.parallel.dims import ParallelDims, check_replicate_size, replicate_shape
 from lightning_perf.parallel.fsdp import check_blocks_per_unit, find_model
 from lightning_perf.parallel.pipeline import PipelineConfig
 from lightning_perf.parallel.tensor_parallel import check_sequence_parallel, require_protocol
@@ -32,6 +32,7 @@ class Parallel3DConfig:
     """Every layout option of the 3D strategy; validated at construction."""
 
     data_parallel_size: Union[int, str] = "auto"
+    replicate_size: Union[int, str] = 1  # HSDP over "dp"; "auto": see parallel.dims.replicate_shape
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
@@ -91,6 +92,7 @@ class Parallel3DConfig:
                     "fp8_all_gather changes FSDP2's parameter all-gather: it needs data parallelism with ZeRO "
                     f"(zero_stage 1-3 and data_parallel_size > 1), got zero_stage={self.zero_stage}, "
                     f"data_parallel_size={self.data_parallel_size!r}")
+        self._check_replicate_size()
         self._check_context_parallel()
         # the schedule is checked even without pipeline parallelism, so a typo never waits for a pp run
         self.pipeline = PipelineConfig(
@@ -101,6 +103,16 @@ class Parallel3DConfig:
         )
         if self.pipeline_parallel_size == 1 and self.stages_per_rank > 1:
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
+
+    def _check_replicate_size(self) -> None:
+        check_replicate_size(
+            self.replicate_size,
+            fsdp_needs=None if self.zero_stage > 0 else "zero_stage 1-3, got zero_stage=0",
+            fp8_all_gather=self.fp8_all_gather,
+        )
+        dp, r = self.data_parallel_size, self.replicate_size
+        if isinstance(dp, int) and isinstance(r, int):  # both known: the arithmetic fails here already
+            replicate_shape(dp, r, size_name="data_parallel_size", divides="the data-parallel size")
 
     def _check_context_parallel(self) -> None:
         from lightning_perf.parallel.context_parallel import check_context_parallel_mode
@@ -118,13 +130,16 @@ class Parallel3DConfig:
                 "with data and tensor parallelism)"
             )
 
-    def dims(self, world_size: int) -> ParallelDims:
+    def dims(self, world_size: int, num_nodes: int = 1) -> ParallelDims:
+        """The layout on ``world_size`` processes over ``num_nodes`` nodes (raises with the arithmetic)."""
         return ParallelDims(
             dp=self.data_parallel_size,  # type: ignore[arg-type]
             tp=self.tensor_parallel_size,
             pp=self.pipeline_parallel_size,
             cp=self.context_parallel_size,
             world_size=world_size,
+            replicate=self.replicate_size,  # type: ignore[arg-type]
+            num_nodes=num_nodes,
         )
 
 

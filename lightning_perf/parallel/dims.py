@@ -12,6 +12,12 @@ Parameters are replicated over "cp" (each cp rank holds a part of every sequence
 gradients are averaged, and FSDP2 shards, over "dp" and "cp" together: the mesh's
 flattened ``"dp_cp"`` dimension (:func:`data_parallel_mesh`).
 
+HSDP (``replicate`` R > 1) splits "dp" in two, replicate outermost: the mesh is
+(pp, dp_replicate, dp_shard, cp, tp), so a "dp_shard" group is a block of consecutive ranks
+(one node, or part of one) and only the replicas' gradient all-reduce crosses nodes; "dp" is
+then the flattened (dp_replicate, dp_shard) dimension. :func:`replicate_shape` resolves R
+(``"auto"``: one replica per node) and checks it, for ZeRO and 3D alike.
+
 ZeRO alone uses a ("dp",) mesh, or for HSDP a ("dp_replicate", "dp_shard") mesh
 (:func:`build_zero_mesh`).
 """
@@ -19,15 +25,61 @@ ZeRO alone uses a ("dp",) mesh, or for HSDP a ("dp_replicate", "dp_shard") mesh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from math import gcd
+from typing import Any, Literal, Optional, Union
 
-__all__ = ["ParallelDims", "MESH_DIM_NAMES", "data_parallel_mesh", "build_zero_mesh", "fsdp_mesh"]
+__all__ = ["ParallelDims", "MESH_DIM_NAMES", "data_parallel_mesh", "build_zero_mesh", "fsdp_mesh",
+           "check_replicate_size", "replicate_shape"]
 
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 #: the flattened ("dp", "cp") dimension: the ranks that hold the same parameters
 DP_CP = "dp_cp"
 #: HSDP: parameters replicated over "dp_replicate" (across nodes), sharded over "dp_shard" (within one)
 DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
+#: HSDP with context parallelism: FSDP2 shards over the flattened ("dp_shard", "cp") dimension
+DP_SHARD_CP = "dp_shard_cp"
+
+
+def check_replicate_size(replicate_size: Any, *, fsdp_needs: Optional[str] = None,
+                         fp8_all_gather: bool = False) -> None:
+    """Raise unless ``replicate_size`` is a positive int or ``"auto"``; for R != 1 (HSDP), also when
+    the strategy does not shard with FSDP2 (``fsdp_needs``: what it would take, ``None``: it does)
+    or gathers FP8 weights, which HSDP does not support."""
+    r = replicate_size
+    if r != "auto" and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+        raise ValueError(f"replicate_size must be a positive int or 'auto' (the number of nodes), got {r!r}")
+    if r == 1:
+        return
+    if fsdp_needs is not None:
+        raise ValueError(
+            f"replicate_size (HSDP: shard within a group, replicate across groups) needs FSDP2: {fsdp_needs}")
+    if fp8_all_gather:
+        raise ValueError("fp8_all_gather with replicate_size != 1 (HSDP) is not supported: use one of them")
+
+
+def replicate_shape(size: int, replicate_size: Union[int, Literal["auto"]], *, num_nodes: int = 1,
+                    stages: int = 1, size_name: str = "world size",
+                    divides: str = "the number of processes") -> tuple[int, int]:
+    """(replicate, shard): ``size`` data-parallel ranks as R replicas of ``size / R`` shards.
+
+    ``"auto"`` is the fewest replicas whose shard groups each stay inside one node: the number of
+    nodes, divided by the pipeline ``stages`` that share a node (``num_nodes / gcd(num_nodes,
+    stages)``; ``stages`` is 1 for ZeRO). Raises with the arithmetic when ``size`` does not divide.
+    """
+    check_replicate_size(replicate_size)
+    if replicate_size == "auto":
+        replicate = num_nodes // gcd(num_nodes, stages)
+        source = (f"replicate_size='auto' = num_nodes ({num_nodes})" if stages == 1 else
+                  f"replicate_size='auto' = num_nodes / gcd(num_nodes, pp) = {num_nodes} / "
+                  f"{gcd(num_nodes, stages)} ({replicate})")
+    else:
+        assert isinstance(replicate_size, int)
+        replicate, source = replicate_size, f"replicate_size {replicate_size}"
+    if size % replicate:
+        raise ValueError(
+            f"{size_name} {size} is not divisible by {source}: {size} / {replicate} = {size / replicate:.3g}; "
+            f"choose a replicate size that divides {divides}")
+    return (replicate, size // replicate)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -46,6 +98,9 @@ class ParallelDims:
         pp: pipeline-parallel ranks per model replica (outermost mesh dimension).
         cp: context-parallel ranks per model replica, each holding ``1 / cp`` of every sequence.
         world_size: the number of processes.
+        replicate: HSDP: the dp ranks as ``replicate`` groups of ``dp / replicate`` shards
+            (``"auto"``: see :func:`replicate_shape`); 1 keeps one flat "dp" dimension.
+        num_nodes: the nodes the world spans (for ``replicate="auto"``).
     """
 
     dp: Union[int, Literal["auto"]] = "auto"
@@ -53,6 +108,8 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     world_size: int
+    replicate: Union[int, Literal["auto"]] = 1
+    num_nodes: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -76,6 +133,9 @@ class ParallelDims:
                 f"{self._arithmetic()} = {product} != world size {self.world_size}; "
                 f"choose sizes whose product is the number of processes (or dp='auto')"
             )
+        _positive_int("num_nodes", self.num_nodes)
+        self.replicate, _ = replicate_shape(self.dp, self.replicate, num_nodes=self.num_nodes, stages=self.pp,
+                                            size_name="data-parallel size", divides="the data-parallel size")
 
     def _arithmetic(self) -> str:
         if self.cp == 1:  # the three-dimensional layout reads as it always has
@@ -86,6 +146,19 @@ class ParallelDims:
     def dp_size(self) -> int:
         assert isinstance(self.dp, int)
         return self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        assert isinstance(self.replicate, int)
+        return self.replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp_size // self.dp_replicate
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
 
     @property
     def dp_enabled(self) -> bool:
@@ -104,19 +177,33 @@ class ParallelDims:
         return self.cp > 1
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """The mesh shape in ``MESH_DIM_NAMES`` order: (pp, dp, cp, tp)."""
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """``MESH_DIM_NAMES``, with "dp" split into ("dp_replicate", "dp_shard") under HSDP."""
+        if not self.hsdp:
+            return MESH_DIM_NAMES
+        return ("pp", DP_REPLICATE, DP_SHARD, "cp", "tp")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The mesh shape in ``mesh_dim_names`` order: (pp, dp, cp, tp), or (pp, dp_replicate, dp_shard,
+        cp, tp) under HSDP."""
+        if self.hsdp:
+            return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         return (self.pp, self.dp_size, self.cp, self.tp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's (pp, dp, cp, tp) coordinates, computed without a process group."""
+        """This rank's (pp, dp, cp, tp) coordinates (and under HSDP its dp_replicate and dp_shard ones,
+        ``dp = dp_replicate * dp_shard_size + dp_shard``), computed without a process group."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
         tp_rank = rank % self.tp
         cp_rank = (rank // self.tp) % self.cp
         dp_rank = (rank // (self.tp * self.cp)) % self.dp_size
         pp_rank = rank // (self.tp * self.cp * self.dp_size)
-        return {"pp": pp_rank, "dp": dp_rank, "cp": cp_rank, "tp": tp_rank}
+        coords = {"pp": pp_rank, "dp": dp_rank, "cp": cp_rank, "tp": tp_rank}
+        if self.hsdp:
+            coords[DP_REPLICATE], coords[DP_SHARD] = divmod(dp_rank, self.dp_shard)
+        return coords
 
     def build_mesh(self, device_type: str) -> Any:
         """One ``DeviceMesh`` of shape (pp, dp, cp, tp) named ``("pp", "dp", "cp", "tp")``.
@@ -124,18 +211,28 @@ class ParallelDims:
         Needs an initialised default process group; slice it by name
         (``mesh["tp"]``, ``mesh["dp"]``) for the per-dimension meshes. With context
         parallelism the mesh also has the flattened ``"dp_cp"`` dimension (see
-        :func:`data_parallel_mesh`).
+        :func:`data_parallel_mesh`). Under HSDP the mesh is (pp, dp_replicate, dp_shard, cp, tp)
+        and "dp" the flattened (dp_replicate, dp_shard) dimension, so ``mesh["dp"]`` names the
+        same ranks in the same order as without HSDP; with context parallelism it also has
+        ``"dp_shard_cp"``, over which FSDP2 shards (:func:`fsdp_mesh`).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.mesh_dim_names)
+        dp_dims: tuple[str, ...] = ("dp",)
+        if self.hsdp:
+            dp_dims = (DP_REPLICATE, DP_SHARD)
+            mesh[dp_dims]._flatten("dp")
+            if self.cp_enabled:
+                mesh[DP_SHARD, "cp"]._flatten(DP_SHARD_CP)
         if self.cp_enabled:
-            mesh["dp", "cp"]._flatten(DP_CP)
+            mesh[(*dp_dims, "cp")]._flatten(DP_CP)
         return mesh
 
     def __str__(self) -> str:
         cp = f" x cp{self.cp}" if self.cp_enabled else ""
-        return f"dp{self.dp}{cp} x tp{self.tp} x pp{self.pp} (world size {self.world_size})"
+        dp = f"dp{self.dp}" if not self.hsdp else f"dp{self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"
+        return f"{dp}{cp} x tp{self.tp} x pp{self.pp} (world size {self.world_size})"
 
 
 def data_parallel_mesh(mesh: Any) -> Any:
@@ -163,7 +260,13 @@ def build_zero_mesh(device_type: str, replicate: int, shard: int) -> Any:
 
 
 def fsdp_mesh(mesh: Any) -> Any:
-    """The mesh to give ``fully_shard``: 2-D (replicate, shard) for HSDP, else the 1-D "dp"."""
-    if DP_SHARD in (mesh.mesh_dim_names or ()):
-        return mesh[DP_REPLICATE, DP_SHARD]
-    return mesh["dp"] if mesh.ndim > 1 else mesh
+    """The mesh to give ``fully_shard``: 2-D (replicate, shard) for HSDP, else the 1-D data-parallel
+    mesh. With context parallelism (a 3D mesh) parameters are sharded over "cp" too: the shard
+    dimension is "dp_shard_cp" under HSDP, else the whole "dp_cp"."""
+    names = mesh.mesh_dim_names or ()
+    cp = "cp" in names and mesh["cp"].size() > 1
+    if DP_SHARD in names:
+        return mesh[DP_REPLICATE, DP_SHARD_CP if cp else DP_SHARD]
+    if "dp" in names and mesh.ndim > 1:
+        return data_parallel_mesh(mesh)
+    return mesh

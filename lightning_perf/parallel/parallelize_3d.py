@@ -5,8 +5,9 @@
     3. tensor parallel  model.tensor_parallel_plan(tp_mesh) on every stage
     4. context parallel attention over the "cp" ranks, forward cuts the sequence (``parallel.context_parallel``)
     5. compile          torch.compile per block (with its TP hooks under TP: see ``parallel.compile``)
-    6. data parallel    FSDP2 over the "dp" mesh, flattened with "cp" (ZeRO 1-3), or a plain
-                        gradient all-reduce over the same ranks (ZeRO 0)
+    6. data parallel    FSDP2 over the "dp" mesh, flattened with "cp" (ZeRO 1-3; HSDP: the 2-D
+                        (dp_replicate, dp_shard) mesh), or a plain gradient all-reduce over the
+                        same ranks (ZeRO 0)
     7. materialise      meta tensors -> device, the model's own init (only if built on meta)
     8. tied copies      a parameter the first and the last stage share (a tied LM head): the last
                         stage's copy made equal to the first's, gradients summed after each step
@@ -30,7 +31,7 @@ from lightning_perf.parallel.activation_checkpointing import apply_activation_ch
 from lightning_perf.parallel.compile import compile_blocks, compile_head_loss
 from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model
 from lightning_perf.parallel.context_parallel import apply_context_parallel
-from lightning_perf.parallel.dims import data_parallel_mesh
+from lightning_perf.parallel.dims import data_parallel_mesh, fsdp_mesh
 from lightning_perf.parallel.fsdp import find_blocks
 from lightning_perf.parallel.init import has_meta_tensors, materialize_local
 from lightning_perf.parallel.pipeline import PipelineRunner, build_stage_modules, lm_cross_entropy, prune_to_stages
@@ -98,9 +99,10 @@ def parallelize_3d(
     mode = _compile_mode(model, stages, config)
     if mode is not None:
         apply_compile_3d(stages, mode, config, device=device)
-    # 6. data parallelism over "dp" x "cp" (without FSDP2 the strategy all-reduces gradients itself)
+    # 6. data parallelism over "dp" x "cp" (without FSDP2 the strategy all-reduces gradients itself);
+    #    under HSDP FSDP2 gets the 2-D (replicate, shard) mesh
     if use_fsdp:
-        apply_data_parallel(stages, dp_mesh, config, mp_policy=mp_policy)
+        apply_data_parallel(stages, fsdp_mesh(mesh), config, mp_policy=mp_policy)
     # 7. after sharding: each rank allocates only its own stages and shards
     if pp > 1:
         prune_to_stages(target, stages)
@@ -154,8 +156,9 @@ def apply_compile_3d(stages: dict[int, nn.Module], mode: str, config: Parallel3D
 
 def apply_data_parallel(stages: dict[int, nn.Module], dp_mesh: Any, config: Parallel3DConfig, *,
                         mp_policy: Optional[Any] = None) -> None:
-    """FSDP2 over ``dp_mesh`` (``"dp"``, or ``"dp_cp"`` with context parallelism) on every stage,
-    one unit per ``fsdp_blocks_per_unit`` blocks."""
+    """FSDP2 over ``dp_mesh`` (``"dp"``, or ``"dp_cp"`` with context parallelism; for HSDP the 2-D
+    ("dp_replicate", "dp_shard") mesh, see ``parallel.dims.fsdp_mesh``) on every stage, one unit per
+    ``fsdp_blocks_per_unit`` blocks."""
     from lightning_perf.parallel.fsdp import apply_fsdp
 
     # under pp every microbatch would re-gather a resharded stage: keep it gathered (ZeRO-2 memory)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from lightning_perf.parallel.ddp import COMPRESSIONS
+from lightning_perf.parallel.dims import check_replicate_size, replicate_shape
 from lightning_perf.parallel.fsdp import WrapPolicy
 
 __all__ = ["ZeroConfig", "require_deepspeed", "DEEPSPEED_EXTRA"]
@@ -121,17 +122,12 @@ class ZeroConfig:
             raise ValueError(f"reshard_after_forward=True is ZeRO-3; stage={self.stage} keeps parameters whole")
 
     def _check_replicate_size(self) -> None:
-        r = self.replicate_size
-        if r != "auto" and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
-            raise ValueError(f"replicate_size must be a positive int or 'auto' (the number of nodes), got {r!r}")
-        if r == 1:
-            return
-        if not self.uses_fsdp:
-            raise ValueError(
-                "replicate_size (HSDP: shard within a group, replicate across groups) needs FSDP2: stage 2 or 3 "
-                f"with backend='native', got stage={self.stage}, backend={self.backend!r}")
-        if self.fp8_all_gather:
-            raise ValueError("fp8_all_gather with replicate_size != 1 (HSDP) is not supported: use one of them")
+        check_replicate_size(
+            self.replicate_size,
+            fsdp_needs=None if self.uses_fsdp else
+            f"stage 2 or 3 with backend='native', got stage={self.stage}, backend={self.backend!r}",
+            fp8_all_gather=self.fp8_all_gather,
+        )
 
     def mesh_shape(self, world_size: int, num_nodes: int = 1) -> tuple[int, int]:
         """(replicate, shard): the HSDP mesh over ``world_size`` ranks; (1, world_size) without replication.
@@ -139,15 +135,7 @@ class ZeroConfig:
         ``"auto"`` replicates over the ``num_nodes`` nodes (sharding within each); raises with the
         arithmetic when the world does not divide (before any process group exists).
         """
-        replicate = num_nodes if self.replicate_size == "auto" else self.replicate_size
-        assert isinstance(replicate, int)
-        if world_size % replicate:
-            source = f"replicate_size='auto' = num_nodes ({num_nodes})" if self.replicate_size == "auto" \
-                else f"replicate_size {replicate}"
-            raise ValueError(
-                f"world size {world_size} is not divisible by {source}: {world_size} / {replicate} = "
-                f"{world_size / replicate:.3g}; choose a replicate size that divides the number of processes")
-        return (replicate, world_size // replicate)
+        return replicate_shape(world_size, self.replicate_size, num_nodes=num_nodes)
 
     @property
     def offload(self) -> bool:

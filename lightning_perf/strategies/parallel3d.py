@@ -59,6 +59,13 @@ class Parallel3DStrategy(PerfParallelStrategy):
 
     Args:
         data_parallel_size: replicas of the model (``"auto"``: world size / (tp * pp * cp)).
+        replicate_size: HSDP over the dp ranks (needs zero_stage 1-3): FSDP2 shards over groups of
+            ``dp / replicate_size`` and replicates over ``replicate_size`` such groups, the mesh's
+            "dp" dimension becoming ("dp_replicate", "dp_shard"), replicate outermost, so a shard
+            group's ranks are neighbours (one node) and only the replicas' gradient all-reduce crosses
+            nodes. ``"auto"``: the fewest replicas whose shard groups each stay inside one node (the
+            number of nodes, or ``num_nodes / gcd(num_nodes, pp)`` when pipeline stages share a
+            node). 1: one flat "dp" dimension. The data is split over all dp ranks either way.
         tensor_parallel_size: ranks sharing each layer (the model's ``tensor_parallel_plan``).
         pipeline_parallel_size: ranks holding consecutive stages (the model's ``pipeline_stage``).
         context_parallel_size: ranks sharing each sequence: the sequence is cut into ``2 * cp``
@@ -164,11 +171,13 @@ class Parallel3DStrategy(PerfParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         async_checkpoint: Optional[bool] = None,
+        replicate_size: Union[int, str] = 1,
         **kwargs: Any,
     ) -> None:
         # numbers only: a bad layout fails here, long before any process group exists
         self.config = Parallel3DConfig(
             data_parallel_size=data_parallel_size,
+            replicate_size=replicate_size,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             context_parallel_size=context_parallel_size,
@@ -206,13 +215,16 @@ class Parallel3DStrategy(PerfParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Each dp replica loads its own part of the data; tp, pp and cp ranks of a replica load the same."""
+        """Each dp replica loads its own part of the data; tp, pp and cp ranks of a replica load the same.
+
+        Under HSDP "dp" is the flattened (dp_replicate, dp_shard) dimension: every dp rank, whichever
+        group, loads its own part."""
         dp_mesh = self.device_mesh["dp"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     @override
     def _check_world_size(self, world_size: int) -> None:
-        self.config.dims(world_size)  # raises on a bad layout, in the launching process
+        self.config.dims(world_size, self.num_nodes)  # raises on a bad layout, in the launching process
 
     @override
     def _check_before_launch(self, module: Optional["pl.LightningModule"], datamodule: Any) -> None:
@@ -229,7 +241,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
         # a module that builds its network later still carries its numbers (GPTLightningModule.config)
         check_model_config(model_config, self.config)
         if tied:
-            dims = self.config.dims(self.num_nodes * self.num_processes)
+            dims = self.config.dims(self.num_nodes * self.num_processes, self.num_nodes)
             check_tied_layout(self.config.pipeline, zero_sharded=self.config.zero_stage > 0 and dims.dp * dims.cp > 1)
         self._check_fp8_all_gather(module)
         self._check_delayed_fp8(module, self._dtensor_weights())
@@ -258,7 +270,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
     @override
     def _check_before_process_group(self) -> None:
         super()._check_before_process_group()
-        dims = self.config.dims(self.world_size)
+        dims = self.config.dims(self.world_size, self.num_nodes)
         if (
             self.root_device.type == "cuda"
             and (dims.dp_enabled or dims.pp_enabled)
@@ -273,7 +285,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
 
     @override
     def _build_device_mesh(self) -> Any:
-        return self.config.dims(self.world_size).build_mesh(self.root_device.type)
+        return self.config.dims(self.world_size, self.num_nodes).build_mesh(self.root_device.type)
 
     @override
     def _fp8_gather_module(self) -> Optional[nn.Module]:

@@ -59,3 +59,33 @@ def test_cp_sits_between_dp_and_tp() -> None:
     assert [c["cp"] for c in coords] == [0, 0, 1, 1] * 2
     assert [c["dp"] for c in coords] == [0] * 4 + [1] * 4
     assert str(dims) == "dp2 x cp2 x tp2 x pp1 (world size 8)"
+
+
+def test_hsdp_splits_dp_into_replicate_and_shard() -> None:
+    dims = ParallelDims(tp=2, replicate=2, world_size=8)
+    assert (dims.dp, dims.dp_replicate, dims.dp_shard) == (4, 2, 2) and dims.hsdp
+    assert dims.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp") and dims.shape == (1, 2, 2, 1, 2)
+    coords = [dims.coordinates(r) for r in range(8)]
+    # a shard group is neighbouring ranks (tp pairs of it), the replicas are the two halves of the world
+    assert [c["dp_shard"] for c in coords] == [0, 0, 1, 1] * 2
+    assert [c["dp_replicate"] for c in coords] == [0] * 4 + [1] * 4
+    assert [c["dp"] for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]  # the flat dp rank, as without HSDP
+    assert str(dims) == "dp4 (replicate 2 x shard 2) x tp2 x pp1 (world size 8)"
+    flat = ParallelDims(tp=2, world_size=8)  # replicate 1: the mesh of before
+    assert not flat.hsdp and flat.mesh_dim_names == MESH_DIM_NAMES and "dp_shard" not in flat.coordinates(0)
+
+
+def test_auto_replicate_keeps_each_shard_group_in_one_node() -> None:
+    assert ParallelDims(replicate="auto", num_nodes=2, world_size=16).dp_replicate == 2
+    assert ParallelDims(replicate="auto", world_size=16).dp_replicate == 1  # one node: plain FSDP2
+    # pipeline stages outermost: with pp2 on 2 nodes each stage is a node, dp is inside it already
+    assert ParallelDims(replicate="auto", pp=2, num_nodes=2, world_size=16).dp_replicate == 1
+    # pp2 on 4 nodes of 4: a stage spans 2 nodes, so 2 replicas of 4 shards
+    assert ParallelDims(replicate="auto", pp=2, num_nodes=4, world_size=16).dp_replicate == 2
+    # pp2 on 3 nodes of 4: a stage spans 1.5 nodes; 3 replicas of 2 keep every shard group in a node
+    dims = ParallelDims(replicate="auto", pp=2, num_nodes=3, world_size=12)
+    assert (dims.dp_replicate, dims.dp_shard) == (3, 2)
+    with pytest.raises(ValueError, match=r"data-parallel size 6 is not divisible by replicate_size 4: 6 / 4 = 1.5"):
+        ParallelDims(replicate=4, world_size=6)
+    with pytest.raises(ValueError, match="replicate_size must be a positive int or 'auto'"):
+        ParallelDims(replicate=0, world_size=4)

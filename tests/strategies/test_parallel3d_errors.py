@@ -41,6 +41,13 @@ def _meta_gpt(**kw) -> GPT:
         (dict(context_parallel_size=0), "context_parallel_size must be a positive integer"),
         (dict(context_parallel_size=2, pipeline_parallel_size=2),
          r"context parallelism \(context_parallel_size=2\) does not combine with pipeline parallelism"),
+        (dict(replicate_size=0), "replicate_size must be a positive int or 'auto'"),
+        (dict(replicate_size="nodes"), "replicate_size must be a positive int or 'auto'"),
+        (dict(replicate_size=2, zero_stage=0), r"replicate_size \(HSDP.*\) needs FSDP2: zero_stage 1-3, got zero_stage=0"),
+        (dict(replicate_size="auto", zero_stage=0), "needs FSDP2: zero_stage 1-3"),
+        (dict(replicate_size=2, fp8_all_gather=True), "fp8_all_gather with replicate_size != 1"),
+        (dict(replicate_size=3, data_parallel_size=4),
+         r"data_parallel_size 4 is not divisible by replicate_size 3: 4 / 3 = 1.33"),
     ],
 )
 def test_construction_rejects_bad_options(kwargs, match) -> None:
@@ -62,6 +69,27 @@ def test_context_parallel_world_size_mismatch_shows_every_dimension() -> None:
     strategy = Parallel3DStrategy(data_parallel_size=2, context_parallel_size=2)
     with pytest.raises(ValueError, match=r"pp\(1\) \* dp\(2\) \* cp\(2\) \* tp\(1\) = 4 != world size 8"):
         L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+
+
+def test_hsdp_replicate_size_must_divide_the_data_parallel_size() -> None:
+    import lightning as L
+
+    # dp = 6 / tp 1 = 6 ranks, which 4 replicas cannot split: refused when the Trainer is built
+    with pytest.raises(ValueError, match=r"data-parallel size 6 is not divisible by replicate_size 4: 6 / 4 = 1.5"):
+        L.Trainer(accelerator="cpu", devices=6, strategy=Parallel3DStrategy(replicate_size=4), logger=False)
+    # dp = 8 / (tp 2 * pp 2) = 2 ranks
+    strategy = Parallel3DStrategy(replicate_size=4, tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"data-parallel size 2 is not divisible by replicate_size 4"):
+        L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+    # "auto" over 3 nodes of 2: 6 dp ranks in 3 replicas of 2, each a node
+    auto = Parallel3DStrategy(replicate_size="auto")
+    L.Trainer(accelerator="cpu", devices=2, num_nodes=3, strategy=auto, logger=False)
+    dims = auto.config.dims(6, num_nodes=3)
+    assert (dims.dp_replicate, dims.dp_shard) == (3, 2)
+    tp3 = Parallel3DStrategy(replicate_size="auto", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"data-parallel size 2 is not divisible by replicate_size='auto' = "
+                                         r"num_nodes \(3\)"):
+        L.Trainer(accelerator="cpu", devices=2, num_nodes=3, strategy=tp3, logger=False)
 
 
 def test_context_parallel_sequence_must_cut_into_2cp_chunks_before_launch() -> None:
