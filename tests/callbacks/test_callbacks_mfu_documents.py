@@ -172,3 +172,33 @@ def test_packed_gpt_fit_logs_mfu_per_document(tmp_path):
     assert "| attention FLOPs | counted per document" in (tmp_path / "perf_report.md").read_text()
     ours = ("perf/documents.py", "callbacks/mfu.py", "callbacks/report.py")
     assert not [x.describe() for x in warner.framework_sites() if x.location.split(":")[0].endswith(ours)]
+
+
+def test_counted_flops_on_packed_batches(tmp_path):
+    """Without flops_per_token the forward is counted once: the document-masked attention op counts the
+    full square, and the monitor replaces it by the per-document count. A tiny GPT (L = 4, d = 256) on rows
+    of 4 + 4 + 8 does 6 L d (T**2 - 96) fewer FLOPs per row than on causal rows of 16."""
+    from lightning_perf.models import GPT, GPTConfig
+
+    class Counted(L.LightningModule):  # declares no FLOPs: the monitor counts the forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = GPT(GPTConfig.from_name("tiny", vocab_size=260, block_size=T))
+
+        def training_step(self, batch, batch_idx):
+            return self.gpt(*batch[:2], doc_ids=batch[2] if len(batch) == 3 else None)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    B, per_step = 2, {}
+    for name, ds in (("packed", PackedTokens()), ("causal", Plain())):
+        mon = MFUMonitor(peak_flops=1e12, warmup_steps=0, window=1)
+        trainer(tmp_path, [mon], max_steps=4).fit(Counted(),
+                                                  DataLoader(ds, batch_size=B))
+        window = mon.run_window()
+        assert window.steps == 3  # step 0 ran the count
+        per_step[name] = window.flops / window.steps
+        squares = B * (96 if name == "packed" else T * T)
+        assert window.attention_flops == pytest.approx(3 * 6 * 4 * 256 * squares)
+    assert per_step["causal"] - per_step["packed"] == pytest.approx(6 * 4 * 256 * B * (T * T - 96))
