@@ -19,8 +19,8 @@ host through pinned memory, to be read once the step it belongs to has completed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from callback_toys import ListLogger, ToyLM, V, VirtualClock, trainer
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_perf.perf.steps as steps
 from lightning_perf.callbacks import MFUMonitor, PerfReport, SyncPointWarner
+from lightning_perf.perf import steps
 from lightning_perf.perf.documents import document_attention_flops, document_lengths
-from callback_toys import V, ListLogger, ToyLM, VirtualClock, loader, trainer
 
 STEP = 0.25  # virtual seconds of every training step
 T = 16
