@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_perf.perf.throughput import ParallelLayout
 
-__all__ = ["layout_of", "batch_size_of", "StepSampler", "log_dir_of", "find_callback", "device_of", "log_scalars",
+__all__ = ["layout_of", "batch_size_of", "doc_ids_of", "StepSampler", "log_dir_of", "find_callback", "device_of", "log_scalars",
            "sampled_steps_of"]
 
 C = TypeVar("C")
@@ -46,6 +46,23 @@ def batch_size_of(batch: Any) -> tuple[int, int, Optional[int]]:
                 return samples, samples * int(t.shape[1]), int(t.shape[1])
             return samples, samples, None
     return 0, 0, None
+
+
+def doc_ids_of(batch: Any) -> Optional[torch.Tensor]:
+    """The ``doc_ids`` (B, T) of a packed batch, else None: a dict's ``"doc_ids"``, or the third item of
+    ``(inputs, targets, doc_ids)``, an integer tensor of the inputs' shape (the data module's form)."""
+    if isinstance(batch, dict):
+        doc_ids = batch.get("doc_ids")
+        inputs = batch.get("inputs")
+    elif isinstance(batch, (tuple, list)) and len(batch) == 3:
+        inputs, _, doc_ids = batch
+    else:
+        return None
+    if not isinstance(doc_ids, torch.Tensor) or doc_ids.dim() != 2 or doc_ids.is_floating_point():
+        return None
+    if isinstance(inputs, torch.Tensor) and inputs.shape[:2] != doc_ids.shape:
+        return None
+    return doc_ids
 
 
 @dataclass(kw_only=True)

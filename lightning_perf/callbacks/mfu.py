@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_perf.callbacks._utils import batch_size_of, device_of, layout_of, log_scalars, sampled_steps_of
+from lightning_perf.callbacks._utils import batch_size_of, device_of, doc_ids_of, layout_of, log_scalars, sampled_steps_of
+from lightning_perf.perf.documents import DocumentWorkReader, packed_batch_flops
 from lightning_perf.perf.flops import count_flops
 from lightning_perf.perf.peaks import DTYPES, compute_dtype_name, device_peak
 from lightning_perf.perf.steps import StepLedger, StepRow, StepTimer, StepWindow
@@ -28,6 +29,16 @@ __all__ = ["MFUMonitor"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REMEASURES = 2  # times a measured ceiling is timed again when a window beats it, before it is declared unreliable
+
+
+class _PerToken(NamedTuple):
+    """FLOPs per token of one causal sequence: model, hardware (None: not known), and their attention
+    parts (None: not known, so a packed batch cannot be counted per document)."""
+
+    model: float
+    hardware: Optional[float]
+    attention: Optional[float]
+    hardware_attention: Optional[float]
 
 
 class MFUMonitor(Callback):
@@ -54,6 +65,18 @@ class MFUMonitor(Callback):
     the figure with attention counted over the full square, for comparison. HFU is reported when the
     module has ``hardware_flops_per_token(seq_len)`` or with ``count_backward=True``, which
     also counts one backward (recomputation included).
+
+    Packed batches (``(inputs, targets, doc_ids)`` or a dict with ``"doc_ids"``, as
+    ``TokenDataModule(pack_documents=True)`` makes them) have their attention counted per document:
+    each document of length L as one causal sequence of L tokens, so a row does
+    ``A(T) / T * sum L**2`` attention FLOPs in place of ``T * A(T)``
+    (``lightning_perf.perf.documents``). ``A(T)`` is the module's (or its ``config``'s)
+    ``attention_flops_per_token(seq_len)`` (and ``hardware_attention_flops_per_token`` for HFU), or
+    the attention ops of the FLOP count. The sum is computed where the batch lives and read once the
+    step has completed, through pinned memory: no sync. The run logs ``perf/mean_document_tokens``,
+    says "attention counted per document" once, and ``summary()["attention"]`` states it; a module
+    that gives ``flops_per_token`` but not its attention part (or ``flops_per_token=``) keeps the
+    whole-row count, with a warning.
 
     Steps are timed with CUDA events read with ``query()`` once complete (a step or more later),
     the host clock on CPU. The layout comes from the trainer: tokens count once per data-parallel
@@ -122,8 +145,14 @@ class MFUMonitor(Callback):
         self._peak_is_ceiling = False
         self._torch_dtype: Optional[torch.dtype] = None
         self._device = torch.device("cpu")
-        self._fpt_cache: dict[Optional[int], tuple[float, Optional[float]]] = {}
+        self._fpt_cache: dict[tuple[Optional[int], bool], _PerToken] = {}
         self._full_attention_ratio: Optional[float] = None
+        self._full_attention_extra: Optional[float] = None  # (full-square - causal) attention FLOPs per causal one
+        self._documents = DocumentWorkReader()
+        self.packed_steps = 0  # recorded steps whose batch carried doc_ids, attention counted per document
+        self.packed_tokens = 0
+        self.documents = 0
+        self.attention_note: Optional[str] = None  # how attention was counted when batches are packed
         self._timer: Optional[StepTimer] = None
         self._new_measured = 0
         self._counted = False
@@ -132,29 +161,43 @@ class MFUMonitor(Callback):
     # ---- FLOPs per token ------------------------------------------------------------------------
 
     def _flops_per_token(self, pl_module: LightningModule, batch: Any, batch_idx: int, tokens: int,
-                         seq_len: Optional[int]) -> tuple[float, Optional[float]]:
-        """``(model, hardware or None)`` FLOPs per token for this sequence length (cached)."""
-        if seq_len in self._fpt_cache:
-            return self._fpt_cache[seq_len]
+                         seq_len: Optional[int], packed: bool) -> _PerToken:
+        """FLOPs per token of one causal sequence of this length, and their attention parts (cached)."""
+        key = (seq_len, packed)
+        if key in self._fpt_cache:
+            return self._fpt_cache[key]
         hw_fn = getattr(pl_module, "hardware_flops_per_token", None)
+        attention = hw_attention = None
         if self.flops_per_token_override is not None:
             model = float(self.flops_per_token_override)
             hw = float(hw_fn(seq_len)) if callable(hw_fn) else None
         elif callable(getattr(pl_module, "flops_per_token", None)):
             model = float(pl_module.flops_per_token(seq_len))
             hw = float(hw_fn(seq_len)) if callable(hw_fn) else None
+            attn_fn = _method(pl_module, "attention_flops_per_token")
+            if attn_fn is not None:
+                attention = float(attn_fn(seq_len))
+                hw_attn_fn = _method(pl_module, "hardware_attention_flops_per_token")
+                hw_attention = float(hw_attn_fn(seq_len)) if hw_attn_fn is not None and hw is not None else attention
         else:
             count = self._count(pl_module, batch, batch_idx)
             self._counted = True
-            model = count.model / max(tokens, 1)
-            hw = count.hardware / max(tokens, 1) if count.hardware is not None else None
-        self._fpt_cache[seq_len] = (model, hw)
-        full_fn = getattr(pl_module, "flops_per_token_full_attention", None)
-        if not callable(full_fn):
-            full_fn = getattr(getattr(pl_module, "config", None), "flops_per_token_full_attention", None)
-        if callable(full_fn) and self.flops_per_token_override is None and model > 0:
-            self._full_attention_ratio = float(full_fn(seq_len)) / model
-        return model, hw
+            n = max(tokens, 1)
+            model = count.model / n
+            hw = count.hardware / n if count.hardware is not None else None
+            counted = count.by_category.get("attention", 0)
+            # a document-masked attention op is counted over the full square; its causal count is half of it
+            causal = count.causal_attention_forward + (counted - count.causal_attention_forward) / 2 if packed else counted
+            attention = hw_attention = 3 * causal / n
+            model -= 3 * (counted - causal) / n
+            hw = None if hw is None else hw - 3 * (counted - causal) / n
+        per_token = self._fpt_cache[key] = _PerToken(model, hw, attention, hw_attention)
+        full_fn = _method(pl_module, "flops_per_token_full_attention")
+        if full_fn is not None and self.flops_per_token_override is None and model > 0:
+            full = float(full_fn(seq_len))
+            self._full_attention_ratio = full / model
+            self._full_attention_extra = (full - model) / attention if attention else None
+        return per_token
 
     def _count(self, pl_module: LightningModule, batch: Any, batch_idx: int) -> Any:
         """Count one ``training_step`` (forward; backward too with ``count_backward``), logging muted."""
@@ -181,6 +224,7 @@ class MFUMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.packed_steps, self.packed_tokens, self.documents, self.attention_note = 0, 0, 0, None
         self.layout = layout_of(trainer)
         device = device_of(trainer, pl_module)
         self._device, self.unit = device, device_unit(device)
@@ -223,14 +267,30 @@ class MFUMonitor(Callback):
         if self._timer is None:
             return
         samples, count, seq_len = batch_size_of(batch)
+        doc_ids = doc_ids_of(batch) if seq_len is not None else None
         self._counted = False
-        model, hw = self._flops_per_token(pl_module, batch, batch_idx, count, seq_len)
+        fpt = self._flops_per_token(pl_module, batch, batch_idx, count, seq_len, doc_ids is not None)
         if self._counted:
             # the count ran an extra forward between two steps; a callback that stamps its batch start before
             # this one sees it in the next step, one that stamps after in the previous: both leave the window
             self.sampled_steps += [i for i in (self._timer.index, self._timer.index + 1) if i >= 0]
-        row = (samples, count if seq_len is not None else None, model * count, None if hw is None else hw * count)
+        documents = None
+        if doc_ids is not None and fpt.attention is not None:
+            # queued on the device before the step's closing event: complete, hence readable, when the step resolves
+            documents = (self._documents.issue(doc_ids), seq_len)
+        elif doc_ids is not None:
+            self._note_attention("counted over whole rows: packed batches (doc_ids) but the module gives "
+                                 "flops_per_token without its attention part (attention_flops_per_token) or "
+                                 "flops_per_token= was passed", warn=True)
+        attention = None if fpt.attention is None else fpt.attention * count
+        row = (samples, count if seq_len is not None else None, fpt.model * count,
+               None if fpt.hardware is None else fpt.hardware * count, attention, fpt, documents)
         self._timer.start(row)
+
+    def _note_attention(self, note: str, *, warn: bool = False) -> None:
+        if self.attention_note is None:
+            self.attention_note = note
+            (rank_zero_warn if warn else rank_zero_info)(f"MFUMonitor: attention {note}")
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -261,11 +321,39 @@ class MFUMonitor(Callback):
     def _record(self, records: list[Any], trainer: Trainer) -> None:
         skip = sampled_steps_of(trainer)
         for r in records:
-            samples, tokens, flops, hw = r.payload
+            samples, tokens, flops, hw, attention, fpt, documents = r.payload
+            if documents is not None:
+                handle, seq_len = documents
+                work = self._documents.read(handle)
+                attention = fpt.attention / seq_len * work.square_sum
+                flops = packed_batch_flops(tokens=tokens, seq_len=seq_len, flops_per_token=fpt.model,
+                                           attention_flops_per_token=fpt.attention, square_sum=work.square_sum)
+                if fpt.hardware is not None:
+                    hw = packed_batch_flops(tokens=tokens, seq_len=seq_len, flops_per_token=fpt.hardware,
+                                            attention_flops_per_token=fpt.hardware_attention,
+                                            square_sum=work.square_sum)
+                self.packed_steps += 1
+                self.packed_tokens += tokens
+                self.documents += work.documents
+                self._note_attention("counted per document (packed batches: each document as one causal "
+                                     "sequence of its length)")
             self.ledger.add(StepRow(index=r.index, seconds=r.seconds, samples=samples, tokens=tokens, flops=flops,
-                                    hardware_flops=hw))
+                                    hardware_flops=hw, attention_flops=attention))
             if r.index >= self.warmup_steps and r.index not in skip:
                 self._new_measured += 1
+
+    def _full_attention_factor(self, window: StepWindow) -> Optional[float]:
+        """Model FLOPs with attention over the full square, per model FLOP counted, over the window."""
+        if self.packed_steps and self._full_attention_extra is not None:
+            if window.flops and window.attention_flops is not None:
+                return (window.flops + self._full_attention_extra * window.attention_flops) / window.flops
+            return None
+        return self._full_attention_ratio
+
+    @property
+    def mean_document_tokens(self) -> Optional[float]:
+        """Tokens per document over the packed batches recorded so far (None: no packed batch)."""
+        return self.packed_tokens / self.documents if self.documents else None
 
     # ---- figures -----------------------------------------------------------------------------------
 
@@ -357,9 +445,12 @@ class MFUMonitor(Callback):
             value = getattr(result, key)
             if value is not None:
                 values[f"perf/{key}"] = value
-        if result.mfu is not None and self._full_attention_ratio is not None:
+        factor = self._full_attention_factor(run)
+        if result.mfu is not None and factor is not None:
             # attention counted over the full square (the other common convention), to compare
-            values["perf/mfu_full_attention"] = result.mfu * self._full_attention_ratio
+            values["perf/mfu_full_attention"] = result.mfu * factor
+        if self.mean_document_tokens is not None:
+            values["perf/mean_document_tokens"] = self.mean_document_tokens
         return values
 
     @property
@@ -373,10 +464,20 @@ class MFUMonitor(Callback):
         run = self.run_window()
         out: dict[str, Any] = {"window": run.describe(), "steps": run.steps, "peak_flops": self.peak_flops,
                                "peak": self.peak_name, "ceiling_flops": self.ceiling_flops,
-                               "ceiling_note": self.ceiling_note, "unit": self.unit, "mfu_note": None}
+                               "ceiling_note": self.ceiling_note, "unit": self.unit, "mfu_note": None,
+                               "attention": self.attention_note, "mean_document_tokens": self.mean_document_tokens}
         if run.steps and run.seconds > 0 and self.layout is not None:
             result, out["mfu_note"] = self.figures(run)
             out.update(result.as_dict())
-            if result.mfu is not None and self._full_attention_ratio is not None:
-                out["mfu_full_attention"] = result.mfu * self._full_attention_ratio
+            factor = self._full_attention_factor(run)
+            if result.mfu is not None and factor is not None:
+                out["mfu_full_attention"] = result.mfu * factor
         return out
+
+
+def _method(pl_module: LightningModule, name: str) -> Any:
+    """``pl_module.<name>``, else ``pl_module.config.<name>``, if callable; else None."""
+    fn = getattr(pl_module, name, None)
+    if not callable(fn):
+        fn = getattr(getattr(pl_module, "config", None), name, None)
+    return fn if callable(fn) else None

@@ -42,7 +42,8 @@ class PerfReport(Callback):
     step is the wall time from one batch start to the next (data waits included; the last step ends
     at its batch end), the first ``warmup_steps`` are left out, and so are the steps a diagnostic
     callback sampled. With ``MFUMonitor`` attached, step time, tokens/s and MFU are that monitor's
-    measurement of the window (so they equal its logged figures); with
+    measurement of the window (so they equal its logged figures; on packed documents its attention
+    FLOPs are counted per document, and a row of the report says so); with
     ``DataLoaderStallDetector`` attached, the data-wait share is the detector's for the window.
     Otherwise steps are timed here (CUDA events read with ``query()``, or the host clock on CPU),
     as is the device's idle gap between steps. The rest comes from the other callbacks of the pack
@@ -156,6 +157,9 @@ class PerfReport(Callback):
                 s.between_steps_s = own.gap_s / own.steps
             if mfu is not None:
                 t, s.mfu_note = mfu.figures(window)
+                if mfu.attention_note is not None:
+                    docs = mfu.mean_document_tokens
+                    s.attention = mfu.attention_note + (f"; {docs:.4g} tokens per document" if docs else "")
                 if mfu.peak_flops:
                     s.peak = f"{mfu.peak_name}: {mfu.peak_flops / 1e12:.4g} TFLOP/s"
             else:

@@ -1,11 +1,21 @@
 """Performance maths and tools, independent of Lightning: device peaks, FLOP and byte
-counting, the measured window of steps, throughput/MFU under any parallel layout, roofline,
-overlap of communication, host-device sync detection, dataloader stalls, memory by category,
-advice that knows the run's settings, and the end-of-run summary."""
+counting, attention FLOPs of packed documents, the measured window of steps, throughput/MFU
+under any parallel layout, roofline, overlap of communication, host-device sync detection,
+dataloader stalls, memory by category, advice that knows the run's settings, and the end-of-run
+summary."""
 
 from lightning_perf.perf.advice import Advice, advise
 from lightning_perf.perf.comm import BUS_FACTORS, LINKS, CommAnalysis, analyze_comm_trace, bus_bandwidth, expected_link
 from lightning_perf.perf.dataloader import dataloader_advice, exposed_wait
+from lightning_perf.perf.documents import (
+    AttentionFlops,
+    DocumentWork,
+    DocumentWorkReader,
+    document_attention_flops,
+    document_lengths,
+    document_work,
+    packed_batch_flops,
+)
 from lightning_perf.perf.flops import CATEGORIES, FlopCount, OpCounter, OpRecord, count_flops, op_category
 from lightning_perf.perf.gpu_time import GPU_TIME_RULES, gpu_time_breakdown, gpu_time_category, kernel_label
 from lightning_perf.perf.intervals import OverlapStats, intersect, overlap_stats, total, union
@@ -43,6 +53,8 @@ __all__ = [
     "Advice", "advise",
     "BUS_FACTORS", "LINKS", "CommAnalysis", "analyze_comm_trace", "bus_bandwidth", "expected_link",
     "dataloader_advice", "exposed_wait",
+    "AttentionFlops", "DocumentWork", "DocumentWorkReader", "document_attention_flops", "document_lengths",
+    "document_work", "packed_batch_flops",
     "CATEGORIES", "FlopCount", "OpCounter", "OpRecord", "count_flops", "op_category",
     "GPU_TIME_RULES", "gpu_time_breakdown", "gpu_time_category", "kernel_label",
     "OverlapStats", "intersect", "overlap_stats", "total", "union",

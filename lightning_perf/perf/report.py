@@ -38,6 +38,7 @@ class PerfSummary:
     mfu: Optional[float] = None
     mfu_note: Optional[str] = None  # why MFU is n/a (a reference it beat, an unreliable ceiling)
     hfu: Optional[float] = None
+    attention: Optional[str] = None  # how attention FLOPs were counted when batches are packed documents
     peak: Optional[str] = None
     bound: Optional[str] = None  # the dominant roofline class by time
     roofline: list[dict[str, Any]] = field(default_factory=list)  # category groups (as_dict)
@@ -109,6 +110,7 @@ def _figures(s: PerfSummary) -> list[str]:
     lines += [f"| TFLOP/s per {s.device_unit} | {_fmt(s.tflops_per_device, digits=4)} |",
               f"| MFU | {mfu} |",
               f"| HFU | {_fmt(s.hfu, 100, '%')} |",
+              *([f"| attention FLOPs | {s.attention} |"] if s.attention else []),
               f"| peak used | {s.peak or 'n/a'} |",
               f"| bound | {s.bound or 'n/a'} |"]
     return lines

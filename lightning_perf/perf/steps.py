@@ -157,6 +157,7 @@ class StepRow:
     tokens: Optional[int] = None  # None: the batch has no token dimension
     flops: Optional[float] = None  # model FLOPs of this process's batch
     hardware_flops: Optional[float] = None
+    attention_flops: Optional[float] = None  # the attention part of ``flops``
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -183,6 +184,7 @@ class StepWindow:
     tokens: Optional[int] = None
     flops: Optional[float] = None
     hardware_flops: Optional[float] = None
+    attention_flops: Optional[float] = None
 
     @property
     def mean_step_s(self) -> Optional[float]:
@@ -207,7 +209,7 @@ class StepWindow:
                 "wall time, data waits included")
 
 
-_FIELDS = ("seconds", "gap_s", "data_wait_s", "samples", "tokens", "flops", "hardware_flops")
+_FIELDS = ("seconds", "gap_s", "data_wait_s", "samples", "tokens", "flops", "hardware_flops", "attention_flops")
 
 
 class _Sums:
@@ -309,6 +311,7 @@ class StepLedger:
             samples=int(round(sums.total[_FIELDS.index("samples")])),
             tokens=None if tokens is None else int(round(tokens)),
             flops=sums.value("flops"), hardware_flops=sums.value("hardware_flops"),
+            attention_flops=sums.value("attention_flops"),
         )
 
     def _has(self, index: int) -> bool:

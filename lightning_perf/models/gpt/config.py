@@ -228,8 +228,16 @@ class GPTConfig:
         mask, times three for backward). The other common convention counts
         ``12 * L * d * T`` (the full square); see :meth:`flops_per_token_full_attention`.
         """
+        return 6 * self.num_params(include_embedding=False) + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: Optional[int] = None, activation_checkpointing: str = "none") -> int:
+        """The attention part of :meth:`flops_per_token` (``6 * L * d * T``), or of
+        :meth:`hardware_flops_per_token` with ``activation_checkpointing="full"`` (``8 * L * d * T``:
+        the forward runs again). Linear in T, so a packed row of documents of lengths ``L_i`` does
+        ``6 * L * d * sum_i L_i**2`` (``lightning_perf.perf.documents``)."""
         T = self.block_size if seq_len is None else seq_len
-        return 6 * self.num_params(include_embedding=False) + 6 * self.n_layer * self.n_embd * T
+        forwards = 4 if activation_checkpointing == "full" else 3
+        return 2 * forwards * self.n_layer * self.n_embd * T
 
     def hardware_flops_per_token(self, seq_len: Optional[int] = None, activation_checkpointing: str = "none") -> int:
         """FLOPs per token the hardware executes, recomputation included (for HFU).
@@ -246,7 +254,7 @@ class GPTConfig:
         if activation_checkpointing == "full":
             down_proj = self.intermediate_size * self.n_embd + (self.n_embd if self.bias else 0)
             recomputed = self.num_params("blocks") - self.n_layer * down_proj
-            return model + 2 * recomputed + 2 * self.n_layer * self.n_embd * T
+            return model + 2 * recomputed + self.attention_flops_per_token(T, "full") - self.attention_flops_per_token(T)
         return model
 
     def flops_per_token_full_attention(self, seq_len: Optional[int] = None) -> int:

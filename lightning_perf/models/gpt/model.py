@@ -437,3 +437,7 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: Optional[int] = None) -> int:
         """``6 * N + 6 * L * d * T``: see :meth:`GPTConfig.flops_per_token`."""
         return self.config.flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """``6 * L * d * T``, the attention part of :meth:`flops_per_token`."""
+        return self.config.attention_flops_per_token(seq_len)

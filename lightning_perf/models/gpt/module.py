@@ -203,6 +203,15 @@ class GPTLightningModule(L.LightningModule):
         """FLOPs per token including activation-checkpointing recomputation (HFU); see GPTConfig."""
         return self.config.hardware_flops_per_token(seq_len, self.hparams.activation_checkpointing)
 
+    def attention_flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """The attention part of :meth:`flops_per_token`: what ``MFUMonitor`` counts per document
+        when batches carry ``doc_ids`` (see GPTConfig)."""
+        return self.config.attention_flops_per_token(seq_len)
+
+    def hardware_attention_flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """The attention part of :meth:`hardware_flops_per_token` (recomputation included)."""
+        return self.config.attention_flops_per_token(seq_len, self.hparams.activation_checkpointing)
+
     def flops_per_token_full_attention(self, seq_len: Optional[int] = None) -> int:
         """Model FLOPs per token with attention counted over the full square, for comparison (see GPTConfig)."""
         return self.config.flops_per_token_full_attention(seq_len)
