@@ -29,18 +29,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, init_group: bool, env: dict) -> None:
-    import torch.distributed as dist
-
+def enter_rank(rank: int, world: int, port: int, out_dir: str, env: dict) -> None:
+    """A forked rank's first steps: its output to ``rank{r}.log``, the caller's environment, and what a
+    launcher sets (Lightning's strategies create the process group from these)."""
     log = os.open(Path(out_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     for fd in (1, 2):
         os.dup2(log, fd)
     os.close(log)
     enter(env)
-    # what a launcher sets; Lightning's strategies create the group themselves unless init_group
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+
+
+def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, init_group: bool, env: dict) -> None:
+    import torch.distributed as dist
+
+    enter_rank(rank, world, port, out_dir, env)
     warnings.filterwarnings("ignore")
     if init_group:
         dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -19,7 +18,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
-from _warm import context, enter, stop
+from _spawn import enter_rank, free_port
+from _warm import context, stop
 
 T = 32  # sequence length = block_size of the tiny GPT
 VOCAB = 128
@@ -102,21 +102,8 @@ def kill_self() -> None:
 # ---- processes --------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: tuple, env: dict) -> None:
-    log = os.open(Path(out_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    for fd in (1, 2):
-        os.dup2(log, fd)
-    os.close(log)
-    enter(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    enter_rank(rank, world, port, out_dir, env)
     out = Path(out_dir)
     try:
         result = fn(rank, world, out, *args)
