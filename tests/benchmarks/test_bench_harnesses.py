@@ -64,13 +64,19 @@ def _zero_rank(rank: int, world: int, out_dir: Path) -> None:
                            dict(SMOKE_ZERO, profile_dir=str(out_dir)), str(out_dir / "result"))
 
 
-@pytest.mark.slow
-def test_bench_parallel3d_rank_window_is_rank0s_over_every_replicas_tokens(tmp_path):
-    spawn(_parallel3d_rank, 2, tmp_path, timeout=240)
-    ranks = [json.loads((tmp_path / f"dp2.rank{r}.json").read_text()) for r in range(2)]
-    row = bench_parallel3d.merge_ranks("dp2", ranks, None)
+def _merged(rank_fn, tmp_path: Path, pattern: str, merge, name: str) -> dict:
+    """Two ranks of a harness's worker, their files merged as the harness does: rank 0's window."""
+    spawn(rank_fn, 2, tmp_path, timeout=240)
+    ranks = [json.loads((tmp_path / pattern.format(r)).read_text()) for r in range(2)]
+    row = merge(name, ranks, None)
     assert row["ok"], row.get("traceback")
     assert row["rank"] == 0 and row["wall_s"] == ranks[0]["wall_s"]
+    return row
+
+
+@pytest.mark.slow
+def test_bench_parallel3d_rank_window_is_rank0s_over_every_replicas_tokens(tmp_path):
+    row = _merged(_parallel3d_rank, tmp_path, "dp2.rank{}.json", bench_parallel3d.merge_ranks, "dp2")
     _assert_headline(row, tokens=2 * 8 * 32, steps=2)  # the global batch, both replicas
     assert len(row["gc_count_in_window_per_rank"]) == len(row["recompiles_in_window_per_rank"]) == 2
     assert row["mfu"] / row["mfu_median_step"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_s_median_step"])
@@ -78,11 +84,7 @@ def test_bench_parallel3d_rank_window_is_rank0s_over_every_replicas_tokens(tmp_p
 
 @pytest.mark.slow
 def test_bench_parallel_rank_window_is_rank0s_over_every_replicas_tokens(tmp_path):
-    spawn(_zero_rank, 2, tmp_path, timeout=240)
-    ranks = [json.loads((tmp_path / f"result.rank{r}").read_text()) for r in range(2)]
-    row = bench_parallel.merge_ranks("zero2", ranks, None)
-    assert row["ok"], row.get("traceback")
-    assert row["rank"] == 0 and row["wall_s"] == ranks[0]["wall_s"]
+    row = _merged(_zero_rank, tmp_path, "result.rank{}", bench_parallel.merge_ranks, "zero2")
     _assert_headline(row, tokens=2 * 2 * 2 * 32, steps=2)  # 2 steps x 2 ranks x 2 sequences x 32 tokens
     assert row["tokens_per_s_median_step"] == pytest.approx(2 * 2 * 32 / row["step_s_median"])
     assert len(row["gc_count_in_window_per_rank"]) == 2
