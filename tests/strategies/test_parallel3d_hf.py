@@ -2,15 +2,15 @@
 ``Parallel3DStrategy`` starts from exactly the checkpoint's tensors.
 
 Two tiny random ``transformers`` models saved to a folder: a Llama with grouped-query attention, Llama 3's
-``rope_theta`` and an untied head (under tp2) and a GPT-2 with its tied head (under pp2, the first and the last stage each
-holding a copy). On 2 gloo ranks, built on meta (each rank reads its own slices) and built whole (every
-rank reads the folder, then shards), every rank's local shards and stage parameters must equal the
-matching slices of the checkpoint, and the first losses one process's from the same folder (rtol 1e-4).
-On 4 ranks, pp2 x tp2 does the same for the tied GPT-2, and dp2 x tp2 with ZeRO-3 (FSDP2 over the TP
-shards, built on meta) for the Llama, whose training then matches one process's to the final parameters. The sharded checkpoints of the tp2 Llama run and
-of pp2 runs of both models (the tied GPT-2, whose embedding both stages hold, and the untied Llama, whose
-embedding and head sit on different stages), consolidated and written with ``save_hf``, load in
-``transformers`` with the one-process model's logits.
+``rope_theta`` and an untied head (under tp2) and a GPT-2 with its tied head (under pp2, the first and the
+last stage each holding a copy). On 2 gloo ranks, built on meta (each rank reads its own slices) and built
+whole (every rank reads the folder, then shards), every rank's local shards and stage parameters must equal
+the matching slices of the checkpoint, and the first losses one process's from the same folder (rtol 1e-4).
+On 4 ranks, built on meta, pp2 x tp2 does the same for the tied GPT-2 and dp2 x tp2 with ZeRO-3 (FSDP2
+sharding the TP shards over dp) for the Llama. The sharded checkpoints of the tp2 Llama run, of pp2 runs of
+both models (the tied GPT-2, whose embedding both stages hold, and the untied Llama, whose embedding and
+head sit on different stages) and of both 4-rank runs, consolidated and written with ``save_hf``, hold the
+one-process run's final parameters and load in ``transformers`` with the one-process model's logits.
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
 
 # 4-rank layouts, all built on meta: name -> (Parallel3DStrategy arguments, checkpoint folder, dp)
 LAYOUTS4: dict[str, tuple[dict[str, Any], str, int]] = {
-    "pp2_tp2_gpt2": (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "gpt2", 1),
+    "pp2_tp2_gpt2": ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "gpt2", 1),
     # ZeRO-3: FSDP2 shards the TP shards over dp (rows of a column shard, rows of a row shard)
-    "dp2_tp2_llama": (dict(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3), "llama", 2),
+    "dp2_tp2_llama": ({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, "llama", 2),
 }
 
 
@@ -241,6 +241,7 @@ def test_hf_tied_gpt2_under_pp2_tp2(hf_runs, tmp_path) -> None:
     first, last = _gpt2_stages(gpt2)
     _check_start(results, "pp2_tp2_gpt2", gpt2, [first, first, last, last])
     _check_losses(results, "pp2_tp2_gpt2", hf_runs["gpt2"])
+    _check_export(tmp_path / "pp2_tp2_gpt2.ckpt", "gpt2", hf_runs, tmp_path)
 
 
 @pytest.mark.slow
