@@ -1,19 +1,21 @@
 """Hugging Face weights under tensor and pipeline parallelism: ``GPTLightningModule.from_hf`` trained with
 ``Parallel3DStrategy`` starts from exactly the checkpoint's tensors.
 
-Two tiny random ``transformers`` models saved to a folder: a Llama with grouped-query attention and an
-untied head (under tp2) and a GPT-2 with its tied head (under pp2, the first and the last stage each
-holding a copy). On 2 gloo ranks, built on meta (each rank reads its own slices) and built whole (every
-rank reads the folder, then shards), every rank's local shards and stage parameters must equal the
-matching slices of the checkpoint, and the first losses one process's from the same folder (rtol 1e-4).
-On 4 ranks, pp2 x tp2 does the same for the tied GPT-2. The sharded checkpoints of the tp2 Llama run and
-of pp2 runs of both models (the tied GPT-2, whose embedding both stages hold, and the untied Llama, whose
-embedding and head sit on different stages), consolidated and written with ``save_hf``, load in
-``transformers`` with the one-process model's logits.
+Two tiny random ``transformers`` models saved to a folder: a Llama with grouped-query attention, Llama 3's
+``rope_theta`` and an untied head (under tp2) and a GPT-2 with its tied head (under pp2, the first and the
+last stage each holding a copy). On 2 gloo ranks, built on meta (each rank reads its own slices) and built
+whole (every rank reads the folder, then shards), every rank's local shards and stage parameters must equal
+the matching slices of the checkpoint, and the first losses one process's from the same folder (rtol 1e-4).
+On 4 ranks, built on meta, pp2 x tp2 does the same for the tied GPT-2 and dp2 x tp2 with ZeRO-3 (FSDP2
+sharding the TP shards over dp) for the Llama. The sharded checkpoints of the tp2 Llama run, of pp2 runs of
+both models (the tied GPT-2, whose embedding both stages hold, and the untied Llama, whose embedding and
+head sit on different stages) and of both 4-rank runs, consolidated and written with ``save_hf``, hold the
+one-process run's final parameters and load in ``transformers`` with the one-process model's logits.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ def _save_models(folder: Path) -> None:
     torch.manual_seed(0)
     llama = transformers.LlamaConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        vocab_size=VOCAB, max_position_embeddings=T, rope_theta=10000.0, tie_word_embeddings=False,
+        vocab_size=VOCAB, max_position_embeddings=T, rope_theta=500000.0, tie_word_embeddings=False,
     )
     transformers.LlamaForCausalLM(llama).save_pretrained(str(folder / "llama"), safe_serialization=True)
     gpt2 = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=T, vocab_size=VOCAB)
@@ -40,7 +42,10 @@ def _save_models(folder: Path) -> None:
 
 
 class _Start:
-    """Records this rank's parameters as training starts: name -> (global offset, local values)."""
+    """Records this rank's parameters as training starts: name -> (global offset, local values, whole tensor).
+
+    The whole tensor is gathered from the shards (a collective over the parameter's mesh), so it checks the
+    shards' placement independently of the offsets the loader and this record both compute."""
 
     def __new__(cls):
         import lightning as L
@@ -48,20 +53,21 @@ class _Start:
 
         class Start(L.Callback):
             def __init__(self) -> None:
-                self.params: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+                self.params: dict[str, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
 
             def on_train_start(self, trainer, pl_module) -> None:
                 for name, p in pl_module.named_parameters():
                     if hasattr(p, "to_local"):
                         _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                        self.params[name] = (tuple(offset), p.to_local().detach().clone())
+                        self.params[name] = (tuple(offset), p.to_local().detach().clone(),
+                                             p.full_tensor().detach().clone())
                     else:
-                        self.params[name] = ((0,) * p.dim(), p.detach().clone())
+                        self.params[name] = ((0,) * p.dim(), p.detach().clone(), p.detach().clone())
 
         return Start()
 
 
-def fit_hf(strategy, world: int, folder: Path, *, steps: int = PER_EPOCH, save_to: Any = None) -> dict:
+def fit_hf(strategy, world: int, folder: Path, *, dp: int = 1, steps: int = PER_EPOCH, save_to: Any = None) -> dict:
     import lightning as L
 
     from lightning_perf.models.gpt.module import GPTLightningModule
@@ -81,7 +87,7 @@ def fit_hf(strategy, world: int, folder: Path, *, steps: int = PER_EPOCH, save_t
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(module, loader(GLOBAL_B, reference=world == 1))
+    trainer.fit(module, loader(GLOBAL_B // dp, reference=world == 1))  # the same global batch for any dp
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     res = {"losses": module.losses, "start": start.params}
@@ -102,9 +108,17 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     return res
 
 
-def _worker4(rank: int, world: int, out: Path) -> dict:
-    return {"pp2_tp2_gpt2": fit_hf(S(pipeline_parallel_size=2, tensor_parallel_size=2, meta_init=True), world,
-                                   out / "gpt2")}
+# 4-rank layouts, all built on meta: name -> (Parallel3DStrategy arguments, checkpoint folder, dp)
+LAYOUTS4: dict[str, tuple[dict[str, Any], str, int]] = {
+    "pp2_tp2_gpt2": ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "gpt2", 1),
+    # ZeRO-3: FSDP2 shards the TP shards over dp (rows of a column shard, rows of a row shard)
+    "dp2_tp2_llama": ({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, "llama", 2),
+}
+
+
+def _worker4(rank: int, world: int, out: Path, layout: str) -> dict:
+    kwargs, kind, dp = LAYOUTS4[layout]
+    return {layout: fit_hf(S(meta_init=True, **kwargs), world, out / kind, dp=dp, save_to=out / f"{layout}.ckpt")}
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +150,19 @@ def _check_start(results: list[dict], key: str, checkpoint: dict[str, torch.Tens
     for rank, (r, names) in enumerate(zip(results, stages)):
         start = r[key]["start"]
         assert set(start) == names, f"{key} rank {rank}: {set(start) ^ names}"
-        for name, (offset, local) in start.items():
+        for name, (offset, local, whole) in start.items():
             index = tuple(slice(o, o + s) for o, s in zip(offset, local.shape))
             assert torch.equal(local, checkpoint[name][index]), f"{key} rank {rank}: {name} at {offset}"
+            assert torch.equal(whole, checkpoint[name]), f"{key} rank {rank}: {name} gathered"
 
 
-def _check_losses(results: list[dict], key: str, ref: dict) -> None:
-    for rank, r in enumerate(results):
-        torch.testing.assert_close(torch.tensor(r[key]["losses"]), torch.tensor(ref["losses"]), rtol=1e-4,
+def _check_losses(results: list[dict], key: str, ref: dict, *, dp: int = 1) -> None:
+    """Each rank's losses are the one process's; with ``dp`` replicas (no pipeline: rank = dp_rank * tp +
+    tp_rank) the mean of the replicas' losses, each over its part of the batch, is."""
+    losses = torch.tensor([r[key]["losses"] for r in results])
+    losses = losses.view(dp, -1, losses.shape[-1]).mean(0)
+    for rank, rank_losses in enumerate(losses):
+        torch.testing.assert_close(rank_losses, torch.tensor(ref["losses"]), rtol=1e-4,
                                    atol=0, msg=lambda m, rank=rank: f"{key} rank {rank} losses: {m}")
 
 
@@ -209,11 +228,32 @@ def test_hf_export_from_pp2(hf_runs, ranks2, tmp_path) -> None:
         _check_export(out / f"pp2_{kind}.ckpt", kind, hf_runs, tmp_path)
 
 
+def _spawn4(hf_runs: dict, out: Path, layout: str) -> list[dict]:
+    kind = LAYOUTS4[layout][1]
+    (out / kind).symlink_to(hf_runs["folder"] / kind)
+    return spawn(partial(_worker4, layout=layout), 4, out, timeout=300.0)
+
+
 @pytest.mark.slow
 def test_hf_tied_gpt2_under_pp2_tp2(hf_runs, tmp_path) -> None:
-    (tmp_path / "gpt2").symlink_to(hf_runs["folder"] / "gpt2")
-    results = spawn(_worker4, 4, tmp_path, timeout=300.0)
+    results = _spawn4(hf_runs, tmp_path, "pp2_tp2_gpt2")
     gpt2 = hf_runs["gpt2_hf"]
     first, last = _gpt2_stages(gpt2)
     _check_start(results, "pp2_tp2_gpt2", gpt2, [first, first, last, last])
     _check_losses(results, "pp2_tp2_gpt2", hf_runs["gpt2"])
+    _check_export(tmp_path / "pp2_tp2_gpt2.ckpt", "gpt2", hf_runs, tmp_path)
+
+
+@pytest.mark.slow
+def test_hf_llama_under_dp2_tp2_zero3_meta(hf_runs, tmp_path) -> None:
+    """FSDP2 over the TP shards, built on meta: each rank reads its (dp, tp) box of every tensor and trains,
+    consolidated, to the one process's parameters."""
+    results = _spawn4(hf_runs, tmp_path, "dp2_tp2_llama")
+    llama = hf_runs["llama_hf"]
+    _check_start(results, "dp2_tp2_llama", llama, [set(llama)] * 4)
+    # q_proj rows: 16 per tp rank, 8 of them per dp rank (rank = dp * 2 + tp); o_proj: tp columns, dp rows
+    start = [r["dp2_tp2_llama"]["start"] for r in results]
+    assert [s["model.blocks.0.attn.q_proj.weight"][0] for s in start] == [(0, 0), (16, 0), (8, 0), (24, 0)]
+    assert [s["model.blocks.0.attn.o_proj.weight"][0] for s in start] == [(0, 0), (0, 16), (16, 0), (16, 16)]
+    _check_losses(results, "dp2_tp2_llama", hf_runs["llama"], dp=2)
+    _check_export(tmp_path / "dp2_tp2_llama.ckpt", "llama", hf_runs, tmp_path)
