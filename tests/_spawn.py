@@ -5,12 +5,16 @@ the caller's environment. A rank writes its output to ``rank{r}.log`` and, when 
 traceback to ``rank{r}.err``; a group that does not finish in ``timeout`` seconds dumps its ranks'
 stacks into their logs, is killed and fails the test with both, so a hung collective never hangs
 the suite and shows where it hung.
+
+``launch_nodes`` starts a script as a cluster would on each of several "nodes" of this machine.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 import warnings
@@ -80,3 +84,34 @@ def spawn(fn: Callable, world: int, out_dir: Path, timeout: float = 240.0, *, in
                          for f in sorted(out_dir.glob("rank*.log")))
         pytest.fail(f"{e}\n{errs}\n{logs}")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def launch_nodes(script: Path, out_dir: Path, *, nodes: int, devices: int, timeout: float = 300.0) -> list[Any]:
+    """``python script out_dir`` once per node, as a cluster starts a job: ``NODE_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT`` and ``WORLD_SIZE`` set, no ``LOCAL_RANK`` (Lightning's launcher in each node's
+    script starts the node's other ``devices - 1`` processes). Each rank saves its result to
+    ``out_dir/rank{r}.pt``; returns them in global rank order. A launch that fails shows its node's
+    output; one that does not finish in ``timeout`` seconds is killed, launchers and their children."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(nodes * devices), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)  # each node's launcher starts its local ranks itself
+    root = str(Path(__file__).resolve().parent.parent)  # the repository: the package under test
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    procs = [subprocess.Popen([sys.executable, str(script), str(out_dir)], env={**env, "NODE_RANK": str(n)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for n in range(nodes)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, 9)  # the node's launcher and the processes it started
+        for p in procs:
+            p.wait()
+        pytest.fail(f"the {nodes}-node launch of {Path(script).name} did not finish in {timeout}s")
+    for n, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"node {n}:\n{log[-4000:]}"
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(nodes * devices)]

@@ -109,13 +109,14 @@ def loader(per_rank_batch: int, reference: bool = False, shuffle: bool = True):
 
 def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "llama", ckpt_path=None,
         save_to=None, plugins: Any = None, inject_inf_at: Optional[int] = None, accumulate: int = 1,
-        val: bool = False, clip: Optional[float] = None) -> dict:
+        val: bool = False, clip: Optional[float] = None, num_nodes: int = 1) -> dict:
     import lightning as L
 
     L.seed_everything(0, verbose=False)
     module = make_module(kind, inject_inf_at)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_epochs=steps // PER_EPOCH,
+        accelerator="cpu", devices=world // num_nodes, num_nodes=num_nodes, strategy=strategy,
+        max_epochs=steps // PER_EPOCH,
         plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=1 if val else 0, accumulate_grad_batches=accumulate,

@@ -6,7 +6,11 @@ layout must give the single-process losses (rtol 1e-4) and parameters:
 - replicate 2 x shard 2 (ZeRO 3) for one epoch, the mesh's coordinates and sampler ranks, its
   sharded checkpoint resumed under dp4 without replication for the second epoch;
 - beside tensor, pipeline and context parallelism, one epoch each: tp2 x (replicate 2 x shard 1),
-  pp2 x (replicate 2 x shard 1) and (replicate 2 x shard 1) x cp2, FSDP2 sharding over the cp ranks.
+  pp2 x (replicate 2 x shard 1) and (replicate 2 x shard 1) x cp2, FSDP2 sharding over the cp ranks;
+- ``replicate_size="auto"`` launched as a cluster would, two "nodes" of two processes
+  (``_parallel3d_nodes.py``, ``Trainer(num_nodes=2, devices=2)``), one epoch each: dp4 as
+  replicate 2 x shard 2 and tp2 x dp2 as replicate 2 x shard 1, replicas across the nodes and
+  shards (or tp ranks) within one.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from typing import Any
 
 import pytest
 import torch
-from _spawn import spawn
+from _spawn import launch_nodes, spawn
 from test_parallel3d import PER_EPOCH, S, _check_run, fit
+
+HERE = Path(__file__).resolve().parent
 
 
 def _hsdp_worker(rank: int, world: int, out: Path) -> dict:
@@ -48,14 +54,20 @@ def _composition_worker(rank: int, world: int, out: Path) -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def reference():
+def _one_process(**kwargs: Any) -> dict:
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    def one(**kwargs: Any) -> dict:
-        return fit(SingleDeviceStrategy(torch.device("cpu")), 1, **kwargs)
+    return fit(SingleDeviceStrategy(torch.device("cpu")), 1, **kwargs)
 
-    return {"full": one(), "first_epoch": one(steps=PER_EPOCH)}
+
+@pytest.fixture(scope="module")
+def first_epoch() -> dict:
+    return _one_process(steps=PER_EPOCH)
+
+
+@pytest.fixture(scope="module")
+def reference(first_epoch) -> dict:
+    return {"full": _one_process(), "first_epoch": first_epoch}
 
 
 @pytest.mark.slow
@@ -88,3 +100,52 @@ def test_hsdp_beside_tensor_pipeline_and_context_parallelism(reference, tmp_path
     for r in results:
         assert r["tp2_hsdp"]["fsdp_mesh"] == r["pp2_hsdp"]["fsdp_mesh"] == {("dp_replicate", "dp_shard")}
         assert r["cp2_hsdp"]["fsdp_mesh"] == {("dp_replicate", "dp_shard_cp")}
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> list[dict]:
+    from _parallel3d_nodes import DEVICES, NODES
+
+    return launch_nodes(HERE / "_parallel3d_nodes.py", tmp_path_factory.mktemp("nodes"), nodes=NODES, devices=DEVICES)
+
+
+def test_auto_replicates_across_nodes_and_shards_within_one(two_nodes) -> None:
+    from lightning_perf.parallel.dims import ParallelDims
+
+    for rank, r in enumerate(two_nodes):
+        node, local = r["node_rank"], rank % 2
+        hsdp, tp2 = r["hsdp"], r["tp2_hsdp"]
+        assert hsdp["global_rank"] == tp2["global_rank"] == 2 * node + local and hsdp["world_size"] == 4
+        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        # dp4: a replica per node, each node's two processes sharding it
+        assert hsdp["names"] == names and hsdp["shape"] == (1, 2, 2, 1, 1)
+        dims = ParallelDims(replicate="auto", num_nodes=2, world_size=4)
+        assert hsdp["coords"] == {"pp": 0, "dp_replicate": node, "dp_shard": local, "dp": rank, "cp": 0, "tp": 0} \
+            == dims.coordinates(rank)
+        assert hsdp["groups"]["dp_shard"] == [2 * node, 2 * node + 1]  # the node's processes
+        assert hsdp["groups"]["dp_replicate"] == [local, local + 2]  # the same shard on each node
+        assert hsdp["sampler"] == {"num_replicas": 4, "rank": rank}
+        assert hsdp["params"] == {(("dp_replicate", "dp_shard"), ("R", "S(0)"))}
+        # tp2 x dp2: the tp ranks are a node's processes, the dp replicas one per node
+        assert tp2["names"] == names and tp2["shape"] == (1, 2, 1, 1, 2)
+        dims = ParallelDims(tp=2, replicate="auto", num_nodes=2, world_size=4)
+        assert tp2["coords"] == {"pp": 0, "dp_replicate": node, "dp_shard": 0, "dp": node, "cp": 0, "tp": local} \
+            == dims.coordinates(rank)
+        assert tp2["groups"]["tp"] == [2 * node, 2 * node + 1] and tp2["groups"]["dp_shard"] == [rank]
+        assert tp2["groups"]["dp_replicate"] == tp2["groups"]["dp"] == [local, local + 2]
+        assert tp2["sampler"] == {"num_replicas": 2, "rank": node}  # a node's tp ranks load the same rows
+        # FSDP2 x TP: replicated across the nodes, the projections split over a node's tp ranks
+        assert {mesh for mesh, _ in tp2["params"]} == {("dp_replicate", "dp_shard", "tp")}
+        assert {placements[0] for _, placements in tp2["params"]} == {"R"}
+        assert {"S(0)", "S(1)"} <= {placements[2] for _, placements in tp2["params"]}
+    n = sum(p.numel() for p in two_nodes[0]["hsdp"]["final"].values())
+    assert all(abs(r["hsdp"]["local_numel"] - n / 2) <= 64 for r in two_nodes)  # halves: sharded over 2, not 4
+
+
+@pytest.mark.parametrize("key", ["hsdp", "tp2_hsdp"])
+def test_auto_on_two_nodes_equals_one_process(two_nodes, first_epoch, key) -> None:
+    _check_run(two_nodes, key, first_epoch)
+    for r in two_nodes:  # every rank ends with the whole model of one process, not only the last
+        for name, value in first_epoch["final"].items():
+            torch.testing.assert_close(r[key]["final"][name], value, rtol=1e-4, atol=5e-5,
+                                       msg=lambda m, name=name: f"{key} {name}: {m}")

@@ -10,40 +10,16 @@ with the same run without it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _spawn import free_port, spawn
+from _spawn import launch_nodes, spawn
 from _zero_toys import DEVICES, NODES, B, fit
 
 HERE = Path(__file__).resolve().parent
 HSDP_STEPS = 3  # the node script's
 STEPS = 4
-
-
-def _launch_two_nodes(out: Path, timeout: float = 300.0) -> list[dict]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(NODES * DEVICES), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)  # each node's launcher starts its local ranks itself
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent.parent), env.get("PYTHONPATH")) if p)
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_zero_toys.py"), str(out)], env={**env, "NODE_RANK": str(n)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for n in range(NODES)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            os.killpg(p.pid, 9)  # the node's launcher and the process it started
-        pytest.fail("the two-node launch did not finish in time")
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(NODES * DEVICES)]
 
 
 def _offload_probe():
@@ -112,7 +88,7 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     out = tmp_path_factory.mktemp("hsdp")
-    return out, _launch_two_nodes(out)
+    return out, launch_nodes(HERE / "_zero_toys.py", out, nodes=NODES, devices=DEVICES)
 
 
 @pytest.fixture(scope="module")
