@@ -124,8 +124,8 @@ def test_delayed_layer_on_meta_and_its_errors():
     with pytest.raises(ValueError, match="amax_history must be a positive number of steps"):
         float8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32)), "delayed", amax_history=0)
 
-    class Shard(torch.Tensor):  # stands for a DTensor or an FP8-gathered weight
-        pass
+    class Shard(torch.Tensor):
+        """Stands for a DTensor or an FP8-gathered weight."""
 
     w = torch.Tensor._make_subclass(Shard, torch.randn(48, 32))
     with pytest.raises(ValueError, match=r"fp8='delayed' keeps an amax history for plain weights; .* Shard weight"):
