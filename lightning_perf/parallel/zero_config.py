@@ -68,7 +68,8 @@ class ZeroConfig:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got stage={self.stage!r}")
         if self.backend is None:
-            self.backend = "deepspeed" if (self.offload_optimizer or self.offload_params) else "native"
+            # offload at stage 1 (no FSDP2 to carry CPUOffloadPolicy) only DeepSpeed does
+            self.backend = "deepspeed" if self.offload and self.stage == 1 else "native"
         if self.backend not in ("native", "deepspeed"):
             raise ValueError(f"backend must be 'native' or 'deepspeed', got {self.backend!r}")
         if self.offload_params and self.stage != 3:

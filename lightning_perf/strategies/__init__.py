@@ -15,13 +15,13 @@ STRATEGY_NAMES: dict[str, tuple[type, str, dict[str, Any]]] = {
     "zero3": (ZeroStrategy, "ZeRO-3: FSDP2, parameters, gradients and optimizer state sharded", {"stage": 3}),
     "zero2_offload": (
         ZeroStrategy,
-        "ZeRO-2 with optimizer state offloaded to the CPU (DeepSpeed)",
-        {"stage": 2, "backend": "deepspeed", "offload_optimizer": True},
+        "ZeRO-2 with optimizer state and its step on the CPU (FSDP2's CPUOffloadPolicy)",
+        {"stage": 2, "backend": "native", "offload_optimizer": True},
     ),
     "zero3_offload": (
         ZeroStrategy,
-        "ZeRO-3 with optimizer state and parameters offloaded to the CPU (DeepSpeed)",
-        {"stage": 3, "backend": "deepspeed", "offload_optimizer": True, "offload_params": True},
+        "ZeRO-3 with parameters, gradients, optimizer state and its step on the CPU (FSDP2's CPUOffloadPolicy)",
+        {"stage": 3, "backend": "native", "offload_optimizer": True, "offload_params": True},
     ),
     "parallel3d": (
         Parallel3DStrategy,

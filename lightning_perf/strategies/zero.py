@@ -63,7 +63,8 @@ class ZeroStrategy(PerfParallelStrategy):
     Args:
         stage: 1, 2 or 3.
         backend: ``"native"`` (DDP + ZeroRedundancyOptimizer / FSDP2) or ``"deepspeed"``;
-            ``None`` picks DeepSpeed when offloading, native otherwise.
+            ``None`` picks native (offload on FSDP2's ``CPUOffloadPolicy``), DeepSpeed only to offload
+            at stage 1.
         offload_optimizer: keep optimizer state (and the step) on the CPU. Native (stage 2/3): FSDP2's
             ``CPUOffloadPolicy``, which keeps the sharded fp32 parameters and their gradients there too.
         offload_params: keep stage-3 parameters on the CPU between uses (native: with

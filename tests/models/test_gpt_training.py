@@ -116,3 +116,25 @@ def test_gradients_freed_after_each_step_train_like_lightnings_order(accumulate)
     assert seen == [True] * 4
     for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_fused_adam_default_follows_where_the_step_runs() -> None:
+    from types import SimpleNamespace
+
+    from lightning_perf.models import GPTLightningModule
+
+    module = GPTLightningModule("tiny", lr_decay_steps=10)
+    module.configure_model()
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert optimizer.defaults["fused"] is False  # CPU training: the per-tensor loop
+    # parameters in host memory beside a GPU (CPU offload): torch's fused CPU kernel
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    try:
+        assert module.configure_optimizers()["optimizer"].defaults["fused"] is True
+        module._trainer.strategy.root_device = torch.device("cpu")
+        assert module.configure_optimizers()["optimizer"].defaults["fused"] is False
+    finally:
+        module._trainer = None
+    explicit = GPTLightningModule("tiny", fused_adam=True, lr_decay_steps=10)
+    explicit.configure_model()
+    assert explicit.configure_optimizers()["optimizer"].defaults["fused"] is True  # asked for: kept on the CPU

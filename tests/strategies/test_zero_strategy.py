@@ -254,7 +254,8 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
         for stage in (1, 2, 3):
             res[f"ds{stage}"] = fit(ZeroStrategy(stage=stage, backend="deepspeed"), world)
         res["ds2_acc"] = fit(ZeroStrategy(stage=2, backend="deepspeed"), world, accumulate=2, steps=STEPS // 2)
-        res["ds3_offload"] = fit("zero3_offload", world)
+        res["ds3_offload"] = fit(ZeroStrategy(stage=3, backend="deepspeed", offload_optimizer=True,
+                                              offload_params=True), world)
         res["ds2_sgd"] = fit(ZeroStrategy(stage=2, backend="deepspeed"), world, factory=make_generic_sgd)
         res["ds3_sgd"] = fit(ZeroStrategy(stage=3, backend="deepspeed"), world, factory=make_generic_sgd)
         fit(ZeroStrategy(stage=2, backend="deepspeed"), world, save_to=str(out / "ckpt_ds.ckpt"), epochs_of=2 * STEPS)

@@ -52,10 +52,21 @@ def test_bad_options(kwargs, match) -> None:
 def test_offload_without_deepspeed_names_the_extra(monkeypatch) -> None:
     monkeypatch.setattr(zero_config.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match=r"pip install 'lightning-perf\[deepspeed\]'"):
-        ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True)
+        ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, backend="deepspeed")
+    with pytest.raises(ImportError, match=r"lightning-perf\[deepspeed\]"):  # stage 1 offloads only there
+        ZeroStrategy(stage=1, offload_optimizer=True)
+    register_strategies()  # the registered offload names are native: no DeepSpeed needed
+    trainer = L.Trainer(strategy="zero2_offload", accelerator="cpu", devices=1, logger=False)
+    assert trainer.strategy.config.native_offload and trainer.strategy.config.stage == 2
+
+
+def test_offload_is_native_unless_deepspeed_is_named() -> None:
     register_strategies()
-    with pytest.raises(ImportError, match=r"lightning-perf\[deepspeed\]"):
-        L.Trainer(strategy="zero2_offload", accelerator="cpu", devices=1, logger=False)
+    for name, stage in (("zero2_offload", 2), ("zero3_offload", 3)):
+        config = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False).strategy.config
+        assert (config.backend, config.stage, config.native_offload) == ("native", stage, True)
+    assert ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True).config.native_offload
+    assert ZeroStrategy(stage=2, offload_optimizer=True).config.backend == "native"
 
 
 def test_precision_the_backend_cannot_do() -> None:
