@@ -162,6 +162,9 @@ def test_packed_gpt_fit_logs_mfu_per_document(tmp_path):
     assert (window.first, window.last, window.steps) == (2, 4, 3)  # step 5 sampled by the warner
     assert window.flops == pytest.approx(sum(hand[2:5]))
     assert sum(hand[2:5]) < 3 * B * seq * cfg.flops_per_token(seq)  # less than the whole causal rows
+    # Lightning's ThroughputMonitor reads flops_per_batch: the last batch, attention per document too
+    assert module.flops_per_batch == pytest.approx(hand[-1], rel=1e-12)
+    assert module.flops_per_batch < B * seq * cfg.flops_per_token(seq)
     assert mon.summary()["mfu"] == pytest.approx(window.flops / window.seconds / 1e12)
     assert logger.values("perf/mfu")[-1] == pytest.approx(mon.summary()["mfu"])  # the final figures logged
     assert logger.values("perf/mean_document_tokens")[-1] == pytest.approx(mon.mean_document_tokens)

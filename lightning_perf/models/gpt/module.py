@@ -18,6 +18,7 @@ from lightning_perf.models.gpt.generate import generate
 from lightning_perf.models.gpt.model import GPT
 from lightning_perf.parallel.activation_checkpointing import AC_MODES, apply_activation_checkpointing
 from lightning_perf.parallel.compile import COMPILE_MODES, COMPILE_SCOPES, apply_compile
+from lightning_perf.perf.documents import document_work, packed_batch_flops
 
 __all__ = ["GPTLightningModule", "cosine_with_warmup"]
 
@@ -134,6 +135,7 @@ class GPTLightningModule(L.LightningModule):
         self.model: Optional[GPT] = None
         self.val_loss = MeanMetric()
         self._batch_shape: Optional[tuple[int, int]] = None
+        self._batch_doc_ids: Optional[torch.Tensor] = None  # the last training batch's, if packed
         self._loss_copies: list[tuple[torch.Tensor, Any]] = []  # (pinned host copy, CUDA event) in flight
 
     # ---- model ---------------------------------------------------------------------------
@@ -219,11 +221,20 @@ class GPTLightningModule(L.LightningModule):
 
     @property
     def flops_per_batch(self) -> Optional[int]:
-        """FLOPs of the last training batch (fwd + bwd), for Lightning's ThroughputMonitor."""
+        """Model FLOPs of the last training batch (fwd + bwd), for Lightning's ThroughputMonitor.
+
+        A packed batch (one with ``doc_ids``) counts attention per document, as ``MFUMonitor`` does:
+        the sum of its documents' squared lengths, computed when this is read. That reads the
+        device, so read it after the step (ThroughputMonitor synchronises before it does)."""
         if self._batch_shape is None:
             return None
         B, T = self._batch_shape
-        return self.flops_per_token(T) * B * T
+        if self._batch_doc_ids is None:
+            return self.flops_per_token(T) * B * T
+        square_sum = int(document_work(self._batch_doc_ids)[0])
+        return round(packed_batch_flops(tokens=B * T, seq_len=T, flops_per_token=self.flops_per_token(T),
+                                        attention_flops_per_token=self.attention_flops_per_token(T),
+                                        square_sum=square_sum))
 
     # ---- steps ---------------------------------------------------------------------------
 
@@ -249,6 +260,7 @@ class GPTLightningModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, doc_ids = self._check_batch(batch)
         self._batch_shape = (x.shape[0], x.shape[1])
+        self._batch_doc_ids = doc_ids
         loss = self(x, y, doc_ids)
         self._log_train_loss(loss)
         return loss
