@@ -84,8 +84,15 @@ def _stand_in(recipe: dict, side: Path) -> dict:
     return stand_in
 
 
+# recipe settings the stand-in keeps: they change the code the step runs, not the model's size
+KEPT_OVERRIDES = ("fp8", "fused_qkv")
+
+
 def _stand_in_model(recipe: dict, side: Path) -> dict:
     model = dict(STAND_IN_MODEL)
+    own = (recipe.get("model") or {}).get("config_overrides") or {}
+    model["config_overrides"] = {**STAND_IN_MODEL["config_overrides"],
+                                 **{k: v for k, v in own.items() if k in KEPT_OVERRIDES}}
     hf = (recipe.get("model") or {}).get("init_from_hf")
     if hf is not None:  # the stand-in's weights in a Hugging Face folder; its config comes from there
         model.update(config=None, config_overrides=None, init_from_hf=str(_tiny_hf_folder(side / "hf")))
