@@ -49,7 +49,7 @@ class ZeroConfig:
     """Validated ZeRO options (see ``lightning_perf.strategies.ZeroStrategy`` for their meaning)."""
 
     stage: int = 3
-    backend: Optional[Literal["native", "deepspeed"]] = None  # None: deepspeed if offloading, else native
+    backend: Optional[Literal["native", "deepspeed"]] = None  # None: native, deepspeed to offload at stage 1
     offload_optimizer: bool = False
     offload_params: bool = False
     bucket_size_mb: float = 25.0
