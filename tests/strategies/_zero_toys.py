@@ -27,7 +27,7 @@ def tiny_config():
                      pad_vocab_multiple=16, bias=False)
 
 
-def make_module(global_batch: int, steps: int):
+def make_module(global_batch: int, steps: int, fused_adam=None):
     """A GPTLightningModule (constant LR) recording its losses; rank r of W reads rows
     ``k * global_batch + r * global_batch / W + j`` at step k, so the ranks' union is one batch."""
     from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -36,7 +36,8 @@ def make_module(global_batch: int, steps: int):
 
     class Recording(GPTLightningModule):
         def __init__(self) -> None:
-            super().__init__(tiny_config(), learning_rate=1e-3, warmup_steps=0, min_lr_ratio=1.0)
+            super().__init__(tiny_config(), learning_rate=1e-3, warmup_steps=0, min_lr_ratio=1.0,
+                             fused_adam=fused_adam)
             self.losses: list[float] = []
 
         def training_step(self, batch, batch_idx):
@@ -56,12 +57,12 @@ def make_module(global_batch: int, steps: int):
 
 
 def fit(strategy: Any, *, world: int, global_batch: int, steps: int, num_nodes: int = 1, ckpt_path=None,
-        callbacks=None) -> tuple[Any, Any]:
+        callbacks=None, fused_adam=None) -> tuple[Any, Any]:
     """``Trainer.fit`` of the tiny module; returns (trainer, module)."""
     import lightning as L
 
     L.seed_everything(0, verbose=False)
-    module = make_module(global_batch, steps)
+    module = make_module(global_batch, steps, fused_adam)
     trainer = L.Trainer(accelerator="cpu", devices=world // num_nodes, num_nodes=num_nodes, strategy=strategy,
                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

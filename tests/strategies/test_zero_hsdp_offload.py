@@ -60,11 +60,15 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
         "plain2": ZeroStrategy(stage=2),
         "offload2": ZeroStrategy(stage=2, offload_optimizer=True, backend="native"),
     }
+    # torch's fused CPU AdamW on the offloaded shards (what a GPU run under offload picks by default)
+    runs["offload3_fused"] = ZeroStrategy(stage=3, offload_params=True, offload_optimizer=True, backend="native")
     for key, strategy in runs.items():
         probe = _offload_probe()
-        _, module = fit(strategy, world=world, global_batch=world * B, steps=STEPS, callbacks=[probe])
+        trainer, module = fit(strategy, world=world, global_batch=world * B, steps=STEPS, callbacks=[probe],
+                              fused_adam=True if key.endswith("_fused") else None)
         res[key] = {"losses": module.losses, "final": full_model_state_dict(module),
-                    "seen": getattr(probe, "seen", None)}
+                    "seen": getattr(probe, "seen", None),
+                    "fused": local_optimizer(trainer.optimizers[0]).defaults.get("fused")}
 
     # the 2 x 2 HSDP checkpoint, resumed on 2 ranks that shard without replication
     import lightning as L
@@ -154,6 +158,15 @@ def test_native_offload_equals_no_offload(runs2, stage) -> None:
         assert seen["pin_memory"] == {False}  # a CPU device: nothing to pin for
         assert seen["shard_devices"] == {"cpu"} and seen["state_devices"] == {"cpu"}
         assert plain["seen"]["policies"] == {"OffloadPolicy"}  # FSDP2's no-offload default
+
+
+def test_native_offload_steps_with_the_fused_cpu_adamw(runs2) -> None:
+    for r in runs2:
+        plain, fused = r["plain3"], r["offload3_fused"]
+        assert (plain["fused"], fused["fused"]) == (False, True)
+        assert fused["seen"]["state_devices"] == {"cpu"} and fused["seen"]["policies"] == {"CPUOffloadPolicy"}
+        torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-6)
+        _close(fused["final"], plain["final"], rtol=1e-5, atol=1e-6)
 
 
 def test_offload_policy_pins_for_an_accelerator() -> None:
