@@ -7,6 +7,8 @@ one torch.profiler step of the all-Triton model, the top GPU kernels printed and
     python benchmarks/profile_gpt.py --out $OUT --preset gpt2-124m --seq-len 1024 --batch 16
     python benchmarks/profile_gpt.py --preset gpt-1.3b --seq-len 2048 --batch 8 --scope model \
         --fused-qkv --sets all,all+fp8 --profile all,all+fp8         # where FP8 saves time, and where not
+    python benchmarks/profile_gpt.py --preset gpt-1.3b --seq-len 2048 --batch 8 --scope model \
+        --fused-qkv --sets all+fp8,all+delayed --profile all+fp8,all+delayed   # tensorwise against delayed scaling
 """
 
 from __future__ import annotations
@@ -112,9 +114,10 @@ def main():
     p.add_argument("--profile", default="all", help="comma list of op sets to profile: torch, all")
     p.add_argument("--sets", default="torch,all,each",
                    help="comma list of op sets to time: torch, all, each; a set with a '+fp8' suffix "
-                        "(e.g. all+fp8) runs with tensorwise FP8 linears, to compare with and without in one run")
+                        "(e.g. all+fp8) runs with tensorwise FP8 linears, '+delayed' with delayed-scaling ones, to "
+                        "compare with and without in one run")
     p.add_argument("--tag", default="", help="suffix of the output JSON name")
-    p.add_argument("--fp8", nargs="?", const="tensorwise", default=False, choices=("tensorwise", "rowwise"),
+    p.add_argument("--fp8", nargs="?", const="tensorwise", default=False, choices=("tensorwise", "rowwise", "delayed"),
                    help="FP8 linears in the blocks for every set (GPTConfig(fp8=...); bare --fp8: tensorwise)")
     p.add_argument("--fused-qkv", action="store_true", help="q/k/v from one linear (GPTConfig(fused_qkv=True))")
     p.add_argument("--elementwise-under-compile", default="inductor", choices=("inductor", "triton"),
@@ -128,7 +131,9 @@ def main():
     sets = []  # (label, enabled ops, fp8)
     for chosen in args.sets.split(","):
         base, _, suffix = chosen.partition("+")
-        fp8 = "tensorwise" if suffix == "fp8" else args.fp8
+        if suffix not in ("", "fp8", "delayed"):
+            p.error(f"unknown set suffix in {chosen!r}: '+fp8' or '+delayed'")
+        fp8 = {"fp8": "tensorwise", "delayed": "delayed"}.get(suffix, args.fp8)
         if base == "torch":
             sets.append((chosen, set(), fp8))
         elif base == "all":
