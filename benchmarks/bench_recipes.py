@@ -32,7 +32,7 @@ window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. Th
     python benchmarks/bench_recipes.py --recipes llama-8b-3d --steps 10 --warmup 5   # 8 GPUs
     python benchmarks/bench_recipes.py --recipes gpt-1.3b --profile 4           # kernels and GPU idle, both sides
     python benchmarks/bench_recipes.py --recipes gpt-1.3b-fp8 --steps 20 --warmup 10 --no_checkpoint \
-        --no_validation --variant delayed=--bench.fp8=delayed   # shipped FP8 recipe, fp8="delayed", plain bf16
+        --no_validation --variant tensorwise=--bench.fp8=tensorwise   # shipped FP8 recipe (delayed), tensorwise, plain bf16
     python benchmarks/bench_recipes.py --smoke                                  # CPU: the code paths only
 
 A multi-GPU recipe runs as Lightning launches it: the child process this script starts is rank 0,
