@@ -37,17 +37,36 @@ from typing import Optional, Sequence
 PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_perf", "lightning_perf.strategies",
            "lightning_perf.callbacks", "lightning_perf.data", "lightning_perf.models.gpt", "lightning_perf.cli",
            "torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx"]
-# set per test (pytest), by ``seed_everything`` or by a launcher; read at run time, never at import
+# read at run time, never at import: set per test (pytest), by ``seed_everything`` or by a launcher,
+# or written into the test process by what a test ran there: Inductor's first compile (its cache
+# folder, a pointer its C++ wrappers read when they load), ``Trainer(deterministic=True)`` (cuBLAS's
+# workspace, read when a handle is made). Without them in this list, one compiling test would start
+# every later process of the run fresh.
 _RUN_TIME = {"PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
-             "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
+             "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHINDUCTOR_CACHE_DIR",
+             "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "CUBLAS_WORKSPACE_CONFIG"}
 
 HANG_SIGNAL = signal.SIGUSR1
 
 _server_env: Optional[dict[str, str]] = None
+# variable name -> processes started fresh because the caller's value differed from the server's
+# (the test session's summary lists them: each such process pays the imports the server saves)
+FRESH_STARTS: dict[str, int] = {}
 
 
 def _import_env(env) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in _RUN_TIME}
+
+
+def _served(env) -> bool:
+    """Whether a process under ``env`` can be forked from the server; records why not."""
+    mine = _import_env(env)
+    if mine == _server_env:
+        return True
+    server = _server_env or {}
+    for name in sorted({k for k in set(mine) | set(server) if mine.get(k) != server.get(k)}):
+        FRESH_STARTS[name] = FRESH_STARTS.get(name, 0) + 1
+    return False
 
 
 def context():
@@ -59,7 +78,7 @@ def context():
         ctx.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
         _server_env = _import_env(os.environ)
-    return ctx if _import_env(os.environ) == _server_env else None
+    return ctx if _served(os.environ) else None
 
 
 def enter(env: dict[str, str]) -> None:
@@ -124,6 +143,7 @@ def _main(args: list[str], cwd: str, env: dict[str, str], path: list[str], out: 
         os.close(f)
     os.chdir(cwd)
     enter(env)
+    sys.modules.pop(__name__, None)  # imported to unpickle this function; the command never imported it
     code = 0
     try:
         if args[0] == "-m":
@@ -168,7 +188,7 @@ def python(args: Sequence[str], *, timeout: float, cwd=None, env: Optional[dict[
     cwd = os.getcwd() if cwd is None else cwd
     env = dict(os.environ if env is None else env)
     ctx = None if fresh else context()
-    if ctx is None or _import_env(env) != _server_env:
+    if ctx is None or not _served(env):
         return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,3 +4,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name the variables that made processes start fresh instead of forked from the warm interpreter."""
+    fresh = sys.modules.get("_warm") and sys.modules["_warm"].FRESH_STARTS
+    if fresh:
+        terminalreporter.write_line(
+            "processes started fresh (their environment differed from the fork server's in): "
+            + ", ".join(f"{name} ({n})" for name, n in sorted(fresh.items())))

@@ -21,10 +21,12 @@ def _served():
 
 _PROBE = """
 import json, os, random, sys
+forked = "torch" in sys.modules  # imported by the server; a fresh interpreter has not yet
 import numpy, torch
 print(json.dumps({"torch": torch.rand(2).tolist(), "numpy": numpy.random.rand(2).tolist(),
-                  "random": random.random(), "env": os.environ.get("WARM_PROBE"), "cwd": os.getcwd(),
-                  "loaded": sorted(m for m in ("pytest", "_pytest", "_spawn", "_warm") if m in sys.modules)}))
+                  "random": random.random(), "env": os.environ.get("PL_GLOBAL_SEED"), "cwd": os.getcwd(),
+                  "loaded": sorted(m for m in ("pytest", "_pytest", "_spawn", "_warm") if m in sys.modules),
+                  "forked": forked}))
 """
 
 
@@ -34,13 +36,37 @@ def test_forked_commands_start_as_fresh_interpreters(tmp_path, monkeypatch):
     script = tmp_path / "probe.py"
     script.write_text(_PROBE)
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "a run-time variable: still forked")
-    runs = [python([script], cwd=tmp_path, timeout=60, env={**os.environ, "WARM_PROBE": str(i)}) for i in range(2)]
+    # a run-time variable differs between the two: both are still forked, each under its own value
+    runs = [python([script], cwd=tmp_path, timeout=60, env={**os.environ, "PL_GLOBAL_SEED": str(i)}) for i in range(2)]
     assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
     a, b = (json.loads(r.stdout) for r in runs)
+    assert a["forked"] and b["forked"]
     assert (a["env"], b["env"]) == ("0", "1") and a["cwd"] == b["cwd"] == str(tmp_path)
     assert a["loaded"] == b["loaded"] == []
     for stream in ("torch", "numpy", "random"):
         assert a[stream] != b[stream], stream  # not the server's one stream continued twice
+
+
+def test_variables_libraries_write_at_run_time_keep_processes_forked(tmp_path, monkeypatch):
+    """Inductor's first compile and ``Trainer(deterministic=True)`` write variables into the test
+    process that no import reads: later commands and ranks are still forked, and see the values."""
+    import json
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()  # what Inductor runs when it first compiles: sets TORCHINDUCTOR_CACHE_DIR
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "12345")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert context() is not None
+    script = tmp_path / "probe.py"
+    script.write_text("import json, os, sys\nprint(json.dumps({'cache': os.environ.get('TORCHINDUCTOR_CACHE_DIR'), "
+                      "'cublas': os.environ.get('CUBLAS_WORKSPACE_CONFIG'), 'torch': 'torch' in sys.modules}))\n")
+    run = python([script], cwd=tmp_path, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = json.loads(run.stdout)
+    # forked: torch is there before the script imports it (a fresh interpreter would not have it)
+    assert seen == {"cache": os.environ["TORCHINDUCTOR_CACHE_DIR"], "cublas": ":4096:8", "torch": True}
 
 
 def test_forked_command_failures_and_exit_codes_reach_the_caller(tmp_path):

@@ -1,5 +1,7 @@
 """GPTLightningModule inside a real Trainer: the contract example, resume equality, bad input."""
 
+import os
+
 import lightning as L
 import pytest
 import torch
@@ -15,6 +17,20 @@ class LossRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_mode_stays_here():
+    """``Trainer(deterministic=True)`` switches torch's deterministic algorithms on for the whole process
+    and sets ``CUBLAS_WORKSPACE_CONFIG``: both are put back for the tests that run after these."""
+    env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    if env is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = env
 
 
 def _module():
