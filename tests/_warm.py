@@ -325,6 +325,67 @@ def _serve_launches(this, env: dict[str, str], path: list[str], launched: str) -
     return ranks
 
 
+class Command:
+    """``python ARGS`` started by ``start``: forked from the warm interpreter or a fresh process, its
+    output captured; ``finish`` waits for it."""
+
+    def __init__(self, args: list[str], cwd: str, env: dict[str, str], ctx) -> None:
+        self.args = [sys.executable, *args]
+        if ctx is None:
+            self._tmp = None
+            self._proc = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+            return
+        self._tmp = tempfile.TemporaryDirectory()
+        tmp = Path(self._tmp.name)
+        self._out, self._err, self._launched = tmp / "stdout", tmp / "stderr", tmp / "launched"
+        self._out.touch()
+        self._err.touch()
+        self._proc = ctx.Process(target=_main, args=(args, cwd, env, _startup_path(env), str(self._out),
+                                                     str(self._err), str(self._launched)))
+        self._proc.start()
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its exit code and output; after ``timeout`` seconds it is killed, with the processes it
+        started (its stacks first, when forked), and ``Timeout`` raised."""
+        if self._tmp is None:
+            try:
+                out, err = self._proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)  # the command and any ranks it launched
+                out, err = self._proc.communicate()
+                raise Timeout(self.args, timeout, out, err) from None
+            return subprocess.CompletedProcess(self.args, self._proc.returncode, out, err)
+        try:
+            self._proc.join(timeout)
+            timed_out = self._proc.exitcode is None
+            if timed_out:
+                ranks = [int(p) for p in self._launched.read_text().split()] if self._launched.exists() else []
+                stop([self._proc.pid, *ranks], group=True)  # the command, what it started, the ranks it launched
+                self._proc.join()
+            out, err = self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
+        finally:
+            self._tmp.cleanup()
+        if timed_out:
+            raise Timeout(self.args, timeout, out, err)
+        return subprocess.CompletedProcess(self.args, self._proc.exitcode, out, err)
+
+
+def start(args: Sequence[str], *, cwd=None, env: Optional[dict[str, str]] = None, fresh: bool = False,
+          fresh_env: Optional[dict[str, str]] = None) -> Command:
+    """``python ARGS`` (``args`` = ``("-m", module, ...)`` or ``(script, ...)``) in ``cwd`` under ``env``,
+    forked from the warm interpreter; a fresh process when it cannot be, or with ``fresh`` (a script
+    that sets environment variables for its own imports), under ``fresh_env`` where given (what a new
+    interpreter needs to find what a fork inherits)."""
+    args = [str(a) for a in args]
+    cwd = str(os.getcwd() if cwd is None else cwd)
+    env = dict(os.environ if env is None else env)
+    ctx = None if fresh else context()
+    if ctx is None or not _served(env):
+        return Command(args, cwd, env if fresh_env is None else dict(fresh_env), None)
+    return Command(args, cwd, env, ctx)
+
+
 def python(args: Sequence[str], *, timeout: float, cwd=None, env: Optional[dict[str, str]] = None,
            fresh: bool = False) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
@@ -333,26 +394,4 @@ def python(args: Sequence[str], *, timeout: float, cwd=None, env: Optional[dict[
     environment variables for its own imports). Raises ``subprocess.TimeoutExpired`` (its message
     ending with the stacks of the forked command's threads) after killing the process and
     everything it started."""
-    args = [str(a) for a in args]
-    cwd = os.getcwd() if cwd is None else cwd
-    env = dict(os.environ if env is None else env)
-    ctx = None if fresh else context()
-    if ctx is None or not _served(env):
-        return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err, launched = Path(tmp) / "stdout", Path(tmp) / "stderr", Path(tmp) / "launched"
-        out.touch()
-        err.touch()
-        proc = ctx.Process(target=_main, args=(args, str(cwd), env, _startup_path(env), str(out), str(err),
-                                               str(launched)))
-        proc.start()
-        proc.join(timeout)
-        if proc.exitcode is None:
-            ranks = [int(pid) for pid in launched.read_text().split()] if launched.exists() else []
-            stop([proc.pid, *ranks], group=True)  # the command, any processes it started, the ranks it launched
-            proc.join()
-            raise Timeout([sys.executable, *args], timeout, out.read_text(errors="replace"),
-                          err.read_text(errors="replace"))
-        return subprocess.CompletedProcess([sys.executable, *args], proc.exitcode, out.read_text(errors="replace"),
-                                           err.read_text(errors="replace"))
+    return start(args, cwd=cwd, env=env, fresh=fresh).finish(timeout)

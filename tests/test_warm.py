@@ -137,18 +137,33 @@ def test_a_hung_launched_rank_is_killed_with_its_stacks(tmp_path):
         python([tmp_path / "launch.py", "hang"], cwd=tmp_path, timeout=5)
     assert "wait_forever" in str(info.value)  # the ranks' stacks, from the command's stderr
     pids = [int(pid) for pid in (tmp_path / "rank_pids").read_text().split()]
-    deadline = time.monotonic() + 30  # killed; gone once the fork server has reaped them
+    deadline = time.monotonic() + 30  # killed (a signal takes a moment to land)
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids)
 
 
 def _alive(pid: int) -> bool:
+    """Running or sleeping: not gone, not a zombie waiting for its parent (or init) to reap it."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
+
+
+def test_a_hung_fresh_command_is_killed_with_what_it_started(tmp_path):
+    (tmp_path / "hangs.py").write_text("import subprocess, sys, time\n"
+                                       "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                                       "open('child_pid', 'w').write(str(child.pid))\n"
+                                       "time.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        python([tmp_path / "hangs.py"], cwd=tmp_path, timeout=3, fresh=True)
+    child = int((tmp_path / "child_pid").read_text())
+    deadline = time.monotonic() + 30  # killed (a signal takes a moment to land)
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
 
 
 def _rank_draws(rank: int, world: int, out_dir) -> list[float]:
