@@ -24,7 +24,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _warm import context, enter, stop
+from _warm import context, enter, start, stop
 
 
 def free_port() -> int:
@@ -91,27 +91,33 @@ def launch_nodes(script: Path, out_dir: Path, *, nodes: int, devices: int, timeo
     ``MASTER_PORT`` and ``WORLD_SIZE`` set, no ``LOCAL_RANK`` (Lightning's launcher in each node's
     script starts the node's other ``devices - 1`` processes). Each rank saves its result to
     ``out_dir/rank{r}.pt``; returns them in global rank order. A launch that fails shows its node's
-    output; one that does not finish in ``timeout`` seconds is killed, launchers and their children."""
+    output; one that does not finish in ``timeout`` seconds is killed, launchers and their children.
+
+    The nodes are forked from the warm interpreter (``_warm.start``), their launchers' processes too,
+    with as many threads each as Lightning's launcher gives a process of ``devices`` on this machine;
+    where they cannot be, each is a fresh interpreter with one thread and the repository on its path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(nodes * devices), "OMP_NUM_THREADS": "1"}
+           "WORLD_SIZE": str(nodes * devices)}
     env.pop("LOCAL_RANK", None)  # each node's launcher starts its local ranks itself
     root = str(Path(__file__).resolve().parent.parent)  # the repository: the package under test
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    procs = [subprocess.Popen([sys.executable, str(script), str(out_dir)], env={**env, "NODE_RANK": str(n)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for n in range(nodes)]
-    logs = []
+    fresh = {**env, "OMP_NUM_THREADS": "1",
+             "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)}
+    started = [start([script, out_dir], env={**env, "NODE_RANK": str(n)}, fresh_env={**fresh, "NODE_RANK": str(n)})
+               for n in range(nodes)]
+    deadline = time.monotonic() + timeout
+    runs = []
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            os.killpg(p.pid, 9)  # the node's launcher and the processes it started
-        for p in procs:
-            p.wait()
-        pytest.fail(f"the {nodes}-node launch of {Path(script).name} did not finish in {timeout}s")
-    for n, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"node {n}:\n{log[-4000:]}"
+        for command in started:
+            runs.append(command.finish(max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired as e:
+        for command in started[len(runs) + 1:]:
+            try:
+                command.finish(0)
+            except subprocess.TimeoutExpired:
+                pass
+        pytest.fail(f"the {nodes}-node launch of {Path(script).name} did not finish in {timeout}s\n{e}")
+    for n, run in enumerate(runs):
+        assert run.returncode == 0, f"node {n}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(nodes * devices)]

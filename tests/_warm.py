@@ -10,6 +10,11 @@ imported read the environment it started with; when the caller's differs from it
 import may read (anything but the run-time variables below), ``context()`` answers ``None`` and the
 caller starts a fresh process instead.
 
+A forked command that starts Python the way a launcher starts its ranks (Lightning's starts
+``python script ARGS`` or ``python -m module ARGS`` once per further rank, with the command's own
+output and an environment differing only in run-time variables) gets those processes forked from
+the server too; any other process it starts is the real thing.
+
 Only the standard library is imported here: a forked command line or example must not find pytest
 (or anything else the test process loaded) imported.
 """
@@ -20,7 +25,11 @@ import atexit
 import faulthandler
 import json
 import multiprocessing
+import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
+import multiprocessing.reduction
+import multiprocessing.spawn
 import os
 import runpy
 import signal
@@ -134,16 +143,20 @@ def _startup_path(env: dict[str, str]) -> list[str]:
     return _PATHS[key]
 
 
-def _main(args: list[str], cwd: str, env: dict[str, str], path: list[str], out: str, err: str) -> None:
-    """``python ARGS`` in ``cwd``: a module (``-m NAME ...``) or a script, stdout/stderr to files."""
-    os.setsid()  # a timeout kills the group: the command and any ranks it launched
-    for fd, name in ((1, out), (2, err)):
-        f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(f, fd)
-        os.close(f)
+def _main(args: list[str], cwd: str, env: dict[str, str], path: list[str], out, err, launched: str) -> None:
+    """``python ARGS`` in ``cwd``: a module (``-m NAME ...``) or a script, stdout/stderr to files (paths)
+    or to descriptors inherited from the command that launched this one (``_Inherited``); the pids of
+    the ranks it launches are appended to the file ``launched``."""
+    os.setsid()  # a timeout kills the group (the command and what it started) and each launched rank's
+    for fd, target in ((1, out), (2, err)):
+        f = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if isinstance(target, str) else target
+        if f != fd:
+            os.dup2(f, fd)
+            os.close(f)
     os.chdir(cwd)
     enter(env)
-    sys.modules.pop(__name__, None)  # imported to unpickle this function; the command never imported it
+    this = sys.modules.pop(__name__)  # imported to unpickle this function; the command never imported it
+    ranks = _serve_launches(this, env, path, launched)
     code = 0
     try:
         if args[0] == "-m":
@@ -173,7 +186,204 @@ def _main(args: list[str], cwd: str, env: dict[str, str], path: list[str], out: 
                 stream.flush()
             except Exception:
                 pass
+        # launched ranks write to this command's output: the caller reads it once they are done too,
+        # as a pipe read to its end waits for every process holding it
+        for rank in ranks:
+            rank.wait()
         os._exit(code)
+
+
+# ---- a forked command's launches, forked from the server ----------------------------------------
+
+_PLAIN_POPEN = subprocess.Popen
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rank_preparation(data: dict) -> dict:
+    """The launching command's preparation data as a rank takes it: ``sys.path`` with this module's
+    folder (the rank imports it to run ``_main``), without the main module (a rank runs the script as
+    ``__main__`` itself, not first as ``__mp_main__``)."""
+    data = {k: v for k, v in data.items() if k not in ("init_main_from_path", "init_main_from_name")}
+    data["sys_path"] = [_HERE, *data.get("sys_path", sys.path)]
+    return data
+
+
+class _RankPopen(multiprocessing.popen_forkserver.Popen):
+    """Asks the server that forked this command (its address and liveness pipe are inherited) for one
+    more process; ``ensure_running`` would start a server of its own, with nothing imported."""
+
+    def _launch(self, process_obj):
+        server, full = multiprocessing.forkserver._forkserver, multiprocessing.spawn.get_preparation_data
+        server.ensure_running = lambda: None
+        multiprocessing.spawn.get_preparation_data = lambda name: _rank_preparation(full(name))
+        try:
+            super()._launch(process_obj)
+        finally:
+            multiprocessing.spawn.get_preparation_data = full
+            del server.ensure_running
+
+
+class _RankProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _RankPopen(process_obj)
+
+
+class _Inherited:
+    """One of the launching command's descriptors, passed to the rank (as ``subprocess.Popen`` passes its
+    stdout and stderr: the same open file, one offset)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+class _LaunchedRank(_PLAIN_POPEN):
+    """The ``subprocess.Popen`` face of a rank forked from the server: ``pid``, ``poll``, ``wait``,
+    ``returncode``, signals; no pipes (a launcher's ranks write to the command's own output)."""
+
+    stdin = stdout = stderr = None
+
+    def __init__(self, proc, args) -> None:  # (Popen.__init__ would start a process)
+        self._proc, self.args, self.pid, self.returncode = proc, args, proc.pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, input=None, timeout=None):
+        self.wait(timeout)
+        return None, None
+
+    def send_signal(self, sig) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _rank_args(args, rest, kwargs, env: dict[str, str]) -> Optional[list[str]]:
+    """``args`` less the interpreter when ``subprocess.Popen(args, *rest, **kwargs)`` starts this
+    interpreter on a script or module (``-m``) with the command's own stdio and an environment that
+    differs from ``env`` in run-time variables only; else ``None``."""
+    if rest or set(kwargs) - {"env", "cwd"} or not isinstance(args, (list, tuple)) or len(args) < 2 \
+            or not all(isinstance(a, (str, os.PathLike)) for a in args):
+        return None
+    args = [os.fspath(a) for a in args]
+    if args[0] != sys.executable:
+        return None
+    if args[1] == "-m":
+        if len(args) < 3:
+            return None
+    elif args[1].startswith("-") or not os.path.isfile(os.path.join(kwargs.get("cwd") or "", args[1])):
+        return None
+    child = kwargs.get("env")
+    return args[1:] if _import_env(os.environ if child is None else child) == _import_env(env) else None
+
+
+def _serve_launches(this, env: dict[str, str], path: list[str], launched: str) -> list[_LaunchedRank]:
+    """In a forked command: make ``subprocess.Popen`` fork the command's launches (``_rank_args``) from
+    the server; their pids go to the file ``launched`` (the caller kills them after a timeout)."""
+    ranks: list[_LaunchedRank] = []
+
+    class Popen(_PLAIN_POPEN):
+        def __new__(cls, args=None, *rest, **kwargs):
+            rank = _rank_args(args, rest, kwargs, env)
+            if rank is None:
+                return super().__new__(cls)
+            child = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+            proc = _RankProcess(target=_main, args=(rank, kwargs.get("cwd") or os.getcwd(), child, path,
+                                                    _Inherited(1), _Inherited(2), launched))
+            sys.modules[this.__name__] = this  # (pickled by reference)
+            try:
+                proc.start()
+            finally:
+                del sys.modules[this.__name__]
+            with open(launched, "a") as f:
+                f.write(f"{proc.pid}\n")
+            ranks.append(_LaunchedRank(proc, list(args)))
+            return ranks[-1]
+
+    subprocess.Popen = Popen
+    return ranks
+
+
+class Command:
+    """``python ARGS`` started by ``start``: forked from the warm interpreter or a fresh process, its
+    output captured; ``finish`` waits for it."""
+
+    def __init__(self, args: list[str], cwd: str, env: dict[str, str], ctx) -> None:
+        self.args = [sys.executable, *args]
+        if ctx is None:
+            self._tmp = None
+            self._proc = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+            return
+        self._tmp = tempfile.TemporaryDirectory()
+        tmp = Path(self._tmp.name)
+        self._out, self._err, self._launched = tmp / "stdout", tmp / "stderr", tmp / "launched"
+        self._out.touch()
+        self._err.touch()
+        self._proc = ctx.Process(target=_main, args=(args, cwd, env, _startup_path(env), str(self._out),
+                                                     str(self._err), str(self._launched)))
+        self._proc.start()
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its exit code and output; after ``timeout`` seconds it is killed, with the processes it
+        started (its stacks first, when forked), and ``Timeout`` raised."""
+        if self._tmp is None:
+            try:
+                out, err = self._proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)  # the command and any ranks it launched
+                out, err = self._proc.communicate()
+                raise Timeout(self.args, timeout, out, err) from None
+            return subprocess.CompletedProcess(self.args, self._proc.returncode, out, err)
+        try:
+            self._proc.join(timeout)
+            timed_out = self._proc.exitcode is None
+            if timed_out:
+                ranks = [int(p) for p in self._launched.read_text().split()] if self._launched.exists() else []
+                stop([self._proc.pid, *ranks], group=True)  # the command, what it started, the ranks it launched
+                self._proc.join()
+            out, err = self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
+        finally:
+            self._tmp.cleanup()
+        if timed_out:
+            raise Timeout(self.args, timeout, out, err)
+        return subprocess.CompletedProcess(self.args, self._proc.exitcode, out, err)
+
+
+def start(args: Sequence[str], *, cwd=None, env: Optional[dict[str, str]] = None, fresh: bool = False,
+          fresh_env: Optional[dict[str, str]] = None) -> Command:
+    """``python ARGS`` (``args`` = ``("-m", module, ...)`` or ``(script, ...)``) in ``cwd`` under ``env``,
+    forked from the warm interpreter; a fresh process when it cannot be, or with ``fresh`` (a script
+    that sets environment variables for its own imports), under ``fresh_env`` where given (what a new
+    interpreter needs to find what a fork inherits)."""
+    args = [str(a) for a in args]
+    cwd = str(os.getcwd() if cwd is None else cwd)
+    env = dict(os.environ if env is None else env)
+    ctx = None if fresh else context()
+    if ctx is None or not _served(env):
+        return Command(args, cwd, env if fresh_env is None else dict(fresh_env), None)
+    return Command(args, cwd, env, ctx)
 
 
 def python(args: Sequence[str], *, timeout: float, cwd=None, env: Optional[dict[str, str]] = None,
@@ -184,24 +394,4 @@ def python(args: Sequence[str], *, timeout: float, cwd=None, env: Optional[dict[
     environment variables for its own imports). Raises ``subprocess.TimeoutExpired`` (its message
     ending with the stacks of the forked command's threads) after killing the process and
     everything it started."""
-    args = [str(a) for a in args]
-    cwd = os.getcwd() if cwd is None else cwd
-    env = dict(os.environ if env is None else env)
-    ctx = None if fresh else context()
-    if ctx is None or not _served(env):
-        return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        out.touch()
-        err.touch()
-        proc = ctx.Process(target=_main, args=(args, str(cwd), env, _startup_path(env), str(out), str(err)))
-        proc.start()
-        proc.join(timeout)
-        if proc.exitcode is None:
-            stop([proc.pid], group=True)  # the command and any ranks it launched
-            proc.join()
-            raise Timeout([sys.executable, *args], timeout, out.read_text(errors="replace"),
-                          err.read_text(errors="replace"))
-        return subprocess.CompletedProcess([sys.executable, *args], proc.exitcode, out.read_text(errors="replace"),
-                                           err.read_text(errors="replace"))
+    return start(args, cwd=cwd, env=env, fresh=fresh).finish(timeout)

@@ -89,6 +89,83 @@ def test_a_hung_command_is_killed_with_its_stacks(tmp_path):
     assert "wait_forever" in str(info.value) and "hangs.py" in str(info.value)
 
 
+_LAUNCHER = """
+import json, os, subprocess, sys
+forked = "torch" in sys.modules
+rank = int(os.environ.get("LOCAL_RANK", 0))
+print(json.dumps({"rank": rank, "forked": forked, "argv": sys.argv[1:]}), flush=True)
+if rank == 0:  # as Lightning's launcher starts the other ranks: this script again, LOCAL_RANK set
+    ranks = [subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]],
+                              env={**os.environ, "LOCAL_RANK": str(r)}) for r in (1, 2)]
+    if sys.argv[1:] == ["hang"]:
+        open("rank_pids", "w").write(" ".join(str(p.pid) for p in ranks))
+    codes = [p.wait() for p in ranks]
+    other = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"],
+                           capture_output=True, text=True).stdout.strip()
+    print(json.dumps({"codes": codes, "other": other}))
+elif sys.argv[1:] == ["hang"]:
+    import time
+
+    def wait_forever():
+        while True:
+            time.sleep(0.05)
+
+    wait_forever()
+else:
+    sys.exit(rank + 3)
+"""
+
+
+def test_a_commands_launched_ranks_are_forked_and_write_to_its_output(tmp_path):
+    """A forked command that starts itself again per rank, as Lightning's launcher does, gets those
+    ranks forked too: their output in its own, their exit codes back; other commands it runs are
+    real processes."""
+    import json
+
+    (tmp_path / "launch.py").write_text(_LAUNCHER)
+    run = python([tmp_path / "launch.py", "go"], cwd=tmp_path, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    ranks = sorted((x for x in lines if "rank" in x), key=lambda x: x["rank"])
+    assert ranks == [{"rank": r, "forked": True, "argv": ["go"]} for r in range(3)], lines
+    assert lines[-1] == {"codes": [4, 5], "other": "False"}, lines
+
+
+def test_a_hung_launched_rank_is_killed_with_its_stacks(tmp_path):
+    (tmp_path / "launch.py").write_text(_LAUNCHER)
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        python([tmp_path / "launch.py", "hang"], cwd=tmp_path, timeout=5)
+    assert "wait_forever" in str(info.value)  # the ranks' stacks, from the command's stderr
+    pids = [int(pid) for pid in (tmp_path / "rank_pids").read_text().split()]
+    deadline = time.monotonic() + 30  # killed (a signal takes a moment to land)
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping: not gone, not a zombie waiting for its parent (or init) to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_hung_fresh_command_is_killed_with_what_it_started(tmp_path):
+    (tmp_path / "hangs.py").write_text("import subprocess, sys, time\n"
+                                       "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                                       "open('child_pid', 'w').write(str(child.pid))\n"
+                                       "time.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        python([tmp_path / "hangs.py"], cwd=tmp_path, timeout=3, fresh=True)
+    child = int((tmp_path / "child_pid").read_text())
+    deadline = time.monotonic() + 30  # killed (a signal takes a moment to land)
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
 def _rank_draws(rank: int, world: int, out_dir) -> list[float]:
     return torch.rand(4).tolist()
 
