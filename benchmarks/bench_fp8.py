@@ -202,6 +202,11 @@ def curves_svg(curves: dict[str, list[float]], title: str, window: int = 20, wid
     return "\n".join(parts)
 
 
+def last_10pct_mean(losses: list[float]) -> float:
+    """The convergence criterion's statistic: the mean loss over the last 10% of steps."""
+    return statistics.fmean(losses[-max(1, len(losses) // 10):])
+
+
 def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int, lr: float,
                       runs=("bf16", "tensorwise"), on_run=None, seed: int = 0) -> dict:
     from lightning_perf.data import TokenDataModule
@@ -263,8 +268,7 @@ def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int,
             on_run(out)
     for key in runs:  # the 1% criterion: mean loss over the last 10% of steps, against bf16's
         if key != "bf16" and "bf16" in out and key in out:
-            tail = max(1, steps // 10)
-            ref, got = statistics.fmean(out["bf16"]["losses"][-tail:]), statistics.fmean(out[key]["losses"][-tail:])
+            ref, got = last_10pct_mean(out["bf16"]["losses"]), last_10pct_mean(out[key]["losses"])
             out[f"last_10pct_rel_diff_{key}_vs_bf16"] = (got - ref) / ref
     for a, b in (("bf16", "tensorwise"), ("bf16", "rowwise"), ("bf16", "torchao-tensorwise"), ("bf16", "delayed"),
                  ("tensorwise", "delayed")):

@@ -29,12 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_fp8 import CONV_RUNS, curves_svg
-
-
-def _tail_mean(losses: list[float]) -> float:
-    tail = max(1, len(losses) // 10)
-    return statistics.fmean(losses[-tail:])
+from bench_fp8 import CONV_RUNS, curves_svg, last_10pct_mean
 
 
 def summarise(per_seed: dict[str, dict[int, dict]]) -> dict:
@@ -42,7 +37,7 @@ def summarise(per_seed: dict[str, dict[int, dict]]) -> dict:
     difference of the mean against bf16's; bf16's spread over seeds."""
     out: dict = {}
     for run, seeds in per_seed.items():
-        tails = {s: _tail_mean(r["losses"]) for s, r in seeds.items()}
+        tails = {s: last_10pct_mean(r["losses"]) for s, r in seeds.items()}
         vals = {s: r.get("val_loss") for s, r in seeds.items()}
         out[run] = {"seeds": sorted(seeds), "last_10pct_mean_by_seed": tails,
                     "val_loss_by_seed": vals,
@@ -128,7 +123,7 @@ def main(argv=None) -> None:
             break
         time.sleep(1.0)
     per_seed: dict[str, dict[int, dict]] = {r: {} for r in runs}
-    failed = {}
+    failed, meta = {}, {}
     for run, seed in jobs:
         found = sorted((work / f"{run}-{seed}").glob("bench_fp8_*.json"))
         conv = json.loads(found[-1].read_text()).get("convergence", {}) if found else {}
@@ -144,7 +139,7 @@ def main(argv=None) -> None:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
               "torch": torch.__version__, "runs": runs, "seeds": seeds, "concurrent_processes": procs,
-              "wall_s": time.time() - start, **(locals().get("meta") or {}),
+              "wall_s": time.time() - start, **meta,
               "summary": summarise(per_seed), "failed": failed,
               "losses": {run: {str(s): r["losses"] for s, r in seeds_.items()} for run, seeds_ in per_seed.items()}}
     short = "cpu" if result["device"] == "cpu" else result["device"].split()[1].lower()

@@ -11,6 +11,7 @@ the suite and shows where it hung.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -112,11 +113,9 @@ def launch_nodes(script: Path, out_dir: Path, *, nodes: int, devices: int, timeo
         for command in started:
             runs.append(command.finish(max(1.0, deadline - time.monotonic())))
     except subprocess.TimeoutExpired as e:
-        for command in started[len(runs) + 1:]:
-            try:
+        for command in started[len(runs) + 1:]:  # the nodes still running: finish(0) stops each one
+            with contextlib.suppress(subprocess.TimeoutExpired):  # and reports that it had to
                 command.finish(0)
-            except subprocess.TimeoutExpired:
-                pass
         pytest.fail(f"the {nodes}-node launch of {Path(script).name} did not finish in {timeout}s\n{e}")
     for n, run in enumerate(runs):
         assert run.returncode == 0, f"node {n}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
