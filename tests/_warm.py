@@ -92,8 +92,12 @@ def context():
 
 def enter(env: dict[str, str]) -> None:
     """In a forked process: the caller's environment, random generators seeded afresh as in a new
-    interpreter (forks would otherwise all continue the server's streams), and ``HANG_SIGNAL`` set to
-    dump every thread's stack to stderr (``stop`` sends it before it kills)."""
+    interpreter (forks would otherwise all continue the server's streams), ``HANG_SIGNAL`` set to
+    dump every thread's stack to stderr (``stop`` sends it before it kills), and the tests' CPU kernel
+    of ``torch._scaled_mm`` (``_cpu_fp8``; the server cannot preload it: Python 3.11's fork server
+    ignores the test process's ``sys.path``, which holds this folder)."""
+    import _cpu_fp8  # noqa: F401
+
     os.environ.clear()
     os.environ.update(env)
     if "torch" in sys.modules:

@@ -5,6 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _cpu_fp8  # noqa: E402,F401  (torch._scaled_mm on CPU tensors at fp32-matmul speed)
+
 
 def pytest_terminal_summary(terminalreporter):
     """Name the variables that made processes start fresh instead of forked from the warm interpreter."""
