@@ -1,26 +1,34 @@
-"""Context parallelism: ring attention against the all-gather, side by side on the same GPUs.
+"""Context parallelism on the same GPUs: ring attention against the all-gather, and cp against dp.
 
     python benchmarks/bench_context_parallel.py --out benchmarks/results            # 2 GPUs, T 16k and 32k
     python benchmarks/bench_context_parallel.py --seq-lens 16384 --only attention   # the op alone
+    python benchmarks/bench_context_parallel.py --only model --seq-lens 32768       # cp vs dp alone
     python benchmarks/bench_context_parallel.py --smoke                             # CPU, gloo, tiny
 
 Each sequence is shared by ``--gpus`` cp ranks (the load-balanced chunks of
-``parallel.context_parallel``). For every T and both ``context_parallel_mode`` values it times:
+``parallel.context_parallel``). For every T it times:
 
-- ``attention``: the cp attention op alone, forward + backward, q (1, 16, T/cp, 128) and GQA k / v
-  (1, 8, T/cp, 128) per rank, bf16; its output and gradients compared on the first call with
-  full causal SDPA of the whole sequence on each GPU (max relative error);
-- ``model``: a forward + backward of a Llama-style GPT (``--layers`` blocks of d 2048, 16 heads,
-  8 kv heads, rotary positions, bf16 weights) with ``apply_context_parallel(model, mesh, mode)``,
-  as ``Parallel3DStrategy(context_parallel_size=cp, context_parallel_mode=...)`` wires it; tokens/s
-  counts the whole sequence (every cp rank's tokens) per step.
+- ``attention`` (``allgather`` and ``ring``): the cp attention op alone, forward + backward,
+  q (1, 16, T/cp, 128) and GQA k / v (1, 8, T/cp, 128) per rank, bf16; its output and gradients
+  compared on the first call with full causal SDPA of the whole sequence on each GPU (max relative
+  error);
+- ``model``: a forward + backward of a Llama-style GPT (``--layers`` blocks, default 24: 1.3B
+  parameters; d 2048, 16 heads, 8 kv heads, rotary positions, bf16 weights), gradients averaged over the GPUs by DDP, with the
+  same tokens per step (``gpus * T``) in three layouts: ``allgather`` and ``ring`` (cp over every
+  GPU, ``gpus`` sequences each shared by all of them, as
+  ``Parallel3DStrategy(context_parallel_size=cp, context_parallel_mode=...)`` wires it; no
+  activation checkpointing) and ``dp`` (one whole sequence per GPU with full activation
+  checkpointing per block, what a user without cp runs at this length). Tokens/s counts every
+  GPU's tokens; on a GPU one more step runs under the profiler on rank 0 and ``gpu_time`` says
+  where it went (matmuls, attention, communication, idle: ``perf.gpu_time``).
 
 Times are wall clock per step (barrier, then synchronised), mean / median / p90 over ``--reps``
 after ``--warmup`` steps (the first ring call autotunes the Triton blocks). Peak memory is rank 0's.
-Each (what, T, mode) runs in a fresh process group with a deadline; a failure is recorded with its
-error and the run goes on. The JSON (``bench_context_parallel_<device>_<date>.json`` under
-``--out``) is rewritten after every variant; the ring / all-gather ratio per (what, T) is in
-``ratios``.
+Each (what, T, mode) runs in a fresh process group with a deadline; a failure (an out-of-memory
+dp leg, say) is recorded with its error and the run goes on. The JSON
+(``bench_context_parallel_<gpus>x<device>_<date>.json`` under ``--out``) is rewritten after every
+variant; ``ratios`` holds ring / all-gather time per (what, T) and, per T and cp mode, cp tokens/s
+and peak memory over dp's.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 from _launch import init_worker, launch  # noqa: E402
 
 MODES = ("allgather", "ring")
+MODEL_MODES = (*MODES, "dp")
 
 
 def _shapes(args: dict) -> dict:
@@ -113,8 +122,10 @@ def _attention(rank: int, world: int, args: dict, mode: str, T: int, device, dty
 
 def _model(rank: int, world: int, args: dict, mode: str, T: int, device, dtype, cuda: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
 
     from lightning_perf.models.gpt import GPT, GPTConfig
+    from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
     from lightning_perf.parallel.context_parallel import apply_context_parallel
 
     s = _shapes(args)
@@ -123,20 +134,48 @@ def _model(rank: int, world: int, args: dict, mode: str, T: int, device, dtype, 
                     n_kv_head=s["nkv"], n_embd=s["d"], intermediate_size=s["ffn"], bias=False, positions="rope",
                     norm="rmsnorm", activation="swiglu", tie_embeddings=False)
     model = GPT(cfg).to(device=device, dtype=dtype)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
-    apply_context_parallel(model, mesh["cp"], mode)
-    gen = torch.Generator(device=device).manual_seed(1)
-    idx = torch.randint(0, s["vocab"], (1, T + 1), generator=gen, device=device)
+    if mode == "dp":  # one whole sequence per GPU: only each block's input is kept
+        apply_activation_checkpointing(list(model.blocks.values()), "full")
+        gen = torch.Generator(device=device).manual_seed(1 + rank)
+        idx = torch.randint(0, s["vocab"], (1, T + 1), generator=gen, device=device)
+    else:  # the same ``world`` sequences on every rank, each cut over all of them
+        apply_context_parallel(model, init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))["cp"], mode)
+        gen = torch.Generator(device=device).manual_seed(1)
+        idx = torch.randint(0, s["vocab"], (world, T + 1), generator=gen, device=device)
     x, t = idx[:, :-1], idx[:, 1:]
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
 
     def step():
-        model.zero_grad(set_to_none=True)
-        model(x, t).backward()
+        ddp.zero_grad(set_to_none=True)
+        ddp(x, t).backward()
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = _time_steps(step, args, cuda)
-    return {"times": times, "tokens_per_s": T / statistics.mean(times)}
+    row = {"times": times, "tokens_per_step": world * T, "tokens_per_s": world * T / statistics.mean(times),
+           "activation_checkpointing": "full" if mode == "dp" else "none"}
+    if cuda:
+        row["gpu_time"] = _profile_step(step, rank)
+    return row
+
+
+def _profile_step(step, rank: int) -> dict:
+    """Where one more step's GPU time goes, on rank 0 (every rank runs the step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_perf.perf.gpu_time import gpu_time_breakdown
+
+    if rank != 0:
+        step()
+        torch.cuda.synchronize()
+        return {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "step.json"
+        prof.export_chrome_trace(str(trace))
+        return gpu_time_breakdown(json.loads(trace.read_text()).get("traceEvents", []), top=15)
 
 
 def _worker(rank: int, world: int, port: int, args: dict, variant: tuple, out_file: str) -> None:
@@ -157,6 +196,20 @@ def _worker(rank: int, world: int, port: int, args: dict, variant: tuple, out_fi
     dist.destroy_process_group()
 
 
+def _ratios(rows: list[dict], what: str, T: int) -> dict[str, float]:
+    """ring / all-gather mean time; for the model, each cp mode's tokens/s and peak memory over dp's."""
+    done = {r["mode"]: r for r in rows if r["what"] == what and r["T"] == T and "mean_s" in r}
+    out = {}
+    if "ring" in done and "allgather" in done:
+        out[f"{what}_T{T}_ring_over_allgather"] = done["ring"]["mean_s"] / done["allgather"]["mean_s"]
+    for mode in MODES:
+        if what == "model" and mode in done and "dp" in done:
+            out[f"model_T{T}_{mode}_tokens_per_s_over_dp"] = done[mode]["tokens_per_s"] / done["dp"]["tokens_per_s"]
+            if done[mode].get("peak_mem_gb") and done["dp"].get("peak_mem_gb"):
+                out[f"model_T{T}_{mode}_peak_mem_over_dp"] = done[mode]["peak_mem_gb"] / done["dp"]["peak_mem_gb"]
+    return out
+
+
 def _device_tag(smoke: bool) -> str:
     if smoke or not torch.cuda.is_available():
         return "cpu"
@@ -171,7 +224,7 @@ def main(argv: Any = None) -> int:
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--seq-lens", default="16384,32768")
     p.add_argument("--only", choices=("attention", "model"), default=None)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=24)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per variant")
@@ -202,19 +255,20 @@ def main(argv: Any = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_cp_"))
     for what in whats:
         for T in seq_lens:
-            for mode in MODES:
+            for mode in (MODES if what == "attention" else MODEL_MODES):
                 out_file = tmp / f"{what}_{T}_{mode}.json"
                 error = launch(_worker, (args, (what, T, mode), str(out_file)), a.gpus, a.timeout)
                 row = json.loads(out_file.read_text()) if out_file.exists() else {"what": what, "T": T, "mode": mode}
                 row["error"] = error
                 report["rows"].append(row)
-                done = {r["mode"]: r for r in report["rows"] if r["what"] == what and r["T"] == T and "mean_s" in r}
-                if len(done) == 2:
-                    report["ratios"][f"{what}_T{T}_ring_over_allgather"] = done["ring"]["mean_s"] / done["allgather"][
-                        "mean_s"]
+                report["ratios"].update(_ratios(report["rows"], what, T))
                 path.write_text(json.dumps(report, indent=2))
                 msg = (f"{what:9s} T={T:6d} {mode:9s} mean {1e3 * row['mean_s']:9.2f} ms  median "
                        f"{1e3 * row['median_s']:9.2f} ms" if "mean_s" in row else f"{what} T={T} {mode}: {error}")
+                if row.get("tokens_per_s"):
+                    msg += f"  {row['tokens_per_s']:10.0f} tokens/s"
+                if row.get("peak_mem_gb") is not None:
+                    msg += f"  peak {row['peak_mem_gb']:.1f} GB"
                 if row.get("rel_err"):
                     msg += "  rel err " + " ".join(f"{k} {v:.1e}" for k, v in row["rel_err"].items())
                 print(msg, flush=True)
