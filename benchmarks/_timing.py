@@ -401,3 +401,26 @@ class StepProfile:
             "kernel_ms_by_name": [{"name": n, "ms": round(t / 1e3, 3), "calls": calls[n]}
                                   for n, t in by_name.most_common(40)],
         }
+
+
+def gpu_time_of(fn: Callable[[], Any], *, top: int = 25) -> dict[str, Any]:
+    """Where one call of ``fn`` spends GPU time (``perf.gpu_time.gpu_time_breakdown`` of a profiled call,
+    synchronised before the profiler stops); ``{}`` where no GPU kernel ran."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_perf.perf.gpu_time import gpu_time_breakdown
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = f"{tmp}/trace.json"
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f).get("traceEvents", [])
+    return gpu_time_breakdown(events, steps=1, top=top)

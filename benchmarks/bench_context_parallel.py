@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, installed or not
 from _launch import init_worker, launch  # noqa: E402
+from _timing import gpu_time_of  # noqa: E402
 
 MODES = ("allgather", "ring")
 MODEL_MODES = (*MODES, "dp")
@@ -154,28 +155,11 @@ def _model(rank: int, world: int, args: dict, mode: str, T: int, device, dtype, 
     times = _time_steps(step, args, cuda)
     row = {"times": times, "tokens_per_step": world * T, "tokens_per_s": world * T / statistics.mean(times),
            "activation_checkpointing": "full" if mode == "dp" else "none"}
-    if cuda:
-        row["gpu_time"] = _profile_step(step, rank)
+    if cuda and rank == 0:  # one more step on every rank, profiled on rank 0
+        row["gpu_time"] = gpu_time_of(step, top=15)
+    elif cuda:
+        step()
     return row
-
-
-def _profile_step(step, rank: int) -> dict:
-    """Where one more step's GPU time goes, on rank 0 (every rank runs the step)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from lightning_perf.perf.gpu_time import gpu_time_breakdown
-
-    if rank != 0:
-        step()
-        torch.cuda.synchronize()
-        return {}
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "step.json"
-        prof.export_chrome_trace(str(trace))
-        return gpu_time_breakdown(json.loads(trace.read_text()).get("traceEvents", []), top=15)
 
 
 def _worker(rank: int, world: int, port: int, args: dict, variant: tuple, out_file: str) -> None:
@@ -202,11 +186,12 @@ def _ratios(rows: list[dict], what: str, T: int) -> dict[str, float]:
     out = {}
     if "ring" in done and "allgather" in done:
         out[f"{what}_T{T}_ring_over_allgather"] = done["ring"]["mean_s"] / done["allgather"]["mean_s"]
-    for mode in MODES:
-        if what == "model" and mode in done and "dp" in done:
-            out[f"model_T{T}_{mode}_tokens_per_s_over_dp"] = done[mode]["tokens_per_s"] / done["dp"]["tokens_per_s"]
-            if done[mode].get("peak_mem_gb") and done["dp"].get("peak_mem_gb"):
-                out[f"model_T{T}_{mode}_peak_mem_over_dp"] = done[mode]["peak_mem_gb"] / done["dp"]["peak_mem_gb"]
+    if "dp" not in done:
+        return out
+    for mode in (m for m in MODES if m in done):
+        out[f"model_T{T}_{mode}_tokens_per_s_over_dp"] = done[mode]["tokens_per_s"] / done["dp"]["tokens_per_s"]
+        if done[mode].get("peak_mem_gb") and done["dp"].get("peak_mem_gb"):
+            out[f"model_T{T}_{mode}_peak_mem_over_dp"] = done[mode]["peak_mem_gb"] / done["dp"]["peak_mem_gb"]
     return out
 
 

@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import launch, read_ranks  # noqa: E402
+from _timing import gpu_time_of  # noqa: E402
 
 
 def _time_steps(opt: Any, steps: int, cuda: bool) -> dict[str, float]:
@@ -56,22 +57,6 @@ def _time_steps(opt: Any, steps: int, cuda: bool) -> dict[str, float]:
         else:
             dev.append(1e3 * host[-1])
     return {"step_ms": statistics.median(dev), "host_ms": 1e3 * statistics.median(host)}
-
-
-def _profile_step(opt: Any, cuda: bool) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
-    from lightning_perf.perf.gpu_time import gpu_time_breakdown
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name)).get("traceEvents", [])
-    return gpu_time_breakdown(events, steps=1, top=8)
 
 
 def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None:
@@ -129,7 +114,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out_file: str) -> None
             try:
                 opt = build()
                 r = _time_steps(opt, args["steps"], cuda)
-                r["kernels"] = _profile_step(opt, cuda)
+                r["kernels"] = gpu_time_of(opt.step, top=8)
                 variants[name] = r
                 del opt
                 if cuda:

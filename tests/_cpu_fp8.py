@@ -73,28 +73,18 @@ def scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, sca
               out_dtype: Optional[torch.dtype] = None, use_fast_accum: bool = False) -> torch.Tensor:
     """``aten::_scaled_mm`` for CPU tensors: the operands scaled in fp32 (as PyTorch's kernel does), their
     product accumulated in fp32, biased, rounded once to ``out_dtype``."""
-    out_dtype = mat1.dtype if out_dtype is None else out_dtype
-    _check(mat1, mat2, scale_a, scale_b, bias, out_dtype)
     if scale_result is not None:
         raise RuntimeError("_scaled_mm: scale_result (an FP8 output) is not used by the pack")
+    out_dtype = mat1.dtype if out_dtype is None else out_dtype
+    _check(mat1, mat2, scale_a, scale_b, bias, out_dtype)
     out = torch.mm(mat1.float() * scale_a, mat2.float() * scale_b)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
 
 
-_LIBRARY: Optional[torch.library.Library] = None
-
-
-def install() -> None:
-    """Register :func:`scaled_mm` as ``aten::_scaled_mm``'s CPU kernel in this process (once)."""
-    global _LIBRARY
-    if _LIBRARY is not None:
-        return
-    _LIBRARY = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # "Overriding a previously registered kernel ..." is the point
-        warnings.simplefilter("ignore")
-        _LIBRARY.impl("_scaled_mm", scaled_mm, "CPU")
-
-
-install()
+# registered when this module is first imported, once per process; held so the registration stays
+_LIBRARY = torch.library.Library("aten", "IMPL")
+with warnings.catch_warnings():  # "Overriding a previously registered kernel ..." is the point
+    warnings.simplefilter("ignore")
+    _LIBRARY.impl("_scaled_mm", scaled_mm, "CPU")

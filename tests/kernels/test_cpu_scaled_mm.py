@@ -43,8 +43,8 @@ def _case(m, k, n, da, db, rowwise, bias, dtype, gen):
 
 def test_equals_pytorchs_cpu_kernel_to_rounding(tmp_path):
     """The same products as PyTorch's CPU kernel (run in an interpreter without the replacement), to fp32
-    accumulation order: within about ten fp32 ulps of the sum of |products| (the two accumulate in different
-orders), and for a 16-bit output within one ulp, nearly every element equal."""
+    accumulation order: within about ten fp32 ulps of the sum of |products| (the two accumulate in
+    different orders), and for a 16-bit output within one ulp, nearly every element equal."""
     gen = torch.Generator().manual_seed(0)
     cases = [_case(*c, gen) for c in CASES]
     torch.save(cases, tmp_path / "cases.pt")

@@ -334,7 +334,7 @@ def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv, rec
             opt.zero_grad()
         models[fp8] = model(idx, idx).item()
     assert models[recipe] < start[recipe] - 1.0
-    # 8 steps at lr 3e-3 on one batch: fp32 rounding alone moves the final loss by up to ~15%
+    # 8 steps at lr 3e-3 on one batch: fp32 rounding alone moves the final loss by ~11%
     # (tiny-llama, the same FP8 matmul summed in two orders: 1.64 / 1.84, bf16 1.98), so the bound
     # is one-sided: FP8 training lowers the loss as far as bf16 does, within 10%
     assert models[recipe] < 1.1 * models[False] + 0.05
