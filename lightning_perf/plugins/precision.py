@@ -19,10 +19,19 @@ so every rank skips the same steps. The scale and the skipped-step count are log
 A pipeline schedule that computes the loss itself calls :meth:`PerfPrecision.scale_loss`
 inside its loss function and leaves unscaling, the overflow check, the skip and the
 scale update to :meth:`PerfPrecision.optimizer_step`.
+
+Gradient clipping by norm meets a fused ``torch.optim.Adam``/``AdamW`` inside the step: the
+Trainer's ``gradient_clip_val`` computes the global norm as ``clip_grad_norm_`` does, and hands the
+clip factor to the fused kernel as its gradient divisor (the ``grad_scale`` that the kernel already
+reads for AMP), so the gradients are not rewritten by a separate pass over them before the step
+reads them again. The update is that of clip-then-step (to fp32 rounding). This applies under
+automatic optimization when every gradient is a plain tensor on one device (one device, DDP) and no
+fp16 loss scaler runs; otherwise the gradients are clipped in place as usual.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal, Optional
@@ -36,7 +45,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_perf.parallel.loss_scaler import DistributedLossScaler
 
-__all__ = ["PerfPrecision", "PRECISIONS", "normalize_precision"]
+__all__ = ["PerfPrecision", "PRECISIONS", "normalize_precision", "fold_clip_into_fused_step"]
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
@@ -51,6 +60,45 @@ _DTYPES = {
 def normalize_precision(precision: Any) -> Any:
     """Lightning's short spellings (``"bf16"``, ``16``, ``"32"``, ...) as the names in :data:`PRECISIONS`."""
     return _ALIASES.get(precision, precision)
+
+
+def _fused_adam(optimizer: Any) -> bool:
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+            and all(group.get("fused") for group in optimizer.param_groups))
+
+
+def fold_clip_into_fused_step(optimizer: Any, max_norm: float) -> bool:
+    """Clip by the global L2 norm inside the next step of a fused Adam/AdamW; False when it cannot.
+
+    The norm and the factor are those of ``torch.nn.utils.clip_grad_norm_(params, max_norm)``
+    (``min(1, max_norm / (norm + 1e-6))``); the factor's reciprocal becomes the optimizer's
+    ``grad_scale``, which torch's fused kernel divides each gradient by as it reads it (and writes
+    back, as after clipping). Nothing waits on the device. The caller clears it after the step
+    (:func:`clear_folded_clip`). Refused (False, nothing changed) unless the optimizer is a fused
+    Adam/AdamW with no ``grad_scale``/``found_inf`` of its own, and every gradient is a dense plain
+    tensor on one device.
+    """
+    if not _fused_adam(optimizer) or not math.isfinite(max_norm) or max_norm <= 0:
+        return False
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return False
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads or any(type(g) is not Tensor or g.is_sparse for g in grads):
+        return False  # DTensor gradients (FSDP2, TP) are clipped by their strategy's path
+    if len({g.device for g in grads}) != 1:
+        return False
+    total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+    # clip_grad_norm_ multiplies by clamp(max_norm / (total + 1e-6), max=1); the kernel divides by this
+    optimizer.grad_scale = 1.0 / torch.clamp(float(max_norm) / (total.float() + 1e-6), max=1.0)
+    optimizer._lp_folded_clip = True
+    return True
+
+
+def clear_folded_clip(optimizer: Any) -> None:
+    """Remove the clip factor that :func:`fold_clip_into_fused_step` left on ``optimizer``."""
+    if getattr(optimizer, "_lp_folded_clip", False):
+        optimizer.grad_scale = None
+        optimizer._lp_folded_clip = False
 
 
 class _DefaultDtype:
@@ -107,6 +155,7 @@ class PerfPrecision(Precision):
                 growth_interval=growth_interval,
             )
         self.last_step_skipped = False
+        self._folding = False  # True inside an automatic-optimization step (see clip_grad_by_norm)
 
     @property
     def is_mixed(self) -> bool:
@@ -194,7 +243,13 @@ class PerfPrecision(Precision):
         **kwargs: Any,
     ) -> Any:
         if self.scaler is None:
-            return super().optimizer_step(optimizer, model, closure, **kwargs)
+            # under automatic optimization the closure clips; the clip may then ride on a fused step
+            self._folding = bool(getattr(model, "automatic_optimization", False))
+            try:
+                return super().optimizer_step(optimizer, model, closure, **kwargs)
+            finally:
+                self._folding = False
+                clear_folded_clip(optimizer)
         closure_result = closure()
         # unscale before the hooks so gradient clipping and inspection see true values
         found_inf = self.scaler.unscale_(optimizer)
@@ -206,6 +261,12 @@ class PerfPrecision(Precision):
         self.scaler.update(found_inf)
         self._log(model)
         return closure_result if step_output is None else step_output
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: Any) -> None:
+        if self._folding and fold_clip_into_fused_step(optimizer, float(clip_val)):
+            return
+        super().clip_grad_by_norm(optimizer, clip_val)
 
     def _log(self, model: "pl.LightningModule") -> None:
         if self.scaler is None or getattr(model, "_trainer", None) is None:
