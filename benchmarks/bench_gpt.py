@@ -185,6 +185,9 @@ VARIANTS = {
     # ... with q/k/v as one linear: one amax and one cast of the block input instead of three
     "trainer-triton-fp8-qkv-compile-model": (run_trainer, "triton", "default", "model",
                                              {"fp8": True, "fused_qkv": True}),
+    # ... with delayed scaling (scales from each operand's amax history; what gpt-1.3b-fp8 ships)
+    "trainer-triton-fp8-delayed-qkv-compile-model": (run_trainer, "triton", "default", "model",
+                                                     {"fp8": "delayed", "fused_qkv": True}),
     # ablation: the amax before each cast as the PyTorch reduction (Inductor fuses it into producers)
     # instead of the pack's streaming Triton kernel
     "trainer-triton-fp8-qkv-torch-amax-compile-model": (run_trainer, "triton", "default", "model",
