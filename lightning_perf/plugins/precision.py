@@ -25,8 +25,9 @@ Trainer's ``gradient_clip_val`` computes the global norm as ``clip_grad_norm_`` 
 clip factor to the fused kernel as its gradient divisor (the ``grad_scale`` that the kernel already
 reads for AMP), so the gradients are not rewritten by a separate pass over them before the step
 reads them again. The update is that of clip-then-step (to fp32 rounding). This applies under
-automatic optimization when every gradient is a plain tensor on one device (one device, DDP) and no
-fp16 loss scaler runs; otherwise the gradients are clipped in place as usual.
+automatic optimization with no fp16 loss scaler, when the gradients are plain tensors on one device
+(one device, DDP) or FSDP2's DTensor shards of one mesh (ZeRO-2/3, HSDP); otherwise (tensor or
+pipeline parallel, whose strategy clips itself, or a loss scaler) they are clipped in place.
 """
 
 from __future__ import annotations
@@ -75,19 +76,30 @@ def fold_clip_into_fused_step(optimizer: Any, max_norm: float) -> bool:
     ``grad_scale``, which torch's fused kernel divides each gradient by as it reads it (and writes
     back, as after clipping). Nothing waits on the device. The caller clears it after the step
     (:func:`clear_folded_clip`). Refused (False, nothing changed) unless the optimizer is a fused
-    Adam/AdamW with no ``grad_scale``/``found_inf`` of its own, and every gradient is a dense plain
-    tensor on one device.
+    Adam/AdamW with no ``grad_scale``/``found_inf`` of its own, and the gradients are dense, on one
+    device, and either all plain tensors (one device, DDP) or all DTensors of one mesh (FSDP2's
+    shards, whose norm is then reduced over the mesh as ``clip_grad_norm_`` does: every rank calls
+    this together).
     """
     if not _fused_adam(optimizer) or not math.isfinite(max_norm) or max_norm <= 0:
         return False
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
         return False
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads or any(type(g) is not Tensor or g.is_sparse for g in grads):
-        return False  # DTensor gradients (FSDP2, TP) are clipped by their strategy's path
-    if len({g.device for g in grads}) != 1:
+    if not grads or any(g.is_sparse for g in grads):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    sharded = [isinstance(g, DTensor) for g in grads]
+    if any(type(g) is not Tensor and not isinstance(g, DTensor) for g in grads):
+        return False  # another tensor subclass: clipped in place
+    if any(sharded) and not all(sharded) or len({g.device for g in grads}) != 1:
+        return False
+    if all(sharded) and len({g.device_mesh for g in grads}) != 1:
         return False
     total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+    if isinstance(total, DTensor):  # FSDP2 shards: the norm over every rank's shards (one all-reduce)
+        total = total.full_tensor()
     # clip_grad_norm_ multiplies by clamp(max_norm / (total + 1e-6), max=1); the kernel divides by this
     optimizer.grad_scale = 1.0 / torch.clamp(float(max_norm) / (total.float() + 1e-6), max=1.0)
     optimizer._lp_folded_clip = True

@@ -240,6 +240,17 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     res["native3_ac"] = fit(ZeroStrategy(stage=3), world, module_kwargs={"activation_checkpointing": "full"})
     res["generic3"] = fit(ZeroStrategy(stage=3), world, factory=make_generic)
     res["native3_clip"] = fit(ZeroStrategy(stage=3), world, clip=0.05)  # norm over all shards
+    # with the fused AdamW the clip rides on the fused step: the norm over all shards, then the divisor
+    from lightning_perf.plugins import precision as precision_mod
+
+    folds: list[bool] = []
+    real_fold = precision_mod.fold_clip_into_fused_step
+    precision_mod.fold_clip_into_fused_step = lambda opt, max_norm: folds.append(real_fold(opt, max_norm)) or folds[-1]
+    try:
+        res["native3_clip_fused"] = fit(ZeroStrategy(stage=3), world, clip=0.05, module_kwargs={"fused_adam": True})
+    finally:
+        precision_mod.fold_clip_into_fused_step = real_fold
+    res["native3_clip_fused"]["folded"] = sum(folds)
     # checkpoint at 10, resume to 20 (stage 3 and stage 1)
     for stage in (1, 3):
         fit(ZeroStrategy(stage=stage), world, save_to=str(out / f"ckpt{stage}.ckpt"), epochs_of=2 * STEPS)
@@ -284,7 +295,7 @@ _REFERENCES: dict[tuple, dict] = {}
 
 def _reference(steps: int = STEPS, accumulate: int = 1, epochs_of: int = STEPS, **kwargs: Any) -> dict:
     """The single-process run (Lightning's default strategy), computed once per configuration."""
-    key = (steps, accumulate, epochs_of, tuple(sorted(kwargs.items())))
+    key = (steps, accumulate, epochs_of, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
     if key not in _REFERENCES:
         _REFERENCES[key] = fit("auto", 1, steps=steps, accumulate=accumulate, epochs_of=epochs_of, **kwargs)
     return _REFERENCES[key]
@@ -355,6 +366,13 @@ def test_activation_checkpointing_clipping_and_a_generic_module(runs) -> None:
     clipped = _reference(clip=0.05)
     torch.testing.assert_close(_rank_mean(runs, "native3_clip"), torch.tensor(clipped["losses"]), rtol=1e-5, atol=1e-6)
     _close(runs[0]["native3_clip"]["final"], clipped["final"])
+    # the reference clips in place, then steps (Lightning's own precision plugin, one process)
+    clipped_fused = _reference(clip=0.05, module_kwargs={"fused_adam": True})
+    for r in runs:
+        assert r["native3_clip_fused"]["folded"] == STEPS
+    torch.testing.assert_close(_rank_mean(runs, "native3_clip_fused"), torch.tensor(clipped_fused["losses"]),
+                               rtol=1e-5, atol=1e-6)
+    _close(runs[0]["native3_clip_fused"]["final"], clipped_fused["final"])
     gen = _reference(factory=make_generic)
     torch.testing.assert_close(_rank_mean(runs, "generic3"), torch.tensor(gen["losses"]), rtol=1e-5, atol=1e-6)
     _close(runs[0]["generic3"]["final"], gen["final"])
