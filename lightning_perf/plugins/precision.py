@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
