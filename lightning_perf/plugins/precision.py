@@ -46,7 +46,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_perf.parallel.loss_scaler import DistributedLossScaler
 
-__all__ = ["PerfPrecision", "PRECISIONS", "normalize_precision", "fold_clip_into_fused_step"]
+__all__ = ["PerfPrecision", "PRECISIONS", "normalize_precision"]
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
