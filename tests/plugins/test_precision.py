@@ -170,13 +170,15 @@ class _ClipModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
 
 
-def _fit_clipped(precision: str, *, fold: bool, manual: bool = False, monkeypatch=None) -> tuple[_ClipModule, int]:
+def _fit_clipped(precision: str, *, fold: bool, manual: bool = False, monkeypatch=None,
+                 device: str = "cpu") -> tuple[_ClipModule, int]:
     from lightning_perf.plugins import precision as precision_mod
 
     calls = []
     real = precision_mod.fold_clip_into_fused_step
 
     def counted(optimizer, max_norm):
+        assert optimizer.param_groups[0]["params"][0].grad.device.type == device
         done = real(optimizer, max_norm) if fold else False
         calls.append(done)
         return done
@@ -185,8 +187,8 @@ def _fit_clipped(precision: str, *, fold: bool, manual: bool = False, monkeypatc
     L.seed_everything(0)
     model = _ClipModule(manual)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 8)), batch_size=4)
-    plugin = PerfPrecision(precision, device_type="cpu")
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, plugins=[plugin], logger=False,
+    plugin = PerfPrecision(precision, device_type=device)
+    trainer = L.Trainer(accelerator="gpu" if device == "cuda" else device, devices=1, max_steps=5, plugins=[plugin], logger=False,
                         gradient_clip_val=None if manual else 0.05, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, data)
@@ -220,32 +222,10 @@ def test_manual_optimization_clips_in_place(monkeypatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
-def test_clip_fold_on_cuda_equals_clip_then_step(precision) -> None:
-    # torch's CUDA fused AdamW with the clip factor as its divisor, inside the Trainer, against
-    # clip_grad_norm_ then the same fused step
-    from lightning_perf.plugins import precision as precision_mod
-
-    def fit(fold: bool) -> torch.nn.Module:
-        L.seed_everything(0)
-        model = _ClipModule()
-        real = precision_mod.fold_clip_into_fused_step
-        folds = []
-        def counted(optimizer, max_norm):
-            assert optimizer.param_groups[0]["params"][0].grad.is_cuda
-            folds.append(real(optimizer, max_norm) if fold else False)
-            return folds[-1]
-
-        precision_mod.fold_clip_into_fused_step = counted
-        try:
-            data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 8)), batch_size=4)
-            L.Trainer(accelerator="gpu", devices=1, max_steps=5, plugins=[PerfPrecision(precision)], logger=False,
-                      gradient_clip_val=0.05, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False).fit(model, data)
-        finally:
-            precision_mod.fold_clip_into_fused_step = real
-        assert len(folds) == 5 and sum(folds) == (5 if fold else 0)  # called on CUDA gradients every step
-        return model
-
-    folded, unfolded = fit(True), fit(False)
+def test_clip_fold_on_cuda_equals_clip_then_step(precision, monkeypatch) -> None:
+    # torch's CUDA fused AdamW with the clip factor as its divisor, called on CUDA gradients every step
+    folded, n_folded = _fit_clipped(precision, fold=True, monkeypatch=monkeypatch, device="cuda")
+    unfolded, n_unfolded = _fit_clipped(precision, fold=False, monkeypatch=monkeypatch, device="cuda")
+    assert n_folded == 5 and n_unfolded == 0
     for a, b in zip(folded.parameters(), unfolded.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
