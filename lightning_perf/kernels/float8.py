@@ -46,7 +46,7 @@ import torch.nn as nn
 
 __all__ = ["FP8_RECIPES", "normalize_fp8", "require_torchao", "require_fp8", "fp8_linear_config", "convert_to_fp8",
            "is_fp8_linear", "fp8_recipe_of", "fp8_matmul", "check_fp8_device", "fp8_linear_reference",
-           "reset_amax_history", "uses_delayed_fp8"]
+           "reset_amax_history", "uses_delayed_fp8", "delayed_gelu_mlp"]
 
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 _PACK = "lightning_perf.kernels.ops.fp8_linear"  # the pack's tensorwise matmul (needs Triton)
@@ -242,6 +242,23 @@ def _delayed_matmul(x: torch.Tensor, weight: torch.Tensor, layer: nn.Module,
             f"and a {type(x).__name__} input (tensor parallelism or FSDP2 make DTensors, FP8 all-gather makes FP8 "
             "weights): use fp8='tensorwise' there")
     return sys.modules[_PACK].fp8_linear(x, weight, bias, amax_history=layer.fp8_amax_history, record=layer.training)
+
+
+def delayed_gelu_mlp(x: torch.Tensor, up: nn.Module, down: nn.Module) -> Optional[torch.Tensor]:
+    """``down(gelu_tanh(up(x)))`` for two delayed FP8 layers, fused: the GELU and the FP8 casts of its
+    output (forward) and of its input gradient (backward) in one pass each (``fp8_gelu_mlp`` in
+    ``kernels.ops.fp8_linear``), the same matmuls and histories as the layers' own forward.
+
+    None where that does not apply (another recipe, DTensor or FP8-gathered weights, no Triton): the
+    caller runs the layers, which compute the same function unfused (or refuse, as they do).
+    """
+    if fp8_recipe_of(up) != "delayed" or fp8_recipe_of(down) != "delayed":
+        return None
+    if type(x) is not torch.Tensor or any(type(w) not in (torch.Tensor, nn.Parameter) for w in (up.weight, down.weight)):
+        return None
+    return sys.modules[_PACK].fp8_gelu_mlp(x, up.weight, up.bias, down.weight, down.bias,
+                                           up_history=up.fp8_amax_history, down_history=down.fp8_amax_history,
+                                           record=up.training)
 
 
 def __getattr__(name: str) -> Any:

@@ -437,3 +437,239 @@ def test_delayed_fp8_linear_on_gpu_compiled_equals_eager():
         torch.testing.assert_close(h_c, h_e, atol=0, rtol=1e-3)  # x and W's rows exact; dL/dy's from y
         assert bool((h_e[:, : i + 1] > 0).all())
         w_e.grad = w_c.grad = None
+
+
+# ---- the GELU MLP with delayed scaling: GELU and its FP8 casts in one kernel each way ------------
+
+
+def _gelu_inputs(M: int, N: int, bias: bool, grad: bool, device: str = "cpu", dtype=torch.float32):
+    """u with values deep in both tails of GELU (where 1 +- tanh cancels in a naive fp32 formula); not
+    so deep that the scaled operand is an fp32 subnormal, which Triton's interpreter casts to FP8 wrongly."""
+    gen = torch.Generator().manual_seed(M * 1000 + N)
+    u = torch.randn(M, N, generator=gen) * 3
+    u.view(-1)[1:: 5] = torch.linspace(-9, 11, u.view(-1)[1:: 5].numel())
+    b = torch.randn(N, generator=gen) if bias else None
+    u = u.clamp(min=-9.0 - (0 if b is None else float(b.min())))  # u + b >= -9
+    dh = torch.randn(M, N, generator=gen) * 5 if grad else None
+    move = (lambda t: None if t is None else t.to(device=device, dtype=dtype))
+    return move(u), (None if b is None else b.to(device)), move(dh)
+
+
+@pytest.mark.parametrize("M,N", [(1, 1), (17, 5), (70, 50), (130, 40)])
+@pytest.mark.parametrize("grad,bias", [(False, False), (False, True), (True, False), (True, True)])
+def test_gelu_cast_transpose_kernel_casts_the_exact_operand(M, N, grad, bias):
+    """The interpreted kernel (CPU) computes gelu(u + b) (or dh * gelu'(u + b)) to fp32 rounding, tails
+    included: both layouts hold what the interpreted cast-transpose writes for the operand computed in
+    float64 (the same conversion, so equal values), with its amax and, backwards, the bias gradient's
+    column sums, across tiles and masked tails."""
+    if ON_GPU:
+        pytest.skip("the GPU test below checks the compiled kernel")
+    u, b, dh = _gelu_inputs(M, N, bias, grad)
+    dtype = E5M2 if grad else E4M3
+    h = f8.gelu_operand_reference(u, b, dh)
+    scale = (torch.finfo(dtype).max / h.abs().amax().double()).float() * 0.5
+    q, qt, amax, db = f8._gelu_cast_transpose_launch(u, b, scale, dtype, dh, tuned=False)
+    want, want_t = f8._cast_transpose_launch(h, scale, dtype)
+    assert torch.equal(q.float(), want.float()) and torch.equal(qt.float(), want_t.float())  # -0.0 == 0.0
+    torch.testing.assert_close(amax, h.abs().amax(), rtol=2e-6, atol=0)
+    if grad:
+        torch.testing.assert_close(db, h.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+    else:
+        assert db.numel() == 0
+    # the op's PyTorch path (fp32 GELU ops) agrees with the float64 maths up to its own cancellation in the
+    # tails (absolute, a millionth of the largest value: far below FP8 resolution)
+    torch.testing.assert_close(f8._gelu_operand_fp32(u, b, dh), h, rtol=1e-4, atol=1e-6 * float(h.abs().max()))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_gelu_absmax_reads_only_without_a_recorded_amax(grad):
+    u, b, dh = _gelu_inputs(3 * 64 + 5, 64, True, grad, device=_kernel_device())
+    h = f8.gelu_operand_reference(u.cpu(), b.cpu(), None if dh is None else dh.cpu())
+    empty, recorded = torch.zeros((), device=u.device), torch.tensor(1.5, device=u.device)
+    got = f8._gelu_absmax_launch(u, b, empty, dh, wrap=False)
+    torch.testing.assert_close(got.cpu(), h.abs().amax(), rtol=2e-6, atol=0)
+    assert float(f8._gelu_absmax_launch(u, b, recorded, dh, wrap=False)) == 0.0  # nothing read
+    cpu = [None if t is None else t.cpu() for t in (u, b, dh)]
+    torch.testing.assert_close(f8._gelu_absmax_unless_op(cpu[0], cpu[1], empty.cpu(), cpu[2]), h.abs().amax(),
+                               rtol=1e-4, atol=0)
+    assert float(f8._gelu_absmax_unless_op(cpu[0], cpu[1], recorded.cpu(), cpu[2])) == 0.0
+
+
+def _mlp_params(K=32, F_=64, D=48, bias=True, seed=8):
+    gen = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(F_, K, generator=gen) / K**0.5).requires_grad_()
+    w2 = (torch.randn(D, F_, generator=gen) / F_**0.5).requires_grad_()
+    b1 = (torch.randn(F_, generator=gen) * 0.5).requires_grad_() if bias else None
+    b2 = (torch.randn(D, generator=gen) * 0.1).requires_grad_() if bias else None
+    return w1, b1, w2, b2
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_gelu_mlp_equals_dequantised_matmuls_with_the_history_scales_over_steps(bias):
+    """Four steps of the fused MLP: the output and every gradient equal fp32 matmuls of the operands cast
+    with the scales from the histories before the call (h = gelu(u + b) and dL/du = dL/dh gelu'(u + b)
+    included, which no tensor holds in high precision), and each step records the six amaxes, newest
+    first. Step 2 scales x up 20-fold: that step saturates x, the next does not. The unfused composition
+    of delayed linears gives the same numbers off the GPU."""
+    w1, b1, w2, b2 = _mlp_params(bias=bias)
+    params = [p for p in (w1, b1, w2, b2) if p is not None]
+    hu, hd = f8.new_amax_history(3), f8.new_amax_history(3)
+    hu2, hd2 = f8.new_amax_history(3), f8.new_amax_history(3)
+    gen = torch.Generator().manual_seed(9)
+    for step, gain in enumerate((1.0, 0.5, 20.0, 1.0)):
+        x = (torch.randn(16, 32, generator=gen) * gain).requires_grad_()
+        g = torch.randn(16, 48, generator=gen) * (1 + step)
+        bu, bd = hu.clone(), hd.clone()
+        y = f8.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd)
+        y.backward(g)
+        grads = [x.grad] + [p.grad for p in params]
+        # the maths, operand by operand
+        xd, ax = _history_deq(x.detach(), bu[0], E4M3)
+        w1d, aw1 = _history_deq(w1.detach(), bu[1], E4M3)
+        u = xd @ w1d.t()
+        a = u if b1 is None else u + b1.detach()
+        h = F.gelu(a, approximate="tanh")
+        hdq, ah = _history_deq(h, bd[0], E4M3)
+        w2d, aw2 = _history_deq(w2.detach(), bd[1], E4M3)
+        want_y = hdq @ w2d.t() + (0 if b2 is None else b2.detach())
+        gd, ag = _history_deq(g, bd[2], E5M2)
+        dh = gd @ w2d
+        gu = torch.ops.aten.gelu_backward(dh, a, approximate="tanh")
+        gud, agu = _history_deq(gu, bu[2], E5M2)
+        want = [gud @ w1d, gud.t() @ xd] + ([gu.sum(0)] if b1 is not None else []) + [gd.t() @ hdq] + (
+            [g.sum(0)] if b2 is not None else [])
+        torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+        for got, exp in zip(grads, want):
+            torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hu[:, 0], torch.stack((ax, aw1, agu)), atol=0, rtol=1e-6)
+        torch.testing.assert_close(hd[:, 0], torch.stack((ah, aw2, ag)), atol=0, rtol=1e-6)
+        assert torch.equal(hu[:, 1:], bu[:, :-1]) and torch.equal(hd[:, 1:], bd[:, :-1])
+        if step == 2:  # x grew past its recorded amaxes: the largest values clip at the history's maximum
+            torch.testing.assert_close(xd.abs().max(), bu[0].max(), atol=0, rtol=1e-6)
+        # the unfused delayed layers, on their own histories: the same numbers here
+        x2 = x.detach().clone().requires_grad_()
+        grads_fused = [t.clone() for t in grads]
+        for p in params:
+            p.grad = None
+        y2 = fp8_linear(F.gelu(fp8_linear(x2, w1, b1, amax_history=hu2), approximate="tanh"), w2, b2,
+                        amax_history=hd2)
+        y2.backward(g)
+        assert torch.equal(y2, y) and all(torch.equal(p, q) for p, q in zip([x2.grad] + [p.grad for p in params],
+                                                                           grads_fused))
+        assert torch.equal(hu2, hu) and torch.equal(hd2, hd)
+        for p in params:
+            p.grad = None
+
+
+def test_fused_gelu_mlp_without_recording_and_unsupported_shapes():
+    w1, b1, w2, b2 = _mlp_params()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
+    hu, hd = f8.new_amax_history(), f8.new_amax_history()
+    y = f8.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd, record=False)
+    assert y.shape == (2, 8, 48) and not hu.any() and not hd.any()
+    # an inner width FP8 matmuls cannot take (not a multiple of 16): the plain layers, composed
+    w1o, b1o, w2o, b2o = _mlp_params(F_=40)
+    assert not f8.fp8_gelu_mlp_supported(x, w1o, w2o)
+    y = f8.fp8_gelu_mlp(x, w1o, b1o, w2o, b2o, up_history=hu, down_history=hd)
+    torch.testing.assert_close(y, F.linear(F.gelu(F.linear(x, w1o, b1o), approximate="tanh"), w2o, b2o))
+
+
+def test_fused_gelu_mlp_compiled_equals_eager_without_graph_breaks():
+    """``fullgraph=True``: the fused MLP's casts, matmuls and history records (forward and backward graph)
+    are one graph; outputs, gradients and histories equal eager mode's, step by step."""
+    torch._dynamo.reset()
+    eager_p = _mlp_params()
+    comp_p = [p.detach().clone().requires_grad_() for p in eager_p]
+    hs = [(f8.new_amax_history(4), f8.new_amax_history(4)) for _ in range(2)]
+
+    def step(x, w1, b1, w2, b2, hu, hd):
+        return f8.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(10)
+    for i in range(3):
+        x = torch.randn(2, 16, 32, generator=gen) * (1 + i)
+        g = torch.randn(2, 16, 48, generator=gen)
+        ye = step(x, *eager_p, *hs[0])
+        yc = compiled(x, *comp_p, *hs[1])
+        ye.backward(g)
+        yc.backward(g)
+        torch.testing.assert_close(yc, ye, atol=0, rtol=0)
+        for a, b in zip(comp_p, eager_p):
+            torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
+            a.grad = b.grad = None
+        assert torch.equal(hs[1][0], hs[0][0]) and torch.equal(hs[1][1], hs[0][1])
+        assert bool((hs[0][0][:, : i + 1] > 0).all()) and bool((hs[0][1][:, : i + 1] > 0).all())
+
+
+def _fp8_ulps_apart(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per element, whether two FP8 tensors differ by more than one step of the format."""
+    mantissa = 3 if dtype == E4M3 else 2
+    g, w = got.float(), want.float()
+    step = torch.exp2(torch.floor(torch.log2(w.abs().clamp(min=1e-30))) - mantissa)
+    return (g - w).abs() > step * 1.001
+
+
+@requires_gpu
+@pytest.mark.parametrize("grad", [False, True])
+def test_gelu_cast_transpose_on_gpu_eager_and_compiled(grad):
+    """The compiled kernel, called directly and from torch.compile's generated code: both layouts within one
+    FP8 step of the library cast of the float64 operand and equal to it almost everywhere (the fp32 GELU
+    may round an element to the other side of a tie), the amax and the bias gradient to fp32 rounding."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch._dynamo.reset()
+    u, b, dh = _gelu_inputs(4096, 1024, True, grad, device="cuda", dtype=torch.bfloat16)
+    dtype = E5M2 if grad else E4M3
+    h = f8.gelu_operand_reference(u, b, dh)
+    scale = (torch.finfo(dtype).max / h.abs().amax().double()).float() * 0.5
+    want, want_t = f8.cast_transpose_fp8(h, scale, dtype)
+    compiled = torch.compile(lambda *a: f8.gelu_cast_transpose_fp8(*a), fullgraph=True)
+    for fn in (f8.gelu_cast_transpose_fp8, compiled, compiled):
+        q, qt, amax, db = fn(u, b, scale, dtype, dh)
+        assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+        assert not _fp8_ulps_apart(q, want, dtype).any()
+        assert float((q.float() != want.float()).float().mean()) < 1e-4
+        torch.testing.assert_close(amax, h.abs().amax(), rtol=2e-6, atol=0)
+        if grad:
+            torch.testing.assert_close(db, h.double().sum(0).float(), rtol=1e-4, atol=1e-3)
+
+
+@requires_gpu
+def test_fused_gelu_mlp_on_gpu_compiled_equals_eager_and_agrees_with_the_layers():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = [t.cuda() for t in _mlp_params(K=1024, F_=4096, D=1024)]
+    sets = [[p.detach().clone().requires_grad_() for p in base] for _ in range(3)]
+    hists = [(f8.new_amax_history(device="cuda"), f8.new_amax_history(device="cuda")) for _ in range(3)]
+
+    def fused(x, w1, b1, w2, b2, hu, hd):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return f8.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd)
+
+    def layers(x, w1, b1, w2, b2, hu, hd):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fp8_linear(F.gelu(fp8_linear(x, w1, b1, amax_history=hu), approximate="tanh"), w2, b2,
+                              amax_history=hd)
+
+    compiled = torch.compile(fused, fullgraph=True)
+    for i in range(3):
+        x = torch.randn(4096, 1024, device="cuda")
+        outs = []
+        for fn, params, h in zip((fused, compiled, layers), sets, hists):
+            y = fn(x, *params, *h)
+            y.float().square().sum().backward()
+            outs.append([y] + [p.grad for p in params])
+        ref = F.linear(F.gelu(F.linear(x, base[0], base[1]), approximate="tanh"), base[2], base[3])
+        assert (outs[0][0].float() - ref).norm() / ref.norm() < 0.05
+        for got, want in zip(outs[1], outs[0]):  # compiled = eager up to a scale's rounding
+            assert (got.float() - want.float()).norm() / want.float().norm() < 1e-3
+        for got, want in zip(outs[2], outs[0]):  # the layers round h to bf16 first: FP8 noise apart
+            assert (got.float() - want.float()).norm() / want.float().norm() < 0.03
+        torch.testing.assert_close(hists[1][0], hists[0][0], atol=0, rtol=1e-3)
+        torch.testing.assert_close(hists[2][0][:2], hists[0][0][:2], atol=0, rtol=1e-2)
+        for params in sets:
+            for p in params:
+                p.grad = None

@@ -191,12 +191,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d, f, bias=config.bias)
         self.gate_proj = nn.Linear(d, f, bias=config.bias) if self.kind == "swiglu" else None
         self.down_proj = nn.Linear(f, d, bias=config.bias)
+        self.delayed_fp8 = config.fp8 == "delayed"
         _to_fp8(self, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
             h = ops.mlp_activation(self.gate_proj(x), self.up_proj(x), kind="swiglu", impl=self.impl)
         else:
+            if self.delayed_fp8:  # GELU and its FP8 casts fused (kernels.float8.delayed_gelu_mlp)
+                from lightning_perf.kernels.float8 import delayed_gelu_mlp
+
+                y = delayed_gelu_mlp(x, self.up_proj, self.down_proj)
+                if y is not None:
+                    return y
             h = ops.mlp_activation(self.up_proj(x), None, kind="gelu", impl=self.impl)
         return self.down_proj(h)
 
