@@ -33,6 +33,8 @@ window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. Th
     python benchmarks/bench_recipes.py --recipes gpt-1.3b --profile 4           # kernels and GPU idle, both sides
     python benchmarks/bench_recipes.py --recipes gpt-1.3b-fp8 --steps 20 --warmup 10 --no_checkpoint \
         --no_validation --variant tensorwise=--bench.fp8=tensorwise   # shipped FP8 recipe (delayed), tensorwise, plain bf16
+    python benchmarks/bench_recipes.py --recipes gpt-1.3b-fp8 --variant mlp-unfused=--bench.fp8_mlp=unfused
+        # the FP8 recipe, and the same with its MLPs as two delayed layers around a separate GELU
     python benchmarks/bench_recipes.py --recipes gpt-1.3b --variant clip-in-place=--bench.clip=in_place
         # the recipe, and the recipe with its clipping as a separate pass before the fused step
     python benchmarks/bench_recipes.py --smoke                                  # CPU: the code paths only
@@ -176,6 +178,11 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
     if "--bench.fp8_linear=torchao" in extra:  # a variant only: torchao's tensorwise matmul throughout
         extra = [a for a in extra if a != "--bench.fp8_linear=torchao"]
         _torchao_matmuls_only()
+    if "--bench.fp8_mlp=unfused" in extra:  # a variant only: delayed GELU MLPs run as their two layers + GELU
+        extra = [a for a in extra if a != "--bench.fp8_mlp=unfused"]
+        from lightning_perf.kernels import float8
+
+        float8.delayed_gelu_mlp = lambda x, up, down: None
     if "--bench.clip=in_place" in extra:  # a variant only: clipping rewrites the gradients before the step
         extra = [a for a in extra if a != "--bench.clip=in_place"]
         from lightning_perf.plugins import precision
