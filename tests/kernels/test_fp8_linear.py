@@ -663,7 +663,7 @@ def test_fused_gelu_mlp_on_gpu_compiled_equals_eager_and_agrees_with_the_layers(
             y.float().square().sum().backward()
             outs.append([y] + [p.grad for p in params])
         ref = F.linear(F.gelu(F.linear(x, base[0], base[1]), approximate="tanh"), base[2], base[3])
-        assert (outs[0][0].float() - ref).norm() / ref.norm() < 0.05
+        assert (outs[0][0].float() - ref).norm() / ref.norm() < 0.08  # FP8 error of two chained matmuls
         for got, want in zip(outs[1], outs[0]):  # compiled = eager up to a scale's rounding
             assert (got.float() - want.float()).norm() / want.float().norm() < 1e-3
         for got, want in zip(outs[2], outs[0]):  # the layers round h to bf16 first: FP8 noise apart

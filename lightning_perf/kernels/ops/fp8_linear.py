@@ -531,8 +531,9 @@ def _gelu_parts(a):
     or 1, so both stay accurate relative to their own size in the tails."""
     z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
     e = tl.exp(tl.minimum(2.0 * z, 60.0))  # below: underflows to 0 (h, gelu' -> 0); above: keeps e finite
-    p = 2.0 * e / (1.0 + e)  # 1 + t
-    m = 2.0 / (1.0 + e)  # 1 - t
+    r = 1.0 / (1.0 + e)
+    p = 2.0 * e * r  # 1 + t
+    m = 2.0 * r  # 1 - t
     d = 0.5 * p + 0.5 * a * p * m * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * a * a)
     return 0.5 * a * p, d
 
@@ -554,25 +555,25 @@ def _gelu_operand(U, BIAS, DH, rows, cols, mask, stride_um, stride_dm, HAS_BIAS:
 def _gelu_cast_transpose_kernel(U, BIAS, DH, Q, QT, SCALE, AMAX, DBP, M, N, stride_um, stride_dm,
                                 FMAX: tl.constexpr, ROUND_TO_2_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # the operand tile is computed, cast with the given scale and stored in both layouts, as in
-    # _cast_transpose_kernel (the transposed copy from transposed loads of the same inputs); its max |.|
-    # is folded into AMAX; with GRAD, each program also stores its column sums (bias gradient partials)
-    # in row program_id(0) of DBP (cdiv(M, BLOCK_M), N)
+    # the operand tile is computed once, cast with the given scale and stored, and the FP8 tile is
+    # transposed on chip (as bytes) for the second layout: GELU costs enough arithmetic per element that
+    # evaluating it again for transposed loads, as _cast_transpose_kernel reloads its input, made this
+    # kernel slower than GELU and the cast apart. Its max |.| is folded into AMAX; with GRAD, each program
+    # also stores its column sums (bias gradient partials) in row program_id(0) of DBP (cdiv(M, BLOCK_M), N)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     scale = tl.load(SCALE)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     h = _gelu_operand(U, BIAS, DH, rm[:, None], rn[None, :], mask, stride_um, stride_dm, HAS_BIAS, GRAD)
-    tl.store(Q + rm.to(tl.int64)[:, None] * N + rn[None, :], _scaled_fp8(h, scale, FMAX, ROUND_TO_2_BITS, Q),
-             mask=mask)
+    y = _scaled_fp8(h, scale, FMAX, ROUND_TO_2_BITS, Q)
+    tl.store(Q + rm.to(tl.int64)[:, None] * N + rn[None, :], y, mask=mask)
     bits = tl.max(tl.max(tl.abs(h).to(tl.int32, bitcast=True), 1), 0)
     tl.atomic_max(AMAX.to(tl.pointer_type(tl.int32)), bits)
     if GRAD:
         tl.store(DBP + tl.program_id(0).to(tl.int64) * N + rn, tl.sum(h, 0), mask=rn < N)
+    yt = tl.trans(y.to(tl.uint8, bitcast=True)).to(QT.dtype.element_ty, bitcast=True)
     mask_t = (rn[:, None] < N) & (rm[None, :] < M)
-    ht = _gelu_operand(U, BIAS, DH, rm[None, :], rn[:, None], mask_t, stride_um, stride_dm, HAS_BIAS, GRAD)
-    tl.store(QT + rn.to(tl.int64)[:, None] * M + rm[None, :], _scaled_fp8(ht, scale, FMAX, ROUND_TO_2_BITS, QT),
-             mask=mask_t)
+    tl.store(QT + rn.to(tl.int64)[:, None] * M + rm[None, :], yt, mask=mask_t)
 
 
 @triton.jit
