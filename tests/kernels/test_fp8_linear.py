@@ -636,6 +636,35 @@ def test_gelu_cast_transpose_on_gpu_eager_and_compiled(grad):
 
 
 @requires_gpu
+@pytest.mark.parametrize("M,N", [(4096, 4096), (2048, 8192), (1040, 272)])
+def test_gelu_cast_transpose_every_configuration_writes_the_transpose_on_gpu(M, N):
+    """Each configuration the tuner may pick, launched into NaN-filled outputs, several times: q^T is q
+    transposed byte for byte and nothing is left unwritten (an on-chip transpose of the FP8 tile wrote
+    most of q^T wrongly with Triton 3.6, in some processes and not others)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    import triton
+
+    for grad in (False, True):
+        u, b, dh = _gelu_inputs(M, N, True, grad, device="cuda", dtype=torch.bfloat16)
+        dtype = E5M2 if grad else E4M3
+        scale = f8._scale_of(f8.gelu_operand_reference(u, b, dh), dtype)
+        for cfg in f8._GELU_CT_CONFIGS_GPU:
+            for _ in range(3):
+                q = torch.full((M, N), 0x7F, dtype=torch.uint8, device="cuda").view(dtype)
+                qt = torch.full((N, M), 0x7F, dtype=torch.uint8, device="cuda").view(dtype)
+                amax = torch.zeros((), device="cuda")
+                dbp = torch.zeros(triton.cdiv(M, f8._GELU_CT_BLOCK_M), N, device="cuda")
+                grid = (triton.cdiv(M, f8._GELU_CT_BLOCK_M), triton.cdiv(N, cfg["BLOCK_N"]))
+                f8._gelu_cast_transpose_kernel[grid](
+                    u, b, u if dh is None else dh, q, qt, scale, amax, dbp, M, N, N, N,
+                    FMAX=float(torch.finfo(dtype).max), ROUND_TO_2_BITS=grad, HAS_BIAS=True, GRAD=grad,
+                    BLOCK_M=f8._GELU_CT_BLOCK_M, **cfg)
+                assert not torch.isnan(q.float()).any(), cfg
+                assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8)), cfg
+
+
+@requires_gpu
 def test_fused_gelu_mlp_on_gpu_compiled_equals_eager_and_agrees_with_the_layers():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")

@@ -555,25 +555,28 @@ def _gelu_operand(U, BIAS, DH, rows, cols, mask, stride_um, stride_dm, HAS_BIAS:
 def _gelu_cast_transpose_kernel(U, BIAS, DH, Q, QT, SCALE, AMAX, DBP, M, N, stride_um, stride_dm,
                                 FMAX: tl.constexpr, ROUND_TO_2_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # the operand tile is computed once, cast with the given scale and stored, and the FP8 tile is
-    # transposed on chip (as bytes) for the second layout: GELU costs enough arithmetic per element that
-    # evaluating it again for transposed loads, as _cast_transpose_kernel reloads its input, made this
-    # kernel slower than GELU and the cast apart. Its max |.| is folded into AMAX; with GRAD, each program
-    # also stores its column sums (bias gradient partials) in row program_id(0) of DBP (cdiv(M, BLOCK_M), N)
+    # the operand tile is computed once, cast with the given scale and stored; the transposed copy is
+    # read back from that FP8 tile (this program's own stores, from cache, after a barrier) in transposed
+    # order. GELU costs enough arithmetic per element that evaluating it again for transposed loads of
+    # the inputs, as _cast_transpose_kernel reloads its input, made this kernel slower than GELU and the
+    # cast apart; and a tl.trans of the FP8 tile (as bytes) writes q^T wrongly with Triton 3.6. The
+    # tile's max |.| is folded into AMAX; with GRAD, each program also stores its column sums (bias
+    # gradient partials) in row program_id(0) of DBP (cdiv(M, BLOCK_M), N)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     scale = tl.load(SCALE)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     h = _gelu_operand(U, BIAS, DH, rm[:, None], rn[None, :], mask, stride_um, stride_dm, HAS_BIAS, GRAD)
-    y = _scaled_fp8(h, scale, FMAX, ROUND_TO_2_BITS, Q)
-    tl.store(Q + rm.to(tl.int64)[:, None] * N + rn[None, :], y, mask=mask)
+    tl.store(Q + rm.to(tl.int64)[:, None] * N + rn[None, :], _scaled_fp8(h, scale, FMAX, ROUND_TO_2_BITS, Q),
+             mask=mask)
     bits = tl.max(tl.max(tl.abs(h).to(tl.int32, bitcast=True), 1), 0)
     tl.atomic_max(AMAX.to(tl.pointer_type(tl.int32)), bits)
     if GRAD:
         tl.store(DBP + tl.program_id(0).to(tl.int64) * N + rn, tl.sum(h, 0), mask=rn < N)
-    yt = tl.trans(y.to(tl.uint8, bitcast=True)).to(QT.dtype.element_ty, bitcast=True)
+    tl.debug_barrier()  # every thread's stores of the tile are done before any thread reads them back
     mask_t = (rn[:, None] < N) & (rm[None, :] < M)
-    tl.store(QT + rn.to(tl.int64)[:, None] * M + rm[None, :], yt, mask=mask_t)
+    qt = tl.load(Q + rm.to(tl.int64)[None, :] * N + rn[:, None], mask=mask_t, cache_modifier=".cg")
+    tl.store(QT + rn.to(tl.int64)[:, None] * M + rm[None, :], qt, mask=mask_t)
 
 
 @triton.jit
