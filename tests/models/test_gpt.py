@@ -348,10 +348,12 @@ def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv, rec
     assert models[recipe] < 1.1 * models[False] + 0.05
 
 
-def test_delayed_fp8_gpt_compiled_whole_equals_eager():
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny"])
+def test_delayed_fp8_gpt_compiled_whole_equals_eager(name):
     """``GPTConfig(fp8="delayed")`` with the whole model compiled in one graph (``fullgraph``: no graph breaks;
     the amax histories are recorded in the forward and in the backward graph): losses, gradients and every
-    layer's history equal eager mode's over three AdamW steps, the history rows filling as they go."""
+    layer's history equal eager mode's over three AdamW steps, the history rows filling as they go. "tiny"
+    (GELU) runs its MLPs through the fused delayed GELU MLP, "tiny-llama" (SwiGLU) through the layers."""
     from lightning_perf.kernels.float8 import fp8_recipe_of
 
     torch._dynamo.reset()
@@ -359,7 +361,7 @@ def test_delayed_fp8_gpt_compiled_whole_equals_eager():
     models, opts = [], []
     for _ in range(2):
         torch.manual_seed(0)
-        models.append(GPT(GPTConfig.from_name("tiny-llama", n_layer=2, fp8="delayed", fused_qkv=True)))
+        models.append(GPT(GPTConfig.from_name(name, n_layer=2, fp8="delayed", fused_qkv=True)))
         opts.append(torch.optim.AdamW(models[-1].parameters(), lr=3e-3))
     eager, compiled = models[0], torch.compile(models[1], backend="aot_eager", fullgraph=True)
     for step in range(3):
