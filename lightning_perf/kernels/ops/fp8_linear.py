@@ -359,7 +359,13 @@ def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
 def history_scale(t: torch.Tensor, history: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``fmax / max(history)`` as a 0-dim fp32 tensor; ``fmax / amax(|t|)`` where ``history`` is all zeros."""
     prior = history.amax().float()
-    amax = torch.maximum(prior, _absmax_unless_op(t.detach(), prior))
+    return _scale_over(prior, _absmax_unless_op(t.detach(), prior), dtype)
+
+
+def _scale_over(prior: torch.Tensor, current: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fmax / max(prior, current)`` as a 0-dim fp32 tensor, in float64 first (``current`` is 0 unless
+    ``prior`` is: an "unless prior" amax)."""
+    amax = torch.maximum(prior, current)
     return (torch.finfo(dtype).max / torch.clamp(amax.double(), min=_TINY)).float()
 
 
@@ -724,8 +730,7 @@ def gelu_history_scale(u: torch.Tensor, bias: Optional[torch.Tensor], history: t
     """:func:`history_scale` of the operand :func:`gelu_cast_transpose_fp8` computes from (u, b, dh): an
     empty history takes its current amax from one pass over the inputs (read only then)."""
     prior = history.amax().float()
-    amax = torch.maximum(prior, _gelu_absmax_unless_op(u, bias, prior, dh))
-    return (torch.finfo(dtype).max / torch.clamp(amax.double(), min=_TINY)).float()
+    return _scale_over(prior, _gelu_absmax_unless_op(u, bias, prior, dh), dtype)
 
 
 class _Float8GeluMLP(torch.autograd.Function):
