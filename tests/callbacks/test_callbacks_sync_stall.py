@@ -96,6 +96,7 @@ def test_stall_fraction_matches_injected_sleep(tmp_path, data_sleep):
     if data_sleep:
         assert det.stall_fraction == pytest.approx(injected, rel=0.2)
         assert det.warned and any("num_workers=0" in a for a in det.advice)
-    else:
-        assert det.stall_fraction < 0.03
+    else:  # what remains is the loader's own fetch and collate (~1-3% of an 80 ms step, by machine load):
+        # below the share the detector warns at, and no warning
+        assert det.stall_fraction < det.threshold
         assert not det.warned
