@@ -137,7 +137,11 @@ class AsyncCheckpointer:
         return True
 
     def wait(self) -> Optional[Path]:
-        """Block until the save in flight is final; returns its path (None if there was none)."""
+        """Block until the save in flight is final; returns its path.
+
+        None when no save is in flight, including one that ``poll`` or ``remove`` already found
+        final: ``finalized`` lists every checkpoint that became final, whichever call saw it.
+        """
         if self._pending is None:
             return None
         self._pending.exception()  # blocks until done; the error, if any, is raised by _collect
