@@ -714,3 +714,161 @@ def test_fused_gelu_mlp_on_gpu_compiled_equals_eager_and_agrees_with_the_layers(
         for params in sets:
             for p in params:
                 p.grad = None
+
+
+# ---- a norm's output cast for its delayed consumer (norm_fp8_operand) ---------------------------
+
+def _norm_inputs(M, N, kind, bias, seed=11, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, N, generator=gen) * 3 + torch.linspace(-2, 2, N)  # rows off zero mean
+    w = torch.randn(N, generator=gen).requires_grad_()
+    b = (torch.randn(N, generator=gen) * 0.5).requires_grad_() if bias and kind == "layernorm" else None
+    return x.to(device), w, b
+
+
+def _norm64(x, w, b, rms):
+    x, w = x.double(), w.double()
+    if rms:
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * w
+    d = x - x.mean(-1, keepdim=True)
+    y = d / torch.sqrt((d * d).mean(-1, keepdim=True) + 1e-5) * w
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("M,N", [(5, 48), (33, 100), (64, 256)])
+@pytest.mark.parametrize("kind,bias", [("layernorm", True), ("layernorm", False), ("rmsnorm", False)])
+def test_norm_absmax_kernel_reads_only_without_a_recorded_amax(M, N, kind, bias):
+    """The kernel (interpreted on CPU) recomputes max |norm(x)| from x, whole rows, masked tails, every row
+    of a stride of programs; with a recorded amax it reads nothing and gives 0."""
+    x, w, b = _norm_inputs(M, N, kind, bias, device=_kernel_device())
+    w, b = w.detach().to(x.device), None if b is None else b.detach().to(x.device)
+    rms = kind == "rmsnorm"
+    want = _norm64(x.cpu(), w.cpu(), None if b is None else b.cpu(), rms).abs().amax()
+    empty, recorded = torch.zeros((), device=x.device), torch.tensor(1.5, device=x.device)
+    got = f8._norm_absmax_launch(x, w, b, empty, 1e-5, rms, wrap=False)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-6, atol=0)
+    assert float(f8._norm_absmax_launch(x, w, b, recorded, 1e-5, rms, wrap=False)) == 0.0
+    # the op off the GPU: the same from PyTorch's norm
+    cpu = [None if t is None else t.cpu() for t in (x, w, b)]
+    torch.testing.assert_close(f8._norm_absmax_unless_op(cpu[0], cpu[1], cpu[2], empty.cpu(), 1e-5, rms).double(),
+                               want, rtol=2e-6, atol=0)
+    assert float(f8._norm_absmax_unless_op(cpu[0], cpu[1], cpu[2], recorded.cpu(), 1e-5, rms)) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("recorded", [False, True])
+def test_norm_fp8_operand_is_the_cast_of_the_norm_output(kind, recorded):
+    """Bit for bit what the matmul's own cast-transpose writes for norm(x) under the same history: both
+    layouts, the inverse scale, the amax; an empty history takes its scale from norm(x)'s own amax."""
+    x, w, b = _norm_inputs(48, 64, kind, True)
+    rms = kind == "rmsnorm"
+    y = f8.norm_reference(x, w, b, 1e-5, rms).view(3, 16, 64)  # any leading shape
+    history = torch.tensor([0.0, 0.0, 0.0]) if not recorded else torch.tensor([2.0, 3.0, 0.0])
+    op = f8.norm_fp8_operand(y, x.view(3, 16, 64), w, b, 1e-5, rms, history)
+    scale = f8.history_scale(y.reshape(-1, 64), history, E4M3)
+    q, qt, amax = f8.cast_transpose_amax_fp8(y.detach().reshape(-1, 64), scale, E4M3)
+    assert torch.equal(op.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(op.qt.view(torch.uint8), qt.view(torch.uint8))
+    assert torch.equal(op.inv, scale.reciprocal()) and torch.equal(op.amax, amax)
+    if recorded:  # values past the recorded maximum saturate
+        assert float(amax) > 3.0 and float(op.q.float().abs().max()) == torch.finfo(E4M3).max
+
+
+def _norm_then(fn, x, w, b, kind, history, precast):
+    rms = kind == "rmsnorm"
+    y = F.rms_norm(x, (x.shape[-1],), w, 1e-5) if rms else F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+    x_fp8 = f8.norm_fp8_operand(y, x, w, b, 1e-5, rms, history[0]) if precast else None
+    return fn(y, x_fp8)
+
+
+@pytest.mark.parametrize("mlp", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_precast_norm_input_equals_the_matmuls_own_cast_over_steps(mlp, compiled):
+    """norm -> delayed FP8 linear (or fused GELU MLP), the norm's output handed over cast (``x_fp8``) or cast by
+    the matmul: outputs, every gradient (the norm's parameters and input included) and the histories equal
+    over four steps, a saturating one among them; eager and ``aot_eager`` fullgraph alike."""
+    torch._dynamo.reset()
+    kind = "layernorm"
+    x0, nw, nb = _norm_inputs(32, 32, kind, True, seed=12)
+    w1, b1, w2, b2 = _mlp_params()
+    base = [nw, nb, w1, b1] + ([w2, b2] if mlp else [])
+    sets = [[p.detach().clone().requires_grad_() for p in base] for _ in range(2)]
+    hists = [[f8.new_amax_history(4) for _ in range(2)] for _ in range(2)]
+
+    def step(x, params, hs, precast):
+        nw, nb, w1, b1, *rest = params
+        if mlp:
+            fn = lambda y, x_fp8: f8.fp8_gelu_mlp(y, w1, b1, rest[0], rest[1], up_history=hs[0], down_history=hs[1],
+                                                  x_fp8=x_fp8)
+        else:
+            fn = lambda y, x_fp8: fp8_linear(y, w1, b1, amax_history=hs[0], x_fp8=x_fp8)
+        return _norm_then(fn, x, nw, nb, kind, hs[0], precast)
+
+    run = torch.compile(step, backend="aot_eager", fullgraph=True) if compiled else step
+    gen = torch.Generator().manual_seed(13)
+    for i, gain in enumerate((1.0, 0.5, 20.0, 1.0)):
+        x = (x0 * gain + torch.randn(32, 32, generator=gen)).view(2, 16, 32)
+        outs = []
+        for params, hs, precast in ((sets[0], hists[0], False), (sets[1], hists[1], True)):
+            xi = x.clone().requires_grad_()
+            y = run(xi, params, hs, precast)
+            g = torch.randn(y.shape, generator=torch.Generator().manual_seed(i))
+            y.backward(g)
+            outs.append([y, xi.grad] + [p.grad for p in params])
+        for k, (a, c) in enumerate(zip(*outs)):
+            assert torch.equal(a, c), k
+        for a, c in zip(*hists):
+            assert torch.equal(a, c)
+        assert bool((hists[0][0][:, : i + 1] > 0).all())
+        for params in sets:
+            for p in params:
+                p.grad = None
+
+
+def test_precast_input_needs_its_history():
+    x = torch.randn(16, 32)
+    w = torch.randn(16, 32)
+    op = f8.norm_fp8_operand(x, x, torch.ones(32), None, 1e-5, True, f8.new_amax_history()[0])
+    with pytest.raises(ValueError, match="pass that history as amax_history"):
+        fp8_linear(x, w, x_fp8=op)
+
+
+@requires_gpu
+@pytest.mark.parametrize("N", [768, 1000, 2048, 8192])
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_norm_absmax_on_gpu_eager_and_compiled(N, kind):
+    x, w, b = _norm_inputs(4099, N, kind, True)
+    x = x.cuda().bfloat16()
+    w, b = w.detach().cuda(), None if b is None else b.detach().cuda()
+    rms = kind == "rmsnorm"
+    want = _norm64(x, w, b, rms).abs().amax()
+    empty = torch.zeros((), device="cuda")
+    fn = lambda x: f8._norm_absmax_unless_op(x, w, b, empty, 1e-5, rms)
+    for got in (fn(x), torch.compile(fn, fullgraph=True)(x)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+    assert float(f8._norm_absmax_unless_op(x, w, b, torch.tensor(1.0, device="cuda"), 1e-5, rms)) == 0.0
+
+
+@requires_gpu
+def test_precast_norm_input_on_gpu_compiled_equals_eager():
+    """Under Inductor the cast runs inside the generated norm kernel: q and its transpose are those of the
+    eager cast-transpose of the same norm output to within one FP8 step on a few elements (the generated
+    norm rounds its fp32 statistics its own way), the amax within fp32 rounding."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch._dynamo.reset()
+    x, w, b = _norm_inputs(4096, 2048, "layernorm", True)
+    x, w, b = x.cuda(), w.detach().cuda(), b.detach().cuda()
+    history = torch.tensor([3.0] + [0.0] * 15, device="cuda")
+
+    def operand(x):
+        y = F.layer_norm(x, (2048,), w, b, 1e-5)
+        return f8.norm_fp8_operand(y, x, w, b, 1e-5, False, history)
+
+    got = torch.compile(operand, fullgraph=True)(x)
+    y = F.layer_norm(x, (2048,), w, b, 1e-5)
+    q, qt, amax = f8.cast_transpose_amax_fp8(y, f8.history_scale(y, history, E4M3), E4M3)
+    assert float(_fp8_ulps_apart(got.q, q, E4M3).float().mean()) < 1e-3
+    assert torch.equal(got.qt.view(torch.uint8), got.q.t().contiguous().view(torch.uint8))
+    torch.testing.assert_close(got.amax, amax, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got.inv, f8.history_scale(y, history, E4M3).reciprocal(), rtol=0, atol=0)

@@ -456,3 +456,48 @@ def test_fp8_gpt_with_activation_checkpointing(mode):
     torch.testing.assert_close(out[mode][0], out["none"][0], rtol=0, atol=0)
     for k, g in out["none"][1].items():
         torch.testing.assert_close(out[mode][1][k], g, rtol=1e-6, atol=1e-7, msg=k)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_delayed_fp8_block_hands_its_norm_output_over_cast(name, monkeypatch):
+    """With delayed FP8 a block casts each norm output for the delayed linear that alone reads it (the fused
+    q/k/v matmul; GPT-2's up projection) as PyTorch ops (``kernels.float8.delayed_norm_input``: under
+    torch.compile they fuse into the norm's kernel), instead of that linear casting the fp32 output itself:
+    losses, every gradient and every history equal bit for bit over three steps; the cast runs once per
+    norm it applies to (two per GELU block, one per SwiGLU block, whose MLP input has two readers), and by
+    default only while compiling."""
+    from lightning_perf.kernels import float8
+    from lightning_perf.kernels.float8 import fp8_recipe_of
+    from lightning_perf.kernels.ops import fp8_linear as f8
+
+    calls = []
+    real = f8.norm_fp8_operand
+    monkeypatch.setattr(f8, "norm_fp8_operand", lambda *a: calls.append(1) or real(*a))
+    idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(5))
+    models, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPT(GPTConfig.from_name(name, n_layer=2, fp8="delayed", fused_qkv=True)))
+        opts.append(torch.optim.AdamW(models[-1].parameters(), lr=3e-3))
+    for step in range(3):
+        losses = []
+        for mode, model, opt in (("never", models[0], opts[0]), ("always", models[1], opts[1])):
+            monkeypatch.setattr(float8, "NORM_CAST_IN_GRAPH", mode)
+            calls.clear()
+            loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+            assert len(calls) == (0 if mode == "never" else (4 if name == "tiny" else 2))
+        assert torch.equal(losses[0], losses[1])
+        for (n, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+            assert torch.equal(a.grad, b.grad), n
+        for opt in opts:
+            opt.zero_grad()
+        histories = [[m.fp8_amax_history for m in model.modules() if fp8_recipe_of(m) == "delayed"]
+                     for model in models]
+        assert all(torch.equal(a, b) for a, b in zip(*histories))
+    monkeypatch.setattr(float8, "NORM_CAST_IN_GRAPH", "compile")
+    calls.clear()
+    models[1](idx, idx)  # eager: the linears cast
+    assert not calls
