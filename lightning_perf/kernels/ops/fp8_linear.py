@@ -906,14 +906,17 @@ def _norm_absmax_kernel(X, W, B, OUT, PRIOR, M, N, stride_xm, eps, HAS_BIAS: tl.
     best = tl.zeros((BLOCK_N,), dtype=tl.int32)
     for row in range(tl.program_id(0).to(tl.int64), m, tl.num_programs(0).to(tl.int64)):
         x = tl.load(X + row * stride_xm + cols, mask=cmask, other=0.0).to(tl.float32)
+        # eps may arrive as fp64 (torch.compile passes Python floats so): the statistics stay fp32
         if RMS:
-            y = x * (1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)) * w
+            rstd = (1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)).to(tl.float32)
+            y = x * rstd * w
         else:
             d = tl.where(cmask, x - tl.sum(x, 0) / N, 0.0)
-            y = d * (1.0 / tl.sqrt(tl.sum(d * d, 0) / N + eps)) * w
+            rstd = (1.0 / tl.sqrt(tl.sum(d * d, 0) / N + eps)).to(tl.float32)
+            y = d * rstd * w
             if HAS_BIAS:
                 y += b
-        best = tl.maximum(best, tl.where(cmask, tl.abs(y), 0.0).to(tl.int32, bitcast=True))
+        best = tl.maximum(best, tl.where(cmask, tl.abs(y), 0.0).to(tl.float32).to(tl.int32, bitcast=True))
     tl.atomic_max(OUT.to(tl.pointer_type(tl.int32)), tl.max(best, 0))
 
 
