@@ -970,12 +970,49 @@ def norm_history_scale(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                        dtype)
 
 
+@triton.jit
+def _transpose_kernel(Q, QT, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # QT (N, M) = Q (M, N)^T: the tile is loaded in transposed order (strided reads, served by cache) and
+    # stored coalesced, as _cast_transpose_kernel writes its transposed copy
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_t = (rn[:, None] < N) & (rm[None, :] < M)
+    t = tl.load(Q + rm.to(tl.int64)[None, :] * N + rn[:, None], mask=mask_t)
+    tl.store(QT + rn.to(tl.int64)[:, None] * M + rm[None, :], t, mask=mask_t)
+
+
+_transpose_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"]}, num_warps=c["num_warps"])
+             for c in _CT_CONFIGS_GPU],
+    key=["M", "N"],
+)(_transpose_kernel)
+
+_TRANSPOSE_DEVICE = launch_device(_transpose_kernel)
+
+
+@torch.library.triton_op("lightning_perf::fp8_transpose", mutates_args=())
+def _transpose_op(q: torch.Tensor) -> torch.Tensor:
+    # an op of its own: inside a compiled graph, a transposed copy written as PyTorch ops is fused into
+    # the kernel that produces q, which then recomputes q's inputs in transposed order instead of
+    # reading q's bytes back
+    if not (q.dim() == 2 and q.is_contiguous() and q.is_cuda and can_launch(_TRANSPOSE_DEVICE, q)):
+        return q.t().contiguous()
+    M, N = q.shape
+    qt = q.new_empty((N, M))
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
+
+    wrap_triton(_transpose_tuned)[grid](q, qt, M, N)
+    return qt
+
+
 def norm_fp8_operand(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      eps: float, rms: bool, history: torch.Tensor) -> Float8Operand:
     """``y = norm(x)`` (any leading shape, last dimension K) as the e4m3 input of a delayed FP8 matmul whose
     input history row is ``history`` (H,): the scale from that row (or, while it is empty, from max
     |norm(x)| over x), the cast and the amax as PyTorch ops on ``y``, so that under torch.compile they
-    fuse into the norm's kernel; the transpose is a pass over the FP8 copy. Equal, bit for bit, to what
+    fuse into the norm's kernel; the transpose is a pass over the FP8 copy (a kernel of its own). Equal, bit for bit, to what
     :func:`cast_transpose_amax_fp8` gives for ``y`` with that scale (its amax is ``y``'s; only the first
     step's scale comes from the norm recomputed over x)."""
     K = y.shape[-1]
@@ -985,4 +1022,4 @@ def norm_fp8_operand(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
         amax = y2.abs().amax(-1).amax()  # row maxima first: the norm's own reduction range
         fmax = torch.finfo(E4M3).max
         q = (y2 * scale).clamp(-fmax, fmax).to(E4M3)
-    return Float8Operand(q, q.t().contiguous(), scale.reciprocal(), amax)
+    return Float8Operand(q, _transpose_op(q), scale.reciprocal(), amax)
