@@ -35,8 +35,6 @@ window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. Th
         --no_validation --variant tensorwise=--bench.fp8=tensorwise   # shipped FP8 recipe (delayed), tensorwise, plain bf16
     python benchmarks/bench_recipes.py --recipes gpt-1.3b-fp8 --variant mlp-unfused=--bench.fp8_mlp=unfused
         # the FP8 recipe, and the same with its MLPs as two delayed layers around a separate GELU
-    python benchmarks/bench_recipes.py --recipes gpt-1.3b-fp8 --variant norm-cast-kernel=--bench.fp8_norm_cast=never
-        # the FP8 recipe, and the same with its norm outputs cast by the linears instead of in the norm's kernel
     python benchmarks/bench_recipes.py --recipes gpt-1.3b --variant clip-in-place=--bench.clip=in_place
         # the recipe, and the recipe with its clipping as a separate pass before the fused step
     python benchmarks/bench_recipes.py --smoke                                  # CPU: the code paths only
@@ -184,12 +182,7 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
         extra = [a for a in extra if a != "--bench.fp8_mlp=unfused"]
         from lightning_perf.kernels import float8
 
-        float8.delayed_gelu_mlp = lambda x, up, down, x_fp8=None: None
-    if "--bench.fp8_norm_cast=never" in extra:  # a variant only: the linears cast the fp32 norm outputs themselves
-        extra = [a for a in extra if a != "--bench.fp8_norm_cast=never"]
-        from lightning_perf.kernels import float8
-
-        float8.NORM_CAST_IN_GRAPH = "never"
+        float8.delayed_gelu_mlp = lambda x, up, down: None
     if "--bench.clip=in_place" in extra:  # a variant only: clipping rewrites the gradients before the step
         extra = [a for a in extra if a != "--bench.clip=in_place"]
         from lightning_perf.plugins import precision

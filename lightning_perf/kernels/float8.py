@@ -46,7 +46,7 @@ import torch.nn as nn
 
 __all__ = ["FP8_RECIPES", "normalize_fp8", "require_torchao", "require_fp8", "fp8_linear_config", "convert_to_fp8",
            "is_fp8_linear", "fp8_recipe_of", "fp8_matmul", "check_fp8_device", "fp8_linear_reference",
-           "reset_amax_history", "uses_delayed_fp8", "delayed_gelu_mlp", "delayed_norm_input"]
+           "reset_amax_history", "uses_delayed_fp8", "delayed_gelu_mlp"]
 
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 _PACK = "lightning_perf.kernels.ops.fp8_linear"  # the pack's tensorwise matmul (needs Triton)
@@ -234,25 +234,23 @@ def _delayed_class() -> type:
 
 
 def _delayed_matmul(x: torch.Tensor, weight: torch.Tensor, layer: nn.Module,
-                    bias: Optional[torch.Tensor] = None, x_fp8: Any = None) -> torch.Tensor:
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in FP8 with ``layer``'s amax history, recorded while it trains."""
     if type(weight) not in (torch.Tensor, nn.Parameter) or type(x) is not torch.Tensor:
         raise ValueError(
             f"fp8='delayed' keeps an amax history for plain weights; this layer got a {type(weight).__name__} weight "
             f"and a {type(x).__name__} input (tensor parallelism or FSDP2 make DTensors, FP8 all-gather makes FP8 "
             "weights): use fp8='tensorwise' there")
-    return sys.modules[_PACK].fp8_linear(x, weight, bias, amax_history=layer.fp8_amax_history, record=layer.training,
-                                         x_fp8=x_fp8)
+    return sys.modules[_PACK].fp8_linear(x, weight, bias, amax_history=layer.fp8_amax_history, record=layer.training)
 
 
-def delayed_gelu_mlp(x: torch.Tensor, up: nn.Module, down: nn.Module, x_fp8: Any = None) -> Optional[torch.Tensor]:
+def delayed_gelu_mlp(x: torch.Tensor, up: nn.Module, down: nn.Module) -> Optional[torch.Tensor]:
     """``down(gelu_tanh(up(x)))`` for two delayed FP8 layers, fused: the GELU and the FP8 casts of its
     output (forward) and of its input gradient (backward) in one pass each (``fp8_gelu_mlp`` in
     ``kernels.ops.fp8_linear``), the same matmuls and histories as the layers' own forward.
 
     None where that does not apply (another recipe, DTensor or FP8-gathered weights, no Triton): the
     caller runs the layers, which compute the same function unfused (or refuse, as they do).
-    ``x_fp8``: x already cast for ``up`` (:func:`delayed_norm_input`).
     """
     if fp8_recipe_of(up) != "delayed" or fp8_recipe_of(down) != "delayed":
         return None
@@ -260,39 +258,7 @@ def delayed_gelu_mlp(x: torch.Tensor, up: nn.Module, down: nn.Module, x_fp8: Any
         return None
     return sys.modules[_PACK].fp8_gelu_mlp(x, up.weight, up.bias, down.weight, down.bias,
                                            up_history=up.fp8_amax_history, down_history=down.fp8_amax_history,
-                                           record=up.training, x_fp8=x_fp8)
-
-
-# "compile": a norm's output is cast for its delayed FP8 consumer as PyTorch ops (fused by torch.compile
-# into the norm's kernel) only while compiling; eager mode keeps the cast-transpose kernel, one pass
-# over the materialised output instead of three PyTorch ops. "always" (tests) or "never".
-NORM_CAST_IN_GRAPH = "compile"
-
-
-def delayed_norm_input(y: torch.Tensor, x: torch.Tensor, norm: nn.Module, layer: Optional[nn.Module]) -> Any:
-    """``y = norm(x)`` cast for ``layer``, the delayed FP8 linear that is its only consumer: a
-    ``kernels.ops.fp8_linear.Float8Operand`` under the layer's input history, cast by PyTorch ops that
-    torch.compile fuses into the norm's own kernel (so the norm writes FP8, not fp32, and the cast-
-    transpose pass over its output goes), for ``fp8_matmul`` / ``delayed_gelu_mlp`` to take as ``x_fp8``.
-
-    None where that does not apply (not compiling, another recipe, DTensors, a norm other than
-    LayerNorm / RMSNorm with the ``Norm`` module's attributes, shapes the FP8 matmul refuses): the
-    consumer casts ``y`` itself, to the same values.
-    """
-    mode = NORM_CAST_IN_GRAPH
-    if layer is None or mode == "never" or (mode == "compile" and not torch.compiler.is_compiling()):
-        return None
-    if fp8_recipe_of(layer) != "delayed" or getattr(norm, "kind", None) not in ("layernorm", "rmsnorm"):
-        return None
-    weight, bias = norm.weight, getattr(norm, "bias", None)
-    tensors = (y, x, weight, layer.weight) + ((bias,) if bias is not None else ())
-    if any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors):
-        return None
-    if not _pack_path(y, layer.weight) or x.shape != y.shape:
-        return None
-    rms = norm.kind == "rmsnorm"
-    return sys.modules[_PACK].norm_fp8_operand(y, x, weight, None if rms else bias, float(norm.eps), rms,
-                                               layer.fp8_amax_history[0])
+                                           record=up.training)
 
 
 def __getattr__(name: str) -> Any:
@@ -333,17 +299,16 @@ def fp8_recipe_of(module: nn.Module) -> Optional[str]:
     return "tensorwise" if granularity.name == "TENSORWISE" else "rowwise"
 
 
-def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, like: nn.Module, x_fp8: Any = None) -> torch.Tensor:
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, like: nn.Module) -> torch.Tensor:
     """``x @ weight.T`` as the FP8 linear ``like`` computes it (its recipe, both gradients in FP8).
 
     For a weight that is not ``like``'s own, e.g. the q, k and v weights concatenated by rows:
     one FP8 cast of ``x`` and one matmul instead of three. With a delayed ``like``, ``weight`` is recorded
-    in ``like``'s history (the concatenation's amax, every call alike), and ``x_fp8`` may carry x cast
-    for it already (:func:`delayed_norm_input`).
+    in ``like``'s history (the concatenation's amax, every call alike).
     """
     recipe = fp8_recipe_of(like)
     if recipe == "delayed":
-        return _delayed_matmul(x, weight, like, x_fp8=x_fp8)
+        return _delayed_matmul(x, weight, like)
     if recipe == "tensorwise" and _pack_path(x, weight):
         return sys.modules[_PACK].fp8_linear(x, weight)
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args

@@ -36,7 +36,7 @@ gradient needs.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -66,10 +66,6 @@ __all__ = [
     "gelu_cast_transpose_fp8_reference",
     "gelu_operand_reference",
     "gelu_history_scale",
-    "Float8Operand",
-    "norm_fp8_operand",
-    "norm_history_scale",
-    "norm_reference",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -410,13 +406,11 @@ class _Float8Matmul(torch.autograd.Function):
     scaling from its rows (x, W, dL/dy; see :func:`history_scale`), each operand cast by one pass that
     also yields its amax. The forward returns (y, amax(|x|), amax(|W|)) then, for the caller to record
     (the dL/dy row is recorded here, in the backward, when ``record``); the weight is cast with its
-    transpose, which the input-gradient matmul takes as it is. With ``xq`` (and ``xq_t``, ``x_inv``: a
-    :class:`Float8Operand` cast by the caller from x under the same history), x is not read and the
-    forward returns (y, amax(|W|)).
+    transpose, which the input-gradient matmul takes as it is.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, history, record, out_dtype, fast_accum, xq=None, xq_t=None, x_inv=None):
+    def forward(ctx, x, weight, history, record, out_dtype, fast_accum):
         x = x.contiguous()
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.history = history  # not saved for backward: its rows change in place after this forward
@@ -430,19 +424,13 @@ class _Float8Matmul(torch.autograd.Function):
                                  use_fast_accum=fast_accum)
             ctx.save_for_backward(xq_t, x_inv, wq, w_inv)
             return y
-        precast = xq is not None
-        if not precast:
-            x_scale = history_scale(x, history[0], E4M3)
-            xq, xq_t, x_amax = cast_transpose_amax_fp8(x, x_scale, E4M3)
-            x_inv = x_scale.reciprocal()
+        x_scale = history_scale(x, history[0], E4M3)
+        xq, xq_t, x_amax = cast_transpose_amax_fp8(x, x_scale, E4M3)
         w_scale = history_scale(weight, history[1], E4M3)
         wq, wq_t, w_amax = cast_transpose_amax_fp8(weight.detach(), w_scale, E4M3)
-        w_inv = w_scale.reciprocal()
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
         ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
-        if precast:
-            ctx.mark_non_differentiable(w_amax)
-            return y, w_amax
         ctx.mark_non_differentiable(x_amax, w_amax)
         return y, x_amax, w_amax
 
@@ -469,7 +457,7 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # q(g)^T (N, M) row-major times q(x) (M, K) column-major (= xq_t viewed transposed)
             dw = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=w_dtype)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -480,7 +468,7 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                fast_accum: bool = True, amax_history: Optional[torch.Tensor] = None,
-               record: bool = True, x_fp8: Optional[Float8Operand] = None) -> torch.Tensor:
+               record: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its forward and both gradient matmuls in FP8.
 
     x (..., K), weight (N, K), bias (N,) or None. The output dtype is the autocast dtype when
@@ -493,24 +481,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     current amax while a row is all zeros), and each cast records its operand's amax in its row, in
     place (x and W in the forward, dL/dy in the backward; nothing when ``record`` is False). Values
     beyond the range the history scale allows saturate at the FP8 maximum.
-
-    ``x_fp8``: x already cast under ``amax_history`` (:func:`norm_fp8_operand`); x itself is then only
-    the tensor its gradient flows to, and the operand's amax is what is recorded for x.
     """
     if not fp8_linear_supported(x, weight):
         return F.linear(x, weight, bias)
-    if x_fp8 is not None and amax_history is None:
-        raise ValueError("x_fp8 is an input cast under an amax history: pass that history as amax_history")
     out_dtype = _out_dtype(x)
     lead = x.shape[:-1]
     with torch.autocast(x.device.type, enabled=False):
-        if x_fp8 is not None:
-            y, w_amax = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, amax_history, bool(record), out_dtype,
-                                            bool(fast_accum), x_fp8.q, x_fp8.qt, x_fp8.inv)
-            if record:
-                push_amax(amax_history[0], x_fp8.amax)
-                push_amax(amax_history[1], w_amax)
-        elif amax_history is None:
+        if amax_history is None:
             y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, None, False, out_dtype, bool(fast_accum))
         else:
             y, x_amax, w_amax = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, amax_history, bool(record),
@@ -759,24 +736,19 @@ def gelu_history_scale(u: torch.Tensor, bias: Optional[torch.Tensor], history: t
 class _Float8GeluMLP(torch.autograd.Function):
     """gelu_tanh(x W_up^T + b_up) W_down^T on delayed FP8 operands (see :func:`fp8_gelu_mlp`): two FP8
     matmuls forward, four backward. The histories h_up, h_down (3, H) hold the amaxes of (x, W_up, dL/du)
-    and (h, W_down, dL/dy); the forward returns y and the four forward amaxes for the caller to record
-    (three, without x's, when x comes cast as ``xq``, ``xq_t``, ``x_inv``)."""
+    and (h, W_down, dL/dy); the forward returns y and the four forward amaxes for the caller to record."""
 
     @staticmethod
-    def forward(ctx, x, w_up, b_up, w_down, h_up, h_down, record, out_dtype, fast_accum, xq=None, xq_t=None,
-                x_inv=None):
+    def forward(ctx, x, w_up, b_up, w_down, h_up, h_down, record, out_dtype, fast_accum):
         x = x.contiguous()
         ctx.dtypes = (x.dtype, w_up.dtype, w_down.dtype, None if b_up is None else b_up.dtype, out_dtype)
         ctx.histories = (h_up, h_down)  # not saved: their rows change in place after this forward
         ctx.record = record
-        precast = xq is not None
-        if not precast:
-            x_scale = history_scale(x, h_up[0], E4M3)
-            xq, xq_t, x_amax = cast_transpose_amax_fp8(x, x_scale, E4M3)
-            x_inv = x_scale.reciprocal()
+        x_scale = history_scale(x, h_up[0], E4M3)
+        xq, xq_t, x_amax = cast_transpose_amax_fp8(x, x_scale, E4M3)
         w1_scale = history_scale(w_up, h_up[1], E4M3)
         w1q, w1q_t, w1_amax = cast_transpose_amax_fp8(w_up.detach(), w1_scale, E4M3)
-        w1_inv = w1_scale.reciprocal()
+        x_inv, w1_inv = x_scale.reciprocal(), w1_scale.reciprocal()
         u = torch._scaled_mm(xq, w1q.t(), scale_a=x_inv, scale_b=w1_inv, out_dtype=out_dtype,
                              use_fast_accum=fast_accum)
         b = None if b_up is None else b_up.detach()
@@ -789,9 +761,6 @@ class _Float8GeluMLP(torch.autograd.Function):
                              use_fast_accum=fast_accum)
         ctx.has_bias = b is not None
         ctx.save_for_backward(xq_t, x_inv, w1q_t, w1_inv, u, b if b is not None else u, hq_t, h_inv, w2q_t, w2_inv)
-        if precast:
-            ctx.mark_non_differentiable(w1_amax, h_amax, w2_amax)
-            return y, w1_amax, h_amax, w2_amax
         ctx.mark_non_differentiable(x_amax, w1_amax, h_amax, w2_amax)
         return y, x_amax, w1_amax, h_amax, w2_amax
 
@@ -820,7 +789,7 @@ class _Float8GeluMLP(torch.autograd.Function):
             dw_up = torch._scaled_mm(guq_t, xq_t.t(), scale_a=gu_inv, scale_b=x_inv, out_dtype=w1_dtype)
         db = db_up.to(b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dw2 = dw_down if ctx.needs_input_grad[3] else None
-        return dx, dw_up, db, dw2, None, None, None, None, None, None, None, None
+        return dx, dw_up, db, dw2, None, None, None, None, None
 
 
 def fp8_gelu_mlp_supported(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
@@ -832,8 +801,7 @@ def fp8_gelu_mlp_supported(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Te
 
 def fp8_gelu_mlp(x: torch.Tensor, w_up: torch.Tensor, b_up: Optional[torch.Tensor], w_down: torch.Tensor,
                  b_down: Optional[torch.Tensor], *, up_history: torch.Tensor, down_history: torch.Tensor,
-                 record: bool = True, fast_accum: bool = True, x_fp8: Optional[Float8Operand] = None
-                 ) -> torch.Tensor:
+                 record: bool = True, fast_accum: bool = True) -> torch.Tensor:
     """``fp8_linear(gelu_tanh(fp8_linear(x, w_up, b_up)), w_down, b_down)`` with delayed scaling, the
     GELU and both of its FP8 casts in one kernel each way.
 
@@ -841,23 +809,18 @@ def fp8_gelu_mlp(x: torch.Tensor, w_up: torch.Tensor, b_up: Optional[torch.Tenso
     amax histories (rows: input, weight, output gradient), read and recorded as :func:`fp8_linear`
     does. The hidden activation gelu(u + b_up) exists only in FP8 (its amax from the fp32 values, not
     from a bf16 copy); its gradient likewise, the bias gradient summed from the fp32 values. Shapes
-    :func:`fp8_gelu_mlp_supported` refuses run the unfused composition. ``x_fp8``: x already cast under
-    ``up_history``, as for :func:`fp8_linear`.
+    :func:`fp8_gelu_mlp_supported` refuses run the unfused composition.
     """
     if not fp8_gelu_mlp_supported(x, w_up, w_down):
-        h = fp8_linear(x, w_up, b_up, fast_accum=fast_accum, amax_history=up_history, record=record, x_fp8=x_fp8)
+        h = fp8_linear(x, w_up, b_up, fast_accum=fast_accum, amax_history=up_history, record=record)
         return fp8_linear(F.gelu(h, approximate="tanh"), w_down, b_down, fast_accum=fast_accum,
                           amax_history=down_history, record=record)
     out_dtype = _out_dtype(x)
     lead = x.shape[:-1]
     with torch.autocast(x.device.type, enabled=False):
-        args = (x.reshape(-1, x.shape[-1]), w_up, b_up, w_down, up_history, down_history, bool(record), out_dtype,
-                bool(fast_accum))
-        if x_fp8 is None:
-            y, x_amax, w1_amax, h_amax, w2_amax = _Float8GeluMLP.apply(*args)
-        else:
-            y, w1_amax, h_amax, w2_amax = _Float8GeluMLP.apply(*args, x_fp8.q, x_fp8.qt, x_fp8.inv)
-            x_amax = x_fp8.amax
+        y, x_amax, w1_amax, h_amax, w2_amax = _Float8GeluMLP.apply(
+            x.reshape(-1, x.shape[-1]), w_up, b_up, w_down, up_history, down_history, bool(record), out_dtype,
+            bool(fast_accum))
         if record:
             push_amax(up_history[0], x_amax)
             push_amax(up_history[1], w1_amax)
@@ -867,159 +830,3 @@ def fp8_gelu_mlp(x: torch.Tensor, w_up: torch.Tensor, b_up: Optional[torch.Tenso
         if b_down is not None:
             y = y + b_down.to(out_dtype)
     return y
-
-
-# ---- a norm's output as a delayed FP8 input, cast where the norm computes it --------------------
-# In a pre-norm block the LayerNorm (or RMSNorm) output feeds one FP8 matmul only (the fused q/k/v
-# projection, the MLP's up projection). Cast by :func:`cast_transpose_amax_fp8`, it passes through
-# memory twice in fp32 (autocast runs norms in fp32): the norm writes it, the cast reads it. With a
-# delayed scale, known before the operand exists, the cast is pointwise on the norm's output, and its
-# amax a row reduction like the norm's own: written as PyTorch ops (:func:`norm_fp8_operand`), both
-# fuse into the kernel torch.compile generates for the norm (and the residual add before it), which
-# then writes the FP8 copy instead of the fp32 output; only the transposed copy takes a second, FP8
-# pass. The matmuls take the operand as it is (``x_fp8=`` of :func:`fp8_linear` and
-# :func:`fp8_gelu_mlp`); the norm's backward is autograd's, unchanged. An empty history (the first
-# step) takes the current amax from one pass over the norm's input, which reads nothing otherwise.
-
-
-class Float8Operand(NamedTuple):
-    """An FP8 matmul input cast ahead of the matmul: q (M, K) e4m3, its transpose (K, M) contiguous,
-    the inverse of the scale it was cast with (0-dim fp32), and the amax of the values cast (0-dim fp32)."""
-
-    q: torch.Tensor
-    qt: torch.Tensor
-    inv: torch.Tensor
-    amax: torch.Tensor
-
-
-@triton.jit
-def _norm_absmax_kernel(X, W, B, OUT, PRIOR, M, N, stride_xm, eps, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    # max |norm(x)| over the rows of x (M, N), one whole row at a time, each program a stride of rows;
-    # no row is read while PRIOR > 0 (the "unless prior" pass of a history that holds a value)
-    m = tl.where(tl.load(PRIOR) > 0, 0, M)
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
-    best = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    for row in range(tl.program_id(0).to(tl.int64), m, tl.num_programs(0).to(tl.int64)):
-        x = tl.load(X + row * stride_xm + cols, mask=cmask, other=0.0).to(tl.float32)
-        # eps may arrive as fp64 (torch.compile passes Python floats so): the statistics stay fp32
-        if RMS:
-            rstd = (1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)).to(tl.float32)
-            y = x * rstd * w
-        else:
-            d = tl.where(cmask, x - tl.sum(x, 0) / N, 0.0)
-            rstd = (1.0 / tl.sqrt(tl.sum(d * d, 0) / N + eps)).to(tl.float32)
-            y = d * rstd * w
-            if HAS_BIAS:
-                y += b
-        best = tl.maximum(best, tl.where(cmask, tl.abs(y), 0.0).to(tl.float32).to(tl.int32, bitcast=True))
-    tl.atomic_max(OUT.to(tl.pointer_type(tl.int32)), tl.max(best, 0))
-
-
-_NORM_ABSMAX_DEVICE = launch_device(_norm_absmax_kernel)
-_NORM_ABSMAX_MAX_N = 16384  # one row per iteration in registers
-
-
-def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, rms: bool
-                   ) -> torch.Tensor:
-    """LayerNorm (``rms`` False) or RMSNorm of x over its last dimension, in fp32."""
-    w = weight.float()
-    if rms:
-        return F.rms_norm(x.float(), (x.shape[-1],), w, eps)
-    return F.layer_norm(x.float(), (x.shape[-1],), w, None if bias is None else bias.float(), eps)
-
-
-def _norm_absmax_launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], prior: torch.Tensor,
-                        eps: float, rms: bool, *, wrap: bool = True) -> torch.Tensor:
-    out = x.new_zeros((), dtype=torch.float32)
-    M, N = x.shape
-    programs = min(M, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count) if x.is_cuda else 4
-    kernel = wrap_triton(_norm_absmax_kernel) if wrap else _norm_absmax_kernel
-    kernel[(max(1, programs),)](x, weight, weight if bias is None else bias, out, prior, M, N, x.stride(0), eps,
-                                HAS_BIAS=bias is not None, RMS=rms, BLOCK_N=triton.next_power_of_2(N),
-                                num_warps=8 if N > 2048 else 4)
-    return out
-
-
-def _norm_absmax_ok(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.stride(1) == 1 and x.shape[1] <= _NORM_ABSMAX_MAX_N and x.is_cuda
-            and all(p.is_contiguous() for p in params) and can_launch(_NORM_ABSMAX_DEVICE, x, *params))
-
-
-@torch.library.triton_op("lightning_perf::fp8_norm_absmax_unless", mutates_args=())
-def _norm_absmax_unless_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], prior: torch.Tensor,
-                           eps: float, rms: bool) -> torch.Tensor:
-    params = (weight,) if bias is None else (weight, bias)
-    if not _norm_absmax_ok(x, *params):
-        amax = norm_reference(x, weight, bias, eps, rms).abs().amax()
-        return torch.where(prior > 0, torch.zeros_like(prior), amax)
-    return _norm_absmax_launch(x, weight, bias, prior, eps, rms)
-
-
-def norm_history_scale(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, rms: bool,
-                       history: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
-    """:func:`history_scale` of ``norm(x)`` (x (M, N)) without that operand: an empty ``history`` takes
-    the current amax from one pass over x (a Triton kernel on the GPU), which reads nothing otherwise."""
-    prior = history.amax().float()
-    return _scale_over(prior, _norm_absmax_unless_op(x.detach(), weight.detach(),
-                                                     None if bias is None else bias.detach(), prior, eps, rms),
-                       dtype)
-
-
-@triton.jit
-def _transpose_kernel(Q, QT, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # QT (N, M) = Q (M, N)^T: the tile is loaded in transposed order (strided reads, served by cache) and
-    # stored coalesced, as _cast_transpose_kernel writes its transposed copy
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_t = (rn[:, None] < N) & (rm[None, :] < M)
-    t = tl.load(Q + rm.to(tl.int64)[None, :] * N + rn[:, None], mask=mask_t)
-    tl.store(QT + rn.to(tl.int64)[:, None] * M + rm[None, :], t, mask=mask_t)
-
-
-_transpose_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"]}, num_warps=c["num_warps"])
-             for c in _CT_CONFIGS_GPU],
-    key=["M", "N"],
-)(_transpose_kernel)
-
-_TRANSPOSE_DEVICE = launch_device(_transpose_kernel)
-
-
-@torch.library.triton_op("lightning_perf::fp8_transpose", mutates_args=())
-def _transpose_op(q: torch.Tensor) -> torch.Tensor:
-    # an op of its own: inside a compiled graph, a transposed copy written as PyTorch ops is fused into
-    # the kernel that produces q, which then recomputes q's inputs in transposed order instead of
-    # reading q's bytes back
-    if not (q.dim() == 2 and q.is_contiguous() and q.is_cuda and can_launch(_TRANSPOSE_DEVICE, q)):
-        return q.t().contiguous()
-    M, N = q.shape
-    qt = q.new_empty((N, M))
-
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
-
-    wrap_triton(_transpose_tuned)[grid](q, qt, M, N)
-    return qt
-
-
-def norm_fp8_operand(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     eps: float, rms: bool, history: torch.Tensor) -> Float8Operand:
-    """``y = norm(x)`` (any leading shape, last dimension K) as the e4m3 input of a delayed FP8 matmul whose
-    input history row is ``history`` (H,): the scale from that row (or, while it is empty, from max
-    |norm(x)| over x), the cast and the amax as PyTorch ops on ``y``, so that under torch.compile they
-    fuse into the norm's kernel; the transpose is a pass over the FP8 copy (a kernel of its own). Equal, bit for bit, to what
-    :func:`cast_transpose_amax_fp8` gives for ``y`` with that scale (its amax is ``y``'s; only the first
-    step's scale comes from the norm recomputed over x)."""
-    K = y.shape[-1]
-    scale = norm_history_scale(x.reshape(-1, K), weight, bias, eps, rms, history, E4M3)
-    with torch.autocast(y.device.type, enabled=False):
-        y2 = y.detach().reshape(-1, K).float()
-        amax = y2.abs().amax(-1).amax()  # row maxima first: the norm's own reduction range
-        fmax = torch.finfo(E4M3).max
-        q = (y2 * scale).clamp(-fmax, fmax).to(E4M3)
-    return Float8Operand(q, _transpose_op(q), scale.reciprocal(), amax)

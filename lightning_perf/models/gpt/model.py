@@ -115,14 +115,7 @@ class Attention(nn.Module):
         return not any(is_dtensor(p.weight) or tensor_already_casted_to_fp8(p.weight)
                        for p in (self.q_proj, self.k_proj, self.v_proj))
 
-    def fp8_input_layer(self) -> Optional[nn.Module]:
-        """The delayed FP8 linear that alone reads this module's input (the fused q/k/v matmul runs
-        under q_proj's history), or None: the block may hand it that input already cast."""
-        if self.fused_qkv and self.attention_fn is None and self._fused_qkv_ok():
-            return self.q_proj
-        return None
-
-    def _qkv_fused(self, x: torch.Tensor, x_fp8: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v (each (..., width)) from one matmul over the three weights concatenated by rows.
 
         Under tensor parallelism the weights are column-parallel DTensor shards: their local rows are
@@ -155,7 +148,7 @@ class Attention(nn.Module):
             from lightning_perf.kernels.float8 import fp8_matmul, is_fp8_linear
 
             if is_fp8_linear(self.q_proj):
-                y = fp8_matmul(x, w, self.q_proj, x_fp8=x_fp8)
+                y = fp8_matmul(x, w, self.q_proj)
                 y = y + b.to(y.dtype) if b is not None else y
             else:
                 y = F.linear(x, w, b)
@@ -164,12 +157,11 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                doc_ids: Optional[torch.Tensor] = None, x_fp8: Any = None) -> torch.Tensor:
-        """``x_fp8``: x cast for :meth:`fp8_input_layer` by the block (``kernels.float8.delayed_norm_input``)."""
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
         # heads are read from the projection width so a tensor-parallel shard sees its local heads
         if self.fused_qkv and self._fused_qkv_ok():
-            q, k, v = self._qkv_fused(x, x_fp8)
+            q, k, v = self._qkv_fused(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
@@ -202,29 +194,17 @@ class MLP(nn.Module):
         self.delayed_fp8 = config.fp8 == "delayed"
         _to_fp8(self, config)
 
-    def fp8_input_layer(self) -> Optional[nn.Module]:
-        """The delayed FP8 linear that alone reads this module's input (GPT-2's up projection), or None."""
-        return self.up_proj if self.delayed_fp8 and self.gate_proj is None else None
-
-    def forward(self, x: torch.Tensor, x_fp8: Any = None) -> torch.Tensor:
-        """``x_fp8``: x cast for :meth:`fp8_input_layer` by the block (``kernels.float8.delayed_norm_input``)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
             h = ops.mlp_activation(self.gate_proj(x), self.up_proj(x), kind="swiglu", impl=self.impl)
         else:
             if self.delayed_fp8:  # GELU and its FP8 casts fused (kernels.float8.delayed_gelu_mlp)
                 from lightning_perf.kernels.float8 import delayed_gelu_mlp
 
-                y = delayed_gelu_mlp(x, self.up_proj, self.down_proj, x_fp8=x_fp8)
+                y = delayed_gelu_mlp(x, self.up_proj, self.down_proj)
                 if y is not None:
                     return y
-            if x_fp8 is not None:
-                from lightning_perf.kernels.float8 import fp8_matmul
-
-                u = fp8_matmul(x, self.up_proj.weight, self.up_proj, x_fp8=x_fp8)
-                u = u + self.up_proj.bias.to(u.dtype) if self.up_proj.bias is not None else u
-            else:
-                u = self.up_proj(x)
-            h = ops.mlp_activation(u, None, kind="gelu", impl=self.impl)
+            h = ops.mlp_activation(self.up_proj(x), None, kind="gelu", impl=self.impl)
         return self.down_proj(h)
 
 
@@ -237,28 +217,13 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = Norm(config)
         self.mlp = MLP(config)
-        self.delayed_fp8 = config.fp8 == "delayed"
-
-    def _norm_fp8(self, norm: nn.Module, x: torch.Tensor, consumer: nn.Module) -> tuple[torch.Tensor, dict]:
-        """norm(x), and with delayed FP8 the keyword that hands it to ``consumer`` already cast (the cast
-        fused into the norm's kernel under torch.compile: ``kernels.float8.delayed_norm_input``)."""
-        h = norm(x)
-        if not self.delayed_fp8:
-            return h, {}
-        from lightning_perf.kernels.float8 import delayed_norm_input
-
-        x_fp8 = delayed_norm_input(h, x, norm, consumer.fp8_input_layer())
-        return h, ({} if x_fp8 is None else {"x_fp8": x_fp8})
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h, cast = self._norm_fp8(self.attn_norm, x, self.attn)
-        # doc_ids and x_fp8 only as keywords, only when given: tensor-parallel plans describe (x, rope)
-        if doc_ids is not None:
-            cast["doc_ids"] = doc_ids
-        x = x + self.attn(h, rope, **cast)
-        h, cast = self._norm_fp8(self.mlp_norm, x, self.mlp)
-        return x + self.mlp(h, **cast)
+        h = self.attn_norm(x)
+        # doc_ids only as a keyword, only when given: tensor-parallel plans describe (x, rope)
+        x = x + (self.attn(h, rope) if doc_ids is None else self.attn(h, rope, doc_ids=doc_ids))
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
