@@ -90,7 +90,10 @@ def _scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _absmax_kernel(X, OUT, PRIOR, n, BLOCK: tl.constexpr, UNLESS_PRIOR: tl.constexpr):
+def _absmax_kernel(X, OUT, PRIOR, n, BLOCK: tl.constexpr, UNLESS_PRIOR: tl.constexpr, BIAS=None, DH=None, N=1,
+                   GELU: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, GRAD: tl.constexpr = False):
+    # GELU: the operand is never materialised: max |gelu(u + b)| (or of dL/dh * gelu'(u + b)) over
+    # contiguous (n / N, N) inputs X = u, BIAS, DH (see _gelu_operand)
     if UNLESS_PRIOR:  # delayed scaling: a recorded amax (PRIOR > 0) stands in, so nothing is read
         n = tl.where(tl.load(PRIOR) > 0, 0, n)
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -98,7 +101,10 @@ def _absmax_kernel(X, OUT, PRIOR, n, BLOCK: tl.constexpr, UNLESS_PRIOR: tl.const
     best = tl.zeros((BLOCK,), dtype=tl.int32)
     for off in range(start, n, step):
         offs = off + tl.arange(0, BLOCK)
-        x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+        if GELU:
+            x = _gelu_operand(X, BIAS, DH, offs // N, offs % N, offs < n, N, N, HAS_BIAS, GRAD)
+        else:
+            x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
         best = tl.maximum(best, tl.abs(x).to(tl.int32, bitcast=True))
     tl.atomic_max(OUT.to(tl.pointer_type(tl.int32)), tl.max(best, 0))
 
@@ -585,22 +591,6 @@ def _gelu_cast_transpose_kernel(U, BIAS, DH, Q, QT, SCALE, AMAX, DBP, M, N, stri
     tl.store(QT + rn.to(tl.int64)[:, None] * M + rm[None, :], qt, mask=mask_t)
 
 
-@triton.jit
-def _gelu_absmax_kernel(U, BIAS, DH, OUT, PRIOR, n, N, HAS_BIAS: tl.constexpr, GRAD: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    # _absmax_kernel's "unless prior" pass for an operand that is never materialised: max |gelu(u + b)|
-    # (or of dL/dh * gelu'(u + b)) over contiguous (M, N) inputs, read only while PRIOR is 0
-    n = tl.where(tl.load(PRIOR) > 0, 0, n)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
-    best = tl.zeros((BLOCK,), dtype=tl.int32)
-    for off in range(start, n, step):
-        offs = off + tl.arange(0, BLOCK)
-        h = _gelu_operand(U, BIAS, DH, offs // N, offs % N, offs < n, N, N, HAS_BIAS, GRAD)
-        best = tl.maximum(best, tl.abs(h).to(tl.int32, bitcast=True))
-    tl.atomic_max(OUT.to(tl.pointer_type(tl.int32)), tl.max(best, 0))
-
-
 # BLOCK_M is fixed: the bias-gradient partials have one row per row of programs, whatever the tuner picks
 _GELU_CT_BLOCK_M = 64
 _GELU_CT_CONFIGS_GPU = [dict(BLOCK_N=bn, num_warps=w) for bn in (64, 128) for w in (4, 8)]
@@ -708,10 +698,11 @@ def _gelu_absmax_launch(u: torch.Tensor, bias: Optional[torch.Tensor], prior: to
                         dh: Optional[torch.Tensor] = None, *, wrap: bool = True) -> torch.Tensor:
     out = u.new_zeros((), dtype=torch.float32)
     M, N = u.shape
-    kernel = wrap_triton(_gelu_absmax_kernel) if wrap else _gelu_absmax_kernel
-    kernel[(_absmax_grid(u.numel(), u.device),)](u, u if bias is None else bias, u if dh is None else dh, out, prior,
-                                                 u.numel(), N, HAS_BIAS=bias is not None, GRAD=dh is not None,
-                                                 BLOCK=_ABSMAX_BLOCK, num_warps=8)
+    kernel = wrap_triton(_absmax_kernel) if wrap else _absmax_kernel
+    kernel[(_absmax_grid(u.numel(), u.device),)](u, out, prior, u.numel(), BLOCK=_ABSMAX_BLOCK, UNLESS_PRIOR=True,
+                                                 BIAS=u if bias is None else bias, DH=u if dh is None else dh, N=N,
+                                                 GELU=True, HAS_BIAS=bias is not None, GRAD=dh is not None,
+                                                 num_warps=8)
     return out
 
 
