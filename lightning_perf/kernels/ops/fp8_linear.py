@@ -90,10 +90,11 @@ def _scale_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _absmax_kernel(X, OUT, PRIOR, n, BLOCK: tl.constexpr, UNLESS_PRIOR: tl.constexpr, BIAS=None, DH=None, N=1,
-                   GELU: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, GRAD: tl.constexpr = False):
-    # GELU: the operand is never materialised: max |gelu(u + b)| (or of dL/dh * gelu'(u + b)) over
-    # contiguous (n / N, N) inputs X = u, BIAS, DH (see _gelu_operand)
+def _absmax_kernel(X, BIAS, DH, OUT, PRIOR, n, N, BLOCK: tl.constexpr, UNLESS_PRIOR: tl.constexpr,
+                   GELU: tl.constexpr, HAS_BIAS: tl.constexpr, GRAD: tl.constexpr):
+    # max |X| over n contiguous elements (BIAS, DH, N unused: every argument is passed, as torch.compile
+    # launches kernels without their defaults). GELU: the operand is never materialised: max |gelu(u + b)|
+    # (or of dL/dh * gelu'(u + b)) over contiguous (n / N, N) inputs X = u, BIAS, DH (see _gelu_operand)
     if UNLESS_PRIOR:  # delayed scaling: a recorded amax (PRIOR > 0) stands in, so nothing is read
         n = tl.where(tl.load(PRIOR) > 0, 0, n)
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -110,6 +111,7 @@ def _absmax_kernel(X, OUT, PRIOR, n, BLOCK: tl.constexpr, UNLESS_PRIOR: tl.const
 
 
 _ABSMAX_BLOCK = 4096
+_PLAIN = dict(GELU=False, HAS_BIAS=False, GRAD=False)  # _absmax_kernel on a stored tensor
 
 
 def _absmax_grid(n: int, device: torch.device) -> int:
@@ -133,9 +135,9 @@ def _absmax_launch(t: torch.Tensor, out: Optional[torch.Tensor] = None, prior: O
     """The kernel on ``t`` (any device it can launch on: tests drive the interpreted one on CPU); with
     ``prior`` (a 0-dim fp32 tensor), 0 without reading ``t`` when ``prior > 0``."""
     out = torch.zeros((), dtype=torch.float32, device=t.device) if out is None else out.zero_()
-    _absmax_kernel[(_absmax_grid(t.numel(), t.device),)](t, out, out if prior is None else prior, t.numel(),
+    _absmax_kernel[(_absmax_grid(t.numel(), t.device),)](t, t, t, out, out if prior is None else prior, t.numel(), 1,
                                                          BLOCK=_ABSMAX_BLOCK, UNLESS_PRIOR=prior is not None,
-                                                         num_warps=8)
+                                                         **_PLAIN, num_warps=8)
     return out
 
 
@@ -144,8 +146,9 @@ def _absmax_op(t: torch.Tensor) -> torch.Tensor:
     if not _absmax_ok(t):
         return t.abs().amax().float()
     out = t.new_zeros((), dtype=torch.float32)
-    wrap_triton(_absmax_kernel)[(_absmax_grid(t.numel(), t.device),)](t, out, out, t.numel(), BLOCK=_ABSMAX_BLOCK,
-                                                                      UNLESS_PRIOR=False, num_warps=8)
+    wrap_triton(_absmax_kernel)[(_absmax_grid(t.numel(), t.device),)](t, t, t, out, out, t.numel(), 1,
+                                                                      BLOCK=_ABSMAX_BLOCK, UNLESS_PRIOR=False,
+                                                                      **_PLAIN, num_warps=8)
     return out
 
 
@@ -343,8 +346,9 @@ def _absmax_unless_op(t: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
     if not _absmax_ok(t):
         return torch.where(prior > 0, torch.zeros_like(prior), t.detach().abs().amax().float())
     out = t.new_zeros((), dtype=torch.float32)
-    wrap_triton(_absmax_kernel)[(_absmax_grid(t.numel(), t.device),)](t, out, prior, t.numel(), BLOCK=_ABSMAX_BLOCK,
-                                                                      UNLESS_PRIOR=True, num_warps=8)
+    wrap_triton(_absmax_kernel)[(_absmax_grid(t.numel(), t.device),)](t, t, t, out, prior, t.numel(), 1,
+                                                                      BLOCK=_ABSMAX_BLOCK, UNLESS_PRIOR=True,
+                                                                      **_PLAIN, num_warps=8)
     return out
 
 
@@ -699,10 +703,9 @@ def _gelu_absmax_launch(u: torch.Tensor, bias: Optional[torch.Tensor], prior: to
     out = u.new_zeros((), dtype=torch.float32)
     M, N = u.shape
     kernel = wrap_triton(_absmax_kernel) if wrap else _absmax_kernel
-    kernel[(_absmax_grid(u.numel(), u.device),)](u, out, prior, u.numel(), BLOCK=_ABSMAX_BLOCK, UNLESS_PRIOR=True,
-                                                 BIAS=u if bias is None else bias, DH=u if dh is None else dh, N=N,
-                                                 GELU=True, HAS_BIAS=bias is not None, GRAD=dh is not None,
-                                                 num_warps=8)
+    kernel[(_absmax_grid(u.numel(), u.device),)](u, u if bias is None else bias, u if dh is None else dh, out, prior,
+                                                 u.numel(), N, BLOCK=_ABSMAX_BLOCK, UNLESS_PRIOR=True, GELU=True,
+                                                 HAS_BIAS=bias is not None, GRAD=dh is not None, num_warps=8)
     return out
 
 
