@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 
 from lightning_perf.callbacks._utils import device_of, find_callback, layout_of
-from lightning_perf.callbacks.garbage import GarbageCollection
 from lightning_perf.models.gpt.module import GPTLightningModule
 from lightning_perf.parallel.config_3d import Parallel3DConfig
 from lightning_perf.parallel.zero_config import ZeroConfig
+from lightning_perf.perf.collection import scheduled_every
 from lightning_perf.perf.run_settings import RunSettings
 
 __all__ = ["run_settings_of", "compiled_modules"]
@@ -115,7 +115,7 @@ def run_settings_of(trainer: Any, pl_module: Optional[nn.Module] = None) -> RunS
         strategy=type(strategy).__name__ if strategy is not None else None,
         zero_stage=_zero_stage(strategy, config),
         data_parallel_size=layout.data_parallel_size,
-        gc_scheduled=find_callback(trainer, GarbageCollection) is not None,
+        gc_scheduled=scheduled_every() is not None,
     )
     if device.type == "cuda":
         out.device_name = torch.cuda.get_device_name(device)

@@ -19,12 +19,12 @@ from lightning_perf.callbacks._utils import (
     sampled_steps_of,
 )
 from lightning_perf.callbacks.comm import CommOverlapMonitor
-from lightning_perf.callbacks.garbage import CollectionTimer, GarbageCollection
 from lightning_perf.callbacks.memory import MemoryMonitor
 from lightning_perf.callbacks.mfu import MFUMonitor
 from lightning_perf.callbacks.roofline import RooflineMonitor
 from lightning_perf.callbacks.stall import DataLoaderStallDetector
 from lightning_perf.callbacks.sync import SyncPointWarner
+from lightning_perf.perf.collection import CollectionTimer, scheduled_every
 from lightning_perf.perf.dataloader import dataloader_advice
 from lightning_perf.perf.report import PerfSummary, render_markdown
 from lightning_perf.perf.steps import StepLedger, StepRow, StepTimer
@@ -74,6 +74,7 @@ class PerfReport(Callback):
         self._unit = "GPU"
         self._timer: Optional[StepTimer] = None
         self._on_gc = CollectionTimer(tag=self._step_index)  # (step index, seconds) per collection
+        self._gc_every: Optional[int] = None  # the collection schedule in charge during training (None: automatic)
 
     def _step_index(self) -> int:
         return self._timer.index if self._timer is not None else -1
@@ -84,6 +85,7 @@ class PerfReport(Callback):
         self._cuda, self._unit = device.type == "cuda", device_unit(device)
         self._timer = StepTimer(device)
         self.ledger.clear()
+        self._gc_every = None
         self._on_gc.pauses = []
         self._on_gc.install()
 
@@ -108,6 +110,8 @@ class PerfReport(Callback):
                            batch_idx: int) -> None:
         if self._timer is not None:
             self._timer.end()
+        if batch_idx == 0 or self._gc_every is None:  # every schedule has started by the first batch's end
+            self._gc_every = scheduled_every()
 
     def _record(self, records: list[Any]) -> None:
         for r in records:
@@ -194,7 +198,7 @@ class PerfReport(Callback):
             s.gc_pause_s = sum(pauses) / steps
             s.gc_max_pause_s = max(pauses) if pauses else 0.0
             s.gc_collections = len(pauses)
-            s.gc_scheduled = find_callback(trainer, GarbageCollection) is not None
+            s.gc_scheduled = self._gc_every is not None
         config = getattr(trainer.strategy, "config", None)  # ZeroStrategy's ZeroConfig
         if getattr(config, "uses_fsdp", False) and getattr(config, "backend", None) == "native":
             s.fsdp_blocks_per_unit = config.blocks_per_unit
@@ -203,6 +207,7 @@ class PerfReport(Callback):
             s.user_sync_sites = [x.describe() for x in sync.user_sites()]
             s.framework_sync_sites = [x.describe() for x in sync.framework_sites()]
         s.settings = run_settings_of(trainer)
+        s.settings.gc_scheduled = self._gc_every is not None
         memory = find_callback(trainer, MemoryMonitor)
         if memory is not None:
             s.memory = memory.report()

@@ -61,8 +61,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_perf.callbacks.garbage import DefaultCollection, GarbageCollection
 from lightning_perf.parallel import checkpoint as ckpt
 from lightning_perf.parallel.async_checkpoint import AsyncCheckpointer, async_save_supported
+from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, check_every_n_steps
 from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
 
 if TYPE_CHECKING:
@@ -151,6 +153,12 @@ class PerfParallelStrategy(ParallelStrategy):
             staged to host memory and the write overlaps training (gpt2-124m on an H100: 0.9 s
             lost per save in place of 5.1 s), in the save call on the CPU, where the staging copy
             is the write's own cost.
+        gc_every_n_steps: Python's garbage collector runs every this many global steps on every
+            rank, with its automatic collections off during ``fit`` (so no rank pauses at its own
+            moment while the others wait in the next collective; see
+            ``lightning_perf.callbacks.GarbageCollection``); ``None``: Python's automatic collector,
+            as the program has it. A ``GarbageCollection`` callback attached to the Trainer decides
+            instead.
         The others are Lightning's ``ParallelStrategy`` arguments.
     """
 
@@ -164,7 +172,9 @@ class PerfParallelStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         async_checkpoint: Optional[bool] = None,
+        gc_every_n_steps: Optional[int] = DEFAULT_EVERY_N_STEPS,
     ) -> None:
+        check_every_n_steps(gc_every_n_steps, allow_none=True, name="gc_every_n_steps")
         if async_checkpoint and not async_save_supported():
             raise ValueError(
                 "async_checkpoint=True needs torch.distributed.checkpoint.async_save and the gloo backend, "
@@ -183,6 +193,7 @@ class PerfParallelStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._async_option = async_checkpoint
         self._checkpointer: Optional[AsyncCheckpointer] = None
+        self._collection = DefaultCollection(gc_every_n_steps)
 
     # ---- what each strategy names ------------------------------------------------------------
 
@@ -346,11 +357,28 @@ class PerfParallelStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         assert self.cluster_environment is not None
+        self._attach_collection()
         self._prepare_process_group(self._process_group_backend)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._device_mesh = self._build_device_mesh()
         if self.lightning_module is not None:  # LightningModule.device_mesh, for configure_model
             self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def gc_every_n_steps(self) -> Optional[int]:
+        """Global steps between the strategy's scheduled garbage collections (None: Python's automatic ones)."""
+        return self._collection.every_n_steps
+
+    def _attach_collection(self) -> None:
+        """The strategy's collection schedule joins the fit's callbacks, unless the user attached one."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return
+        callbacks = trainer.callbacks
+        if any(isinstance(c, GarbageCollection) and c is not self._collection for c in callbacks):
+            return  # the user's schedule decides
+        if self._collection not in callbacks:
+            callbacks.append(self._collection)
 
     def _prepare_process_group(self, backend: str) -> None:
         """Let the fit's callbacks set what torch reads when the group is created (module docstring)."""

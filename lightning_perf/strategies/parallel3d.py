@@ -46,6 +46,7 @@ from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.tensor_parallel import tp_sequence_check
 from lightning_perf.parallel.tied import check_tied_layout, tied_parameter_names
 from lightning_perf.parallel.validate import check_data_layout, data_shape
+from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS
 from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
             fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
         async_checkpoint: write checkpoints in the background while training goes on (``None``:
             on CUDA devices); see ``PerfParallelStrategy``.
+        gc_every_n_steps: Python's garbage collector on a fixed schedule, the same steps on every
+            rank (``None``: automatic); see ``PerfParallelStrategy``.
 
     The 3D model protocol: data parallelism and ZeRO need nothing from the model; tensor and
     pipeline parallelism need methods on the network (the LightningModule or a submodule, such
@@ -172,6 +175,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         async_checkpoint: Optional[bool] = None,
         replicate_size: Union[int, str] = 1,
+        gc_every_n_steps: Optional[int] = DEFAULT_EVERY_N_STEPS,
         **kwargs: Any,
     ) -> None:
         # numbers only: a bad layout fails here, long before any process group exists
@@ -198,7 +202,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
             compile_backend=compile_backend,
         )
         super().__init__(
-            process_group_backend=process_group_backend, timeout=timeout, async_checkpoint=async_checkpoint, **kwargs
+            process_group_backend=process_group_backend, timeout=timeout, async_checkpoint=async_checkpoint,
+            gc_every_n_steps=gc_every_n_steps, **kwargs
         )
         self.meta_init = meta_init
         self._parallel: Optional[Parallelized3D] = None

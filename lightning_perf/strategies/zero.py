@@ -44,6 +44,7 @@ from lightning_perf.parallel.init import has_meta_tensors, materialize_from_rank
 from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.validate import check_data_layout, data_shape
 from lightning_perf.parallel.zero_config import ZeroConfig
+from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS
 from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model
 
 __all__ = ["ZeroStrategy"]
@@ -127,6 +128,7 @@ class ZeroStrategy(PerfParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         async_checkpoint: Optional[bool] = None,
+        gc_every_n_steps: Optional[int] = DEFAULT_EVERY_N_STEPS,
     ) -> None:
         self.config = ZeroConfig(
             stage=stage,
@@ -154,6 +156,7 @@ class ZeroStrategy(PerfParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             async_checkpoint=async_checkpoint,
+            gc_every_n_steps=gc_every_n_steps,
         )
         if async_checkpoint and self.config.backend == "deepspeed":
             raise ValueError(

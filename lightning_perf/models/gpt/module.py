@@ -18,6 +18,7 @@ from lightning_perf.models.gpt.generate import generate
 from lightning_perf.models.gpt.model import GPT
 from lightning_perf.parallel.activation_checkpointing import AC_MODES, apply_activation_checkpointing
 from lightning_perf.parallel.compile import COMPILE_MODES, COMPILE_SCOPES, apply_compile
+from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, Priority, ScheduledCollection, check_every_n_steps
 from lightning_perf.perf.documents import document_work, packed_batch_flops
 
 __all__ = ["GPTLightningModule", "cosine_with_warmup"]
@@ -31,6 +32,35 @@ def cosine_with_warmup(step: int, *, warmup_steps: int, total_steps: int, min_lr
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class _ModelCollection(L.Callback):
+    """The module's garbage-collection schedule, at the model's priority: a strategy's schedule or an
+    attached ``GarbageCollection`` takes precedence (``lightning_perf.perf.collection``)."""
+
+    def __init__(self, every_n_steps: Optional[int]) -> None:
+        self.schedule = ScheduledCollection(every_n_steps, priority=Priority.MODEL)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.schedule.start()
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.schedule.after_step(trainer.global_step)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.schedule.stop()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.schedule.stop()
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.schedule.stop()
 
 
 class GPTLightningModule(L.LightningModule):
@@ -58,6 +88,10 @@ class GPTLightningModule(L.LightningModule):
         vocab_size, block_size: override the preset's (e.g. to match a tokenizer or a data module).
         config_overrides: other :class:`GPTConfig` fields to change on the preset, e.g.
             ``{"kernels": "triton", "attention": "auto", "fp8": True}`` (a recipe's way to set them).
+        gc_every_n_steps: Python's garbage collector runs every this many global steps with its
+            automatic collections off during ``fit`` (``None``: automatic, as the program has it). A
+            strategy of the pack (its own ``gc_every_n_steps``) or an attached ``GarbageCollection``
+            callback decides instead.
     """
 
     def __init__(
@@ -79,8 +113,10 @@ class GPTLightningModule(L.LightningModule):
         vocab_size: Optional[int] = None,
         block_size: Optional[int] = None,
         config_overrides: Optional[dict[str, Any]] = None,
+        gc_every_n_steps: Optional[int] = DEFAULT_EVERY_N_STEPS,
     ) -> None:
         super().__init__()
+        check_every_n_steps(gc_every_n_steps, allow_none=True, name="gc_every_n_steps")
         if init_from_hf is not None and config is None:
             from lightning_perf.models.gpt.hf import config_from_hf, read_hf_config
 
@@ -137,6 +173,11 @@ class GPTLightningModule(L.LightningModule):
         self._batch_shape: Optional[tuple[int, int]] = None
         self._batch_doc_ids: Optional[torch.Tensor] = None  # the last training batch's, if packed
         self._loss_copies: list[tuple[torch.Tensor, Any]] = []  # (pinned host copy, CUDA event) in flight
+        self._collection = _ModelCollection(gc_every_n_steps)
+
+    @override
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [self._collection]
 
     # ---- model ---------------------------------------------------------------------------
 
