@@ -112,15 +112,53 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zero3_triton_compile_units2": {"strategy": "zero3_units2", "kernels": "triton", "compile": "default"},
     "zero3_triton_compile_gc_units2": {"strategy": "zero3_units2", "kernels": "triton", "compile": "default", "gc": 10},
     "llama8b_zero3": {"strategy": "zero3_meta", "preset": "llama-8b", "batch": 2, "ac": "full"},
+    # Lightning's ModelParallelStrategy + FSDP2 (fully_shard per block, bf16 MixedPrecisionPolicy) + per-block
+    # torch.compile + fused AdamW over the plain GPT (benchmarks/_baselines.py): the strongest Lightning-native path
+    "lightning_model_parallel_compile": {"baseline": "model_parallel"},
+    # the gpt-1.3b-zero3 recipe's model and strategy from Python, with the defaults a user gets (collection
+    # schedule on), and the same with the schedule turned off (Python's automatic collector)
+    "zero3_recipe": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton", "compile": "default",
+                     "fp8": "tensorwise", "fused_qkv": True},
+    "zero3_recipe_no_gc_schedule": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton",
+                                    "compile": "default", "fp8": "tensorwise", "fused_qkv": True, "gc_every": None},
+    # llama-8b at T=8192, 2 sequences per GPU, ZeRO-3 built on meta: FP8 tensorwise + the pack's kernels +
+    # per-block compile + selective checkpointing, the same in bf16, and the levers one at a time
+    **{f"llama8b_zero3_{name}": {"preset": "llama-8b", "seq_len": 8192, "batch": 2, "warmup": 4, "steps": 8,
+                                 "kernels": "triton", "attention": "auto", "compile": "default", **spec,
+                                 "zero": {"stage": 3, "init": "meta", **spec.get("zero", {})}}
+       for name, spec in {
+           "fp8": {"fp8": "tensorwise", "fused_qkv": True, "ac": "selective"},
+           "bf16": {"ac": "selective", "fused_qkv": True},
+           "fp8_gather": {"fp8": "tensorwise", "fused_qkv": True, "ac": "selective",
+                          "zero": {"fp8_all_gather": True}},
+           "fp8_no_ac": {"fp8": "tensorwise", "fused_qkv": True, "ac": "none"},
+           "fp8_no_ac_gather": {"fp8": "tensorwise", "fused_qkv": True, "ac": "none",
+                                "zero": {"fp8_all_gather": True}},
+           "fp8_prefetch2": {"fp8": "tensorwise", "fused_qkv": True, "ac": "selective", "zero": {"prefetch": 2}},
+           "bf16_no_ac": {"ac": "none", "fused_qkv": True},
+       }.items()},
+    "llama8b_model_parallel_compile": {"baseline": "model_parallel", "preset": "llama-8b", "seq_len": 8192,
+                                       "batch": 2, "warmup": 4, "steps": 8, "ac": "full"},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
     "zero1_powersgd": {"strategy": "zero1_powersgd"},
 }
 
 
-def build_strategy(name: str, smoke: bool) -> Any:
+def build_strategy(name: str, smoke: bool, spec: Optional[dict] = None, world: int = 1) -> Any:
     from lightning_perf.models.gpt.model import Block
     from lightning_perf.strategies import ZeroStrategy
+
+    spec = spec or {}
+    if spec.get("baseline") == "model_parallel":
+        from _baselines import model_parallel_strategy
+
+        return model_parallel_strategy(world)
+    if "zero" in spec:  # ZeroStrategy's arguments, as a user writes them
+        kwargs = dict(spec["zero"])
+        if "gc_every" in spec:
+            kwargs["gc_every_n_steps"] = spec["gc_every"]
+        return ZeroStrategy(**kwargs)
 
     if name == "ddp":
         return "ddp"
@@ -248,13 +286,17 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
         register_strategies()
         smoke = args["smoke"]
         preset = spec.get("preset", args["preset"])
-        T = args["seq_len"]
-        B = spec.get("batch", args["batch"])
+        T = spec.get("seq_len", args["seq_len"]) if not smoke else args["seq_len"]
+        B = spec.get("batch", args["batch"]) if not smoke else args["batch"]
+        warmup = spec.get("warmup", args["warmup"]) if not smoke else args["warmup"]
+        steps = spec.get("steps", args["steps"]) if not smoke else args["steps"]
         overrides: dict[str, Any] = {"block_size": max(T, 16)}
         if "kernels" in spec:
             overrides["kernels"] = spec["kernels"]
         if spec.get("fp8"):
-            overrides["fp8"] = True
+            overrides["fp8"] = spec["fp8"]
+        if "attention" in spec:
+            overrides["attention"] = spec["attention"]
         if spec.get("fused_qkv"):
             overrides["fused_qkv"] = True
         if smoke:
@@ -273,12 +315,21 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
                 return x[:-1], x[1:]
 
         L.seed_everything(0, verbose=False)
-        module = GPTLightningModule(config, warmup_steps=0, compile=spec.get("compile"),
-                                    activation_checkpointing=spec.get("ac", "none"))
-        timer = _Timer(args["warmup"], args["steps"], args["profile_dir"])
-        window = WallClockWindow(warmup=args["warmup"], steps=args["steps"], checkpoint=False)
-        accelerator = "cpu" if smoke else "gpu"
         precision: dict[str, Any] = {"precision": "bf16-mixed" if not smoke else "32-true"}
+        if spec.get("baseline") == "model_parallel":
+            from _baselines import ModelParallelGPT
+
+            # the MixedPrecisionPolicy casts (bf16 compute, fp32 master weights and reduction): no autocast
+            module = ModelParallelGPT(config, compile=None if smoke else "default",
+                                      activation_checkpointing=spec.get("ac", "none"))
+            precision = {"precision": "32-true"}
+        else:
+            gc_kwargs = {"gc_every_n_steps": spec["gc_every"]} if "gc_every" in spec else {}
+            module = GPTLightningModule(config, warmup_steps=0, compile=spec.get("compile"),
+                                        activation_checkpointing=spec.get("ac", "none"), **gc_kwargs)
+        timer = _Timer(warmup, steps, args["profile_dir"])
+        window = WallClockWindow(warmup=warmup, steps=steps, checkpoint=False)
+        accelerator = "cpu" if smoke else "gpu"
         if spec.get("reduce_dtype"):  # our precision plugin with a gradient-reduction dtype of its own
             from lightning_perf.plugins import PerfPrecision
 
@@ -291,8 +342,8 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
 
             gc_callbacks = [GarbageCollection(every_n_steps=int(spec["gc"]))]
         trainer = L.Trainer(
-            accelerator=accelerator, devices=world, strategy=build_strategy(spec["strategy"], smoke),
-            max_steps=args["warmup"] + args["steps"] + 2, **precision,
+            accelerator=accelerator, devices=world, strategy=build_strategy(spec.get("strategy", ""), smoke, spec, world),
+            max_steps=warmup + steps + 2, **precision,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, window] + gc_callbacks,
         )
@@ -390,9 +441,15 @@ def merge_ranks(variant: str, results: list[dict], error: str | None) -> dict:
 
 def add_ratios(results: list[dict]) -> None:
     """Each variant against Lightning's FSDP FULL_SHARD of the same run: by wall clock and, under
-    ``*_median_step``, by the median step."""
+    ``*_median_step``, by the median step; and by wall clock against Lightning's ModelParallelStrategy
+    + FSDP2 + compile of the same model and run (``speedup_vs_lightning_model_parallel``)."""
     base = next((r for r in results if r["variant"] == "lightning_fsdp_full_shard" and r.get("ok")), None)
     for r in results:
+        preset = r.get("preset")
+        mp = next((b for b in results if b.get("ok") and b.get("preset") == preset
+                   and b["variant"].endswith("model_parallel_compile")), None)
+        if mp is not None and r.get("ok"):
+            r["speedup_vs_lightning_model_parallel"] = r["tokens_per_s"] / mp["tokens_per_s"]
         if base and r.get("ok"):
             r["speedup_vs_lightning_fsdp_full_shard"] = r["tokens_per_s"] / base["tokens_per_s"]
             r["speedup_vs_lightning_fsdp_full_shard_median_step"] = (r["tokens_per_s_median_step"]
@@ -458,7 +515,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"bench_parallel{'_smoke' if a.smoke else ''}_{stamp}.json"
     path.write_text(json.dumps(report, indent=2))
-    print(f"\n{'variant':32s} {'tok/s':>10s} {'MFU':>7s} {'mem GB':>8s} {'exp.comm':>9s} {'vs FSDP':>8s} {'loss':>7s}")
+    print(f"\n{'variant':32s} {'tok/s':>10s} {'MFU':>7s} {'mem GB':>8s} {'exp.comm':>9s} {'vs FSDP':>8s} {'vs MP':>8s} {'loss':>7s}")
     for r in results:
         if not r.get("ok"):
             print(f"{r['variant']:32s} failed: {r.get('error', '')[:80]}")
@@ -468,7 +525,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         sp = f"{r['speedup_vs_lightning_fsdp_full_shard']:.2f}x" if "speedup_vs_lightning_fsdp_full_shard" in r else "-"
         loss = f"{r['final_loss']:.3f}" if r.get("final_loss") is not None else "-"
         tps, mfu = f"{r['tokens_per_s']:10.0f}", f"{100 * r['mfu']:6.1f}%"
-        print(f"{r['variant']:32s} {tps} {mfu} {mem:>8s} {exp:>9s} {sp:>8s} {loss:>7s}")
+        mp = r.get("speedup_vs_lightning_model_parallel")
+        mp = f"{mp:.3f}x" if mp is not None else "-"
+        print(f"{r['variant']:32s} {tps} {mfu} {mem:>8s} {exp:>9s} {sp:>8s} {mp:>8s} {loss:>7s}")
+    print("\nwhere rank 0's profiled step goes (GPU ms per step by kernel category; idle: no kernel running)")
+    for r in results:
+        g = (r.get("gpu_time_per_rank") or [None])[0] if r.get("ok") else None
+        if not g:
+            continue
+        cats = ", ".join(f"{k} {v:.0f}" for k, v in g["ms_per_step"].items() if v >= 0.5)
+        exp = f"{r['exposed_comm_pct']:.1f}%" if r.get("exposed_comm_pct") is not None else "-"
+        print(f"{r['variant']:32s} window {g['window_ms_per_step']:.0f} ms, idle {g['idle_ms_per_step']:.0f}, "
+              f"exposed comm {exp}: {cats}")
     print(f"\nwrote {path}")
     return 0
 

@@ -18,7 +18,12 @@ save are timed after the window. The baseline runs in the same call on the same 
   refuses clipping by norm from the Trainer), and full activation checkpointing per block where the
   recipe checkpoints activations (Lightning has no selective mode). Same sequence length and the
   same sequences per step: the recipe's ``batch_size`` times its data-parallel size, split over
-  every GPU.
+  every GPU;
+- and beside it (``mp``): Lightning's ``ModelParallelStrategy`` with FSDP2 applied in the module's
+  ``configure_model`` (``fully_shard`` per block after ``torch.compile`` per block, fp32 master
+  weights with bf16 compute through ``MixedPrecisionPolicy``, fused AdamW, the same clipping and
+  checkpointing; ``_baselines.ModelParallelGPT``), the strongest Lightning-native path. ``--baselines``
+  picks either or both (default both).
 
 Both sides are timed by the same window callback (``_timing.WallClockWindow``). Headline: tokens /
 wall time over the window after warm-up (the mean a user pays, slow steps included); also the
@@ -58,6 +63,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -338,6 +344,51 @@ def run_fsdp(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: 
         out.write_text(json.dumps(result, indent=2))
 
 
+def run_model_parallel(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
+    """Child process (rank 0; Lightning's launcher re-runs it for the other ranks): the same GPT under
+    Lightning's ModelParallelStrategy with FSDP2 and per-block compile applied in ``configure_model``
+    (``_baselines.ModelParallelGPT``), the recipe's sequences, clipping and learning rate, timed by the
+    recipe side's window callback."""
+    import lightning as L
+
+    from _baselines import ModelParallelGPT, model_parallel_strategy
+    from _timing import WallClockWindow
+    from lightning_perf.data import TokenDataModule
+    from lightning_perf.models import GPTConfig
+
+    recipe = _recipe(name)
+    trainer_args, data = recipe.get("trainer") or {}, recipe.get("data") or {}
+    cfg, seq_len, batch = _plain_config(recipe), int(data.get("seq_len", 1024)), _fsdp_batch(recipe)
+    compile_mode: Any = "default"
+    if smoke:
+        cfg, seq_len, compile_mode = GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, None
+    total = warmup + steps
+    checkpointing = "full" if _activation_checkpointing(recipe) != "none" else "none"
+    module = ModelParallelGPT(cfg, compile=compile_mode, activation_checkpointing=checkpointing,
+                              learning_rate=float((recipe.get("model") or {}).get("learning_rate", 3e-4)))
+    trainer = L.Trainer(
+        accelerator="cpu" if smoke else "gpu", devices=_devices(recipe), num_nodes=1,
+        strategy=model_parallel_strategy(_devices(recipe)),
+        precision="32-true",  # the MixedPrecisionPolicy casts: bf16 compute, fp32 master weights and reduction
+        gradient_clip_val=trainer_args.get("gradient_clip_val"),
+        max_steps=total, limit_val_batches=0, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[WallClockWindow(warmup=warmup, out=str(out))],
+    )
+    dm = TokenDataModule(source="synthetic", vocab_size=cfg.vocab_size, seq_len=seq_len, batch_size=batch,
+                         num_workers=0 if smoke else int(data.get("num_workers", 0)),
+                         synthetic_train_samples=batch * _devices(recipe) * (total + 4))
+    L.seed_everything(1234, verbose=False)
+    trainer.fit(module, datamodule=dm)
+    if trainer.is_global_zero:
+        result = json.loads(out.read_text())
+        result["model"] = {k: getattr(module.config, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size",
+                                                                  "kernels", "attention")}
+        result.update(batch_per_gpu=batch, devices=_devices(recipe), compile_scope="block",
+                      activation_checkpointing=checkpointing, strategy="ModelParallelStrategy + fully_shard")
+        out.write_text(json.dumps(result, indent=2))
+
+
 def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str = "") -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--recipes", name,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out.parent),
@@ -385,7 +436,10 @@ def main() -> None:
                    help="profile the last N steps of each side's window and summarise the kernels and GPU idle "
                         "time (the window figures of such a run are not a measurement)")
     p.add_argument("--recipe_first", action="store_true", help="run the recipe before its baseline")
-    p.add_argument("--child", choices=("recipe", "plain", "fsdp"))
+    p.add_argument("--child", choices=("recipe", "plain", "fsdp", "mp"))
+    p.add_argument("--baselines", default="fsdp,mp",
+                   help="a multi-GPU recipe's baselines: fsdp (Lightning FSDPStrategy), mp (Lightning "
+                        "ModelParallelStrategy + FSDP2 + per-block compile), comma-separated")
     p.add_argument("--child_args", default="", help=argparse.SUPPRESS)
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                    help="also run each recipe with these CLI overrides, e.g. 'block=--model.compile_scope block'")
@@ -416,6 +470,8 @@ def main() -> None:
         if args.child == "fsdp":
             run_fsdp(name, args.steps, args.warmup, target, args.smoke, args.child_args.split(),
                      compile_scope=args.fsdp_compile_scope)
+        elif args.child == "mp":
+            run_model_parallel(name, args.steps, args.warmup, target, args.smoke, args.child_args.split())
         else:
             (run_recipe if args.child == "recipe" else run_plain)(name, args.steps, args.warmup, target, args.smoke,
                                                                    args.child_args.split())
@@ -462,13 +518,14 @@ def main() -> None:
         data = recipe.get("data") or {}
         seq_len = SMOKE_SEQ_LEN if args.smoke else int(data.get("seq_len", 1024))
         devices = _devices(recipe)
-        base = "fsdp" if devices > 1 else "plain"
-        row: dict = {"name": name, "devices": devices, "baseline": base}
+        bases = [b for b in args.baselines.split(",") if b] if devices > 1 else ["plain"]
+        base = bases[0]
+        row: dict = {"name": name, "devices": devices, "baseline": base, "baselines": bases}
         rows.append(row)
         plain_key = json.dumps([dataclasses.asdict(_plain_config(recipe)), data.get("seq_len"), data.get("batch_size"),
                                 (recipe.get("trainer") or {}).get("gradient_clip_val"), _schedule(recipe)],
                                default=str)
-        for side in ((base, "recipe") if not args.recipe_first else ("recipe", base)):
+        for side in ((*bases, "recipe") if not args.recipe_first else ("recipe", *bases)):
             if over_budget():
                 row[side] = {"error": "skipped: --budget_s reached"}
                 continue
@@ -493,18 +550,23 @@ def main() -> None:
             result = _child("recipe", name, args, target, extra)
             target.unlink(missing_ok=True)
             result["args"] = extra
-            if "tokens_per_s" in result and "tokens_per_s" in row[base]:
-                result[f"vs_{base}"] = result["tokens_per_s"] / row[base]["tokens_per_s"]
+            for b in bases:
+                if "tokens_per_s" in result and "tokens_per_s" in row[b]:
+                    result[f"vs_{b}"] = result["tokens_per_s"] / row[b]["tokens_per_s"]
             row.setdefault("variants", {})[label] = result
             print(f"[{name}] variant {label}: " + json.dumps({k: result.get(k) for k in
-                  ("tokens_per_s", f"vs_{base}", "step_ms_median", "step_ms_p90", "peak_mem_gb", "peak_reserved_gb")}), flush=True)
-        if "tokens_per_s" in row[base] and "tokens_per_s" in row["recipe"]:
-            row[f"recipe_vs_{base}"] = row["recipe"]["tokens_per_s"] / row[base]["tokens_per_s"]
-            if kind in PEAK_BF16 and not args.smoke:  # per GPU
-                fpt = cfg.flops_per_token(seq_len)
-                for side in ((base, "recipe") if not args.recipe_first else ("recipe", base)):
+                  ("tokens_per_s", *(f"vs_{b}" for b in bases), "step_ms_median", "step_ms_p90", "peak_mem_gb",
+                   "peak_reserved_gb")}), flush=True)
+        for b in bases:
+            if "tokens_per_s" not in row[b] or "tokens_per_s" not in row["recipe"]:
+                continue
+            row[f"recipe_vs_{b}"] = row["recipe"]["tokens_per_s"] / row[b]["tokens_per_s"]
+            print(f"[{name}] recipe / {b} = {row[f'recipe_vs_{b}']:.3f}", flush=True)
+        if kind in PEAK_BF16 and not args.smoke:  # per GPU
+            fpt = cfg.flops_per_token(seq_len)
+            for side in (*bases, "recipe"):
+                if "tokens_per_s" in row[side]:
                     row[f"mfu_{side}"] = fpt * row[side]["tokens_per_s"] / devices / PEAK_BF16[kind]
-            print(f"[{name}] recipe / {base} = {row[f'recipe_vs_{base}']:.3f}", flush=True)
         write()
     write()
     print(f"wrote {path}")
