@@ -119,6 +119,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # schedule on), and the same with the schedule turned off (Python's automatic collector)
     "zero3_recipe": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton", "compile": "default",
                      "fp8": "tensorwise", "fused_qkv": True},
+    "zero3_recipe_fp8_gather": {"zero": {"stage": 3, "blocks_per_unit": 2, "fp8_all_gather": True},
+                                "kernels": "triton", "compile": "default", "fp8": "tensorwise", "fused_qkv": True},
     "zero3_recipe_no_gc_schedule": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton",
                                     "compile": "default", "fp8": "tensorwise", "fused_qkv": True, "gc_every": None},
     # llama-8b at T=8192, 2 sequences per GPU, ZeRO-3 built on meta: FP8 tensorwise + the pack's kernels +
