@@ -136,6 +136,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
            "fp8_no_ac": {"fp8": "tensorwise", "fused_qkv": True, "ac": "none"},
            "fp8_no_ac_gather": {"fp8": "tensorwise", "fused_qkv": True, "ac": "none",
                                 "zero": {"fp8_all_gather": True}},
+           "fp8_gather_prefetch2": {"fp8": "tensorwise", "fused_qkv": True, "ac": "selective",
+                                    "zero": {"fp8_all_gather": True, "prefetch": 2}},
            "fp8_prefetch2": {"fp8": "tensorwise", "fused_qkv": True, "ac": "selective", "zero": {"prefetch": 2}},
            "bf16_no_ac": {"ac": "none", "fused_qkv": True},
        }.items()},
