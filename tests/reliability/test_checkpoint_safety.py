@@ -357,7 +357,8 @@ def test_generate_convert_and_hf_import_refuse_a_payload_in_a_file(tmp_path, cap
     ckpt_file = tmp_path / "m.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {"config": _Payload(marker)}}, ckpt_file)
     _refused(lambda: main(["generate", "--ckpt_path", str(ckpt_file), "--device", "cpu"]), marker, ckpt_file, capsys)
-    _refused(lambda: main(["convert", "--to_hf", str(ckpt_file), "--out", str(tmp_path / "o")]), marker, ckpt_file, capsys)
+    _refused(lambda: main(["convert", "--to_hf", str(ckpt_file), "--out", str(tmp_path / "o")]), marker, ckpt_file,
+             capsys)
 
     hf = tmp_path / "hf"
     torch.manual_seed(0)
