@@ -89,8 +89,9 @@ def _allowed(module: str, name: str) -> Any:
 
             return getattr(pathlib, name)
         return getattr(importlib.import_module(module), name)
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)  # a dtype is a value: pickle refers to torch.float32 by name
+    value = vars(torch).get(name) if module == "torch" else None  # no attribute hooks, no lazy imports
+    if isinstance(value, torch.dtype):
+        return value  # a dtype is a value: pickle refers to torch.float32 by name
     return None
 
 
