@@ -18,7 +18,9 @@ kept in :attr:`NonFiniteGuard.bad_steps`, then handled by ``policy``:
   (``ModelCheckpoint``'s latest save, or ``checkpoint=``) and continue with the next
   batches; the batches since that checkpoint are not replayed. Without a checkpoint, or
   if the checkpoint itself holds non-finite weights, it stops with a message saying how
-  to resume.
+  to resume. After ``max_rollbacks`` rollbacks in one run (3 by default) the next bad step
+  stops it with :class:`NonFiniteError` naming the step and the count: a run that keeps
+  diverging needs a lower learning rate or other data, not more rollbacks.
 - ``"log"``: only warn and log.
 
 Pending flags are read (waited for) before every checkpoint save, so a checkpoint is
@@ -60,6 +62,8 @@ class NonFiniteGuard(pl.Callback):
         checkpoint: for ``"rollback"``: the checkpoint to restore; default: the latest save
             of the Trainer's ``ModelCheckpoint``.
         max_pending: flags in flight before the oldest is waited for.
+        max_rollbacks: for ``"rollback"``: how many rollbacks this callback makes before a bad step
+            stops training instead (``None``: no limit).
     """
 
     def __init__(
@@ -68,9 +72,14 @@ class NonFiniteGuard(pl.Callback):
         *,
         checkpoint: Optional[Union[str, Path]] = None,
         max_pending: int = 8,
+        max_rollbacks: Optional[int] = 3,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if max_rollbacks is not None and (isinstance(max_rollbacks, bool) or not isinstance(max_rollbacks, int)
+                                          or max_rollbacks < 0):
+            raise ValueError(f"max_rollbacks must be an integer >= 0 or None, got {max_rollbacks!r}")
+        self.max_rollbacks = max_rollbacks
         self.policy = policy
         self.checkpoint = checkpoint
         self.queue = FlagQueue(max_pending)
@@ -149,6 +158,10 @@ class NonFiniteGuard(pl.Callback):
                 step,
             )
         if self.policy == "rollback":
+            stop = self._too_many_rollbacks(trainer, step)
+            if stop is not None:
+                self.bad_steps.extend(bad)
+                raise stop
             self._report(trainer, pl_module, step, "rolling back to the last checkpoint")
             self.bad_steps.extend(bad[1:])
             self._rollback(trainer, pl_module, step)
@@ -179,6 +192,19 @@ class NonFiniteGuard(pl.Callback):
         return (
             f"The last checkpoint is {path}: resume with trainer.fit(model, data, ckpt_path={path!r}) "
             "(lower the learning rate or skip the offending data first)."
+        )
+
+    def _too_many_rollbacks(self, trainer: "pl.Trainer", step: int) -> Optional[NonFiniteError]:
+        """The error that stops training instead of another rollback, once ``max_rollbacks`` are spent."""
+        done = len(self.rollbacks)
+        if self.max_rollbacks is None or done < self.max_rollbacks:
+            return None
+        earlier = f"; at global steps {', '.join(str(s) for s, _ in self.rollbacks)}" if self.rollbacks else ""
+        return NonFiniteError(
+            f"non-finite loss or gradients at global step {step} after {done} rollback{'' if done == 1 else 's'} "
+            f"(max_rollbacks={self.max_rollbacks}{earlier}): training stops instead of rolling back again. Lower "
+            f"the learning rate or skip the offending data, or raise max_rollbacks. {self._resume_hint(trainer)}",
+            step,
         )
 
     def _rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> None:

@@ -22,7 +22,11 @@ renames of an overwrite). :func:`update_link` moves a ``last`` symlink atomicall
 Saves record every file's size and CRC-32 in ``extra.pt`` (each rank checksums a share of
 the files, read back from the page cache); loads check them first (again shared over the
 ranks), so a truncated, missing or altered file fails with :class:`CheckpointCorruptError`
-naming it instead of loading part of a checkpoint.
+naming it instead of loading part of a checkpoint. The CRC is integrity, not authentication: what
+keeps a load from running code is that no pickle is read unrestricted (the DCP metadata through an
+allow-list, ``extra.pt`` and non-tensor entries with ``weights_only=True``; see
+:mod:`lightning_perf.parallel.checkpoint_io`). Every file and directory is fsynced before the rename
+that makes a checkpoint visible, and the rename before the checkpoint it replaces is deleted.
 
 :func:`consolidate` turns a checkpoint into one ``state_dict`` file that a plain
 single-device model loads (``GPT(config).load_state_dict(torch.load(f, weights_only=True))``).
@@ -34,6 +38,7 @@ import argparse
 import os
 import pickle
 import shutil
+import warnings
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +48,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
+
+from lightning_perf.parallel.checkpoint_io import (
+    fsync_dir,
+    fsync_file,
+    read_dcp_metadata,
+    torch_load_weights,
+    unsafe_error,
+)
 
 __all__ = [
     "CheckpointCorruptError",
@@ -61,6 +74,7 @@ __all__ = [
     "finish_save",
     "resolve",
     "full_model_state_dict",
+    "sync_files",
     "main",
 ]
 
@@ -104,6 +118,26 @@ def _crc32(path: Path) -> int:
     return crc
 
 
+def _record(file: Path, checksum: bool) -> list[int]:
+    """``[size, crc32 or -1]`` of a written file, flushed to the device first."""
+    fsync_file(file)
+    return [file.stat().st_size, _crc32(file) if checksum else -1]
+
+
+def sync_files(tmp: Path, *, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Every rank of ``group`` fsyncs a share of the files under ``tmp`` (for saves that write no manifest)."""
+    names = [str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file()]
+    for name in _my_share(names, group):
+        fsync_file(tmp / name)
+
+
+def _fsync_dirs(top: Path) -> None:
+    """fsync every directory under ``top`` (deepest first), then ``top``: their entries are on disk."""
+    for d in sorted((p for p in top.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: -len(p.parts)):
+        fsync_dir(d)
+    fsync_dir(top)
+
+
 def _my_share(names: list[str], group: Optional[dist.ProcessGroup]) -> list[str]:
     world = dist.get_world_size(group) if _dist() else 1
     return [n for i, n in enumerate(sorted(names)) if i % world == _rank(group)]
@@ -120,7 +154,7 @@ def _gather_dicts(part: dict[str, Any], group: Optional[dist.ProcessGroup]) -> d
 def _manifest(tmp: Path, checksum: bool, group: Optional[dist.ProcessGroup]) -> dict[str, list[int]]:
     """``{file: [size, crc32 or -1]}`` of the checkpoint's files (every rank checksums a share)."""
     names = [f.name for f in tmp.iterdir() if f.is_file() and f.name != EXTRA_FILE]
-    part = {n: [(tmp / n).stat().st_size, _crc32(tmp / n) if checksum else -1] for n in _my_share(names, group)}
+    part = {n: _record(tmp / n, checksum) for n in _my_share(names, group)}  # each file fsynced
     return _gather_dicts(part, group)
 
 
@@ -214,6 +248,7 @@ def finish_save(
     files = _manifest(tmp, checksum, group)
     if _rank(group) == 0:
         torch.save({**blob, "files": files}, tmp / EXTRA_FILE)
+        fsync_file(tmp / EXTRA_FILE)
     commit_tmp(tmp, path, group=group)
 
 
@@ -230,10 +265,15 @@ def prepare_tmp(path: PathLike, *, group: Optional[dist.ProcessGroup] = None) ->
 
 
 def commit_tmp(tmp: Path, path: PathLike, *, group: Optional[dist.ProcessGroup] = None) -> None:
-    """After every rank wrote into ``tmp``: rank 0 renames it to ``path`` (the old one to ``.old`` meanwhile)."""
+    """After every rank wrote into ``tmp``: rank 0 renames it to ``path`` (the old one to ``.old`` meanwhile).
+
+    The files in ``tmp`` must be on disk already (``finish_save`` fsyncs them); ``tmp``'s directory
+    entries are fsynced before the renames and the parent's (the renames) before ``.old`` is deleted.
+    """
     path = Path(path)
     _barrier(group)
     if _rank(group) == 0:
+        _fsync_dirs(tmp)
         if path.is_symlink() or path.is_file():
             path.unlink()
         if path.exists():
@@ -242,9 +282,11 @@ def commit_tmp(tmp: Path, path: PathLike, *, group: Optional[dist.ProcessGroup] 
                 shutil.rmtree(old)
             os.replace(path, old)
             os.replace(tmp, path)
+            fsync_dir(path.parent)
             shutil.rmtree(old)
         else:
             os.replace(tmp, path)
+            fsync_dir(path.parent)
     _barrier(group)
 
 
@@ -264,16 +306,27 @@ def resolve(path: PathLike) -> Path:
 def read_extra(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
     """The ``extra.pt`` blob of a checkpoint (``extra``, optimizer hyper-parameters).
 
-    A pickled object that ``weights_only`` loading refuses raises ``pickle.UnpicklingError``;
+    A pickled object that ``weights_only`` loading refuses raises
+    :class:`~lightning_perf.parallel.checkpoint_io.UnsafeCheckpointError` (a ``pickle.UnpicklingError``);
     an unreadable file raises :class:`CheckpointCorruptError` naming it.
     """
     f = resolve(path) / EXTRA_FILE
+    if not weights_only:
+        _unverified(f"{f} is unpickled with weights_only=False: any object in it is rebuilt, code included")
     try:
-        return torch.load(f, map_location="cpu", weights_only=weights_only)
+        if weights_only:
+            return torch_load_weights(f, map_location="cpu")
+        return torch.load(f, map_location="cpu", weights_only=False)
     except pickle.UnpicklingError:
         raise
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointCorruptError(f"{f} is unreadable (truncated or corrupted): {e}") from e
+
+
+def _unverified(what: str) -> None:
+    """Warn (once per call site) that a load skips one of the checks the docs list."""
+    warnings.warn(f"{what}; load only checkpoints you trust (docs/reliability.md, 'What a load checks')",
+                  UserWarning, stacklevel=3)
 
 
 def load_checkpoint(
@@ -288,7 +341,11 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load shards into ``model`` (+ ``optimizers``), resharding as needed; return ``extra``.
 
-    ``verify``: check every file's size and CRC-32 against the save-time manifest first.
+    ``verify``: check every file's size and CRC-32 against the save-time manifest first
+    (``False`` warns that the files are not checked). The DCP metadata is read through an allow-list
+    and non-tensor entries with ``weights_only=True`` either way (see
+    :mod:`lightning_perf.parallel.checkpoint_io`); ``weights_only=False`` lifts the restriction on
+    ``extra.pt`` and those entries, with a warning.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -299,6 +356,7 @@ def load_checkpoint(
         set_state_dict,
     )
 
+    from lightning_perf.parallel.checkpoint_io import SafeFileSystemReader, SafeLoadPlanner
     from lightning_perf.parallel.fp8_all_gather import plain_state_dict
 
     path = resolve(path)
@@ -307,6 +365,10 @@ def load_checkpoint(
         raise ValueError(f"{path} was written by the {blob['backend']} backend; resume it with that backend")
     if verify and "files" in blob:
         verify_files(path, blob["files"], group=group)
+    elif _rank(group) == 0:
+        _unverified(f"the files of {path} are not checked against their saved sizes and CRC-32 "
+                    + ("(verify=False)" if not verify else "(saved without a file manifest)"))
+    metadata = read_dcp_metadata(path)  # before torch reads it: refuses a planted object
     optims = _local_optimizers(optimizers)
     if optims and not blob.get("has_optim", False):
         raise ValueError(f"{path} holds no optimizer state; load it with optimizers=()")
@@ -315,10 +377,14 @@ def load_checkpoint(
     if optims:
         state["optim"] = {"state": osd["state"]}
     try:
-        dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not _dist())
+        dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata),
+                 planner=SafeLoadPlanner(path) if weights_only else None, process_group=group, no_dist=not _dist())
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             raise
+        unsafe = unsafe_error(e)
+        if unsafe is not None:
+            raise unsafe from e
         lines = str(e).splitlines() or [""]
         first = next((line for line in lines if "Error" in line), lines[0])
         raise RuntimeError(f"reading checkpoint {path} failed ({first.strip()})") from e
@@ -349,9 +415,11 @@ def update_link(link: PathLike, target: PathLike) -> None:
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     os.symlink(os.path.relpath(target, link.parent), tmp)
+    fsync_dir(link.parent)
     if link.is_dir() and not link.is_symlink():
         shutil.rmtree(link)
     os.replace(tmp, link)
+    fsync_dir(link.parent)
 
 
 def full_model_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
@@ -394,7 +462,9 @@ def consolidate(ckpt_dir: PathLike, out_file: PathLike, *, prefix: Optional[str]
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(out_file.name + ".tmp")
     torch.save(out, tmp)
+    fsync_file(tmp)
     os.replace(tmp, out_file)
+    fsync_dir(out_file.parent)
     return out_file
 
 
@@ -403,20 +473,32 @@ def consolidated_state_dict(ckpt_dir: PathLike, *, prefix: Optional[str] = None)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from lightning_perf.parallel.checkpoint_io import SafeFileSystemReader, SafeLoadPlanner
+
     path = resolve(ckpt_dir)
     blob = read_extra(path)
     if "files" in blob:
         verify_files(path, blob["files"], local=True)
+    else:
+        _unverified(f"the files of {path} are not checked against their saved sizes and CRC-32 "
+                    "(saved without a file manifest)")
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a DCP checkpoint (DeepSpeed-backend checkpoints use DeepSpeed's zero_to_fp32)")
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = read_dcp_metadata(path)  # allow-listed unpickling: a planted object never runs
     template: dict[str, torch.Tensor] = {}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             template[key[len("model."):]] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not template:
         raise ValueError(f"{path} holds no model tensors")
-    dcp.load({"model": template}, checkpoint_id=str(path), no_dist=True)
+    try:
+        dcp.load({"model": template}, storage_reader=SafeFileSystemReader(path, metadata),
+                 planner=SafeLoadPlanner(path), no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        unsafe = unsafe_error(e)
+        if unsafe is not None:
+            raise unsafe from e
+        raise
     names = [k.replace("_orig_mod.", "") for k in template]
     strip = _strip_prefix(names, prefix)
     out: dict[str, torch.Tensor] = {}

@@ -7,6 +7,7 @@ which is how the pack tests this backend without GPUs.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -98,15 +99,28 @@ def save(engine: Any, path: Path, extra: dict[str, Any], *, rank: int) -> Path:
     if rank == 0:
         blob = {"format": 1, "backend": "deepspeed", "extra": extra, "param_groups": [], "has_optim": True}
         torch.save(blob, tmp / ckpt.EXTRA_FILE)
+    ckpt._barrier()  # every rank's files are written: each fsyncs a share before the rename
+    ckpt.sync_files(tmp)
     ckpt.commit_tmp(tmp, path)
     return path
 
 
 def load(engine: Any, path: Path, *, weights_only: bool = True, load_optimizer: bool = True) -> dict[str, Any]:
-    """Load engine shards (same world size as the save) and return ``extra``."""
+    """Load engine shards (same world size as the save) and return ``extra``.
+
+    Not verified: DeepSpeed reads its own files (with ``torch.load(weights_only=False)``), with no
+    size or CRC check; a warning says so. ``extra.pt`` is read with ``weights_only`` as given.
+    """
     blob = ckpt.read_extra(path, weights_only=weights_only)
     if blob.get("backend") != "deepspeed":
         raise ValueError(f"{path} was not written by the DeepSpeed backend; resume it with backend='native'")
+    if ckpt._rank() == 0:
+        warnings.warn(
+            f"{path} is a DeepSpeed-backend checkpoint: its files are not checked (no sizes or CRC-32 recorded) "
+            "and DeepSpeed unpickles them with weights_only=False; load only checkpoints you trust "
+            "(docs/reliability.md, 'What a load checks')",
+            UserWarning, stacklevel=2,
+        )
     load_path, _ = engine.load_checkpoint(
         str(ckpt.resolve(path)), tag=TAG, load_optimizer_states=load_optimizer, load_lr_scheduler_states=False
     )

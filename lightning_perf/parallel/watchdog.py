@@ -4,11 +4,21 @@ When a rank dies (SIGKILL, OOM killer, lost node) the others fail inside their n
 collective with a transport error ("Connection closed by peer", an NCCL abort) or, when
 the collectives of the ranks no longer match, with a timeout after the process group's
 ``timeout``. Neither names the rank at fault. :class:`PeerWatchdog` runs one daemon
-thread per rank that, every ``interval`` seconds, writes a heartbeat (a counter and the
-rank's current training step) into the c10d store (``TCPStore``, hosted by rank 0) and
-reads every peer's. A peer whose counter has not moved for ``dead_after`` seconds is dead
-(or frozen); one that wrote its ``done`` marker left the training loop. After a failed
-collective :meth:`PeerWatchdog.diagnose` turns the exception into
+thread per rank that, every ``interval`` seconds, talks to the c10d store (``TCPStore``,
+hosted by rank 0):
+
+- every other rank writes its heartbeat (a counter and its current training step) and reads
+  one small *verdict* key;
+- rank 0, the monitor, reads every heartbeat and writes the verdict: a sequence number that
+  moves at each round (rank 0's own heartbeat), its step, and the ranks it finds silent or
+  gone; beside it, a table of every rank's last heartbeat, read only when diagnosing.
+
+That is about ``3 * world_size`` store requests per interval in all (each rank polling every
+peer would be ``world_size**2``). A peer whose counter has not moved for ``dead_after``
+seconds is dead (or frozen); one that wrote its ``done`` marker left the training loop. The
+other ranks learn it from the verdict, one interval later; a verdict that stops moving for
+``dead_after`` seconds means rank 0 is dead. After a failed collective
+:meth:`PeerWatchdog.diagnose` turns the exception into
 
 - :class:`RankFailureError` naming the silent rank(s) and the step they last reported;
 - :class:`CollectiveTimeoutError` when every rank is alive but a collective timed out
@@ -26,6 +36,7 @@ Python, and the log line is then what names the rank.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 import time
@@ -45,6 +56,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _GENERATION = itertools.count()  # one key namespace per watchdog (same order on every rank)
 _DONE = "done"
+MONITOR = 0  # the rank that reads every heartbeat and publishes the verdict
 
 
 class RankFailureError(RuntimeError):
@@ -123,6 +135,11 @@ class PeerWatchdog:
         self._step: Optional[int] = None
         self._counter = 0
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last value, monotonic time it changed)
+        self._present: set[int] = set()  # peers whose heartbeat key exists (monitor)
+        self._seq = 0  # verdicts published (monitor)
+        self._verdict: dict[str, Any] = {}  # the last verdict read (other ranks)
+        self._verdict_at = (-1, 0.0)  # (its sequence number, monotonic time that number changed)
+        self._verdict_read_at = 0.0
         self._store_error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -132,12 +149,26 @@ class PeerWatchdog:
 
     # ---- lifecycle --------------------------------------------------------------------------
 
-    def start(self) -> "PeerWatchdog":
+    @property
+    def monitor(self) -> bool:
+        """Whether this rank reads every heartbeat and publishes the verdict."""
+        return self.rank == MONITOR
+
+    def start(self, *, thread: bool = True) -> "PeerWatchdog":
+        """Publish the first heartbeat (or verdict) and start the thread.
+
+        ``thread=False``: no thread; the caller runs the rounds with :meth:`tick` (a simulation).
+        """
         if self._thread is None:
             self._started_at = time.monotonic()
-            self._publish()
-            self._thread = threading.Thread(target=self._run, name="lightning_perf-watchdog", daemon=True)
-            self._thread.start()
+            self._verdict_at = (-1, self._started_at)
+            if self.monitor:
+                self._publish_verdict()
+            else:
+                self._publish()
+            if thread:
+                self._thread = threading.Thread(target=self._run, name="lightning_perf-watchdog", daemon=True)
+                self._thread.start()
         return self
 
     def stop(self, *, done: bool = True) -> None:
@@ -148,7 +179,10 @@ class PeerWatchdog:
             self._thread = None
         if done:
             try:
-                self._store.set(self._key(self.rank), f"{_DONE}:{self._step if self._step is not None else ''}")
+                if self.monitor:
+                    self._publish_verdict(done=True)
+                else:
+                    self._store.set(self._key(self.rank), f"{_DONE}:{self._step if self._step is not None else ''}")
             except Exception:  # the store's host may be gone already
                 pass
 
@@ -166,33 +200,78 @@ class PeerWatchdog:
         step = "" if self._step is None else str(self._step)
         self._store.set(self._key(self.rank), f"{self._counter}:{step}")
 
+    def _verdict_key(self) -> str:
+        return f"{self._prefix}verdict"
+
+    def _table_key(self) -> str:
+        return f"{self._prefix}table"
+
     def _poll(self) -> None:
+        """Monitor: read every peer's heartbeat (one request each once its key exists)."""
         now = time.monotonic()
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
             key = self._key(peer)
-            if not self._store.check([key]):
-                continue
+            if peer not in self._present:
+                if not self._store.check([key]):
+                    continue
+                self._present.add(peer)
             value = self._store.get(key).decode()
             with self._lock:
                 last = self._seen.get(peer)
                 if last is None or last[0] != value:
                     self._seen[peer] = (value, now)
 
+    def _publish_verdict(self, *, done: bool = False) -> None:
+        """Monitor: the verdict (small: only silent or gone ranks) and the table of every heartbeat."""
+        self._seq += 1
+        flagged = {
+            str(p.rank): [p.step, round(p.silent_s, 3), p.done]
+            for p in self.peers()
+            if p.rank != self.rank and (p.done or p.silent_s >= self.dead_after)
+        }
+        verdict = {"seq": self._seq, "step": self._step, "done": done, "flagged": flagged}
+        self._store.set(self._verdict_key(), json.dumps(verdict))
+        with self._lock:
+            table = {str(peer): value for peer, (value, _) in self._seen.items()}
+        self._store.set(self._table_key(), json.dumps(table))
+
+    def _read_verdict(self) -> None:
+        """Other ranks: the monitor's verdict (one request; a check until it first exists)."""
+        key = self._verdict_key()
+        if not self._verdict and not self._store.check([key]):
+            return
+        verdict = json.loads(self._store.get(key).decode())
+        now = time.monotonic()
+        with self._lock:
+            if verdict.get("seq") != self._verdict_at[0]:
+                self._verdict_at = (verdict.get("seq"), now)
+            self._verdict, self._verdict_read_at = verdict, now
+
+    def tick(self) -> bool:
+        """One round, what the thread does every ``interval``; False once the store is unreachable."""
+        try:
+            if self.monitor:
+                self._poll()
+                self._publish_verdict()
+            else:
+                self._publish()
+                self._read_verdict()
+        except Exception as e:  # the store (rank 0's TCPStore) is unreachable
+            with self._lock:
+                self._store_error = e
+            if not self._stop.is_set():
+                _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s)",
+                           self.rank, e)
+            return False
+        self._report_new_silence()
+        return True
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            try:
-                self._publish()
-                self._poll()
-            except Exception as e:  # the store (rank 0's TCPStore) is unreachable
-                with self._lock:
-                    self._store_error = e
-                if not self._stop.is_set():
-                    _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s)",
-                               self.rank, e)
+            if not self.tick():
                 return
-            self._report_new_silence()
 
     def _report_new_silence(self) -> None:
         for p in self.peers():
@@ -211,6 +290,9 @@ class PeerWatchdog:
     # ---- queries ----------------------------------------------------------------------------
 
     def peers(self) -> list[PeerState]:
+        """What this rank knows of every rank: the monitor from the heartbeats, the others from the verdict."""
+        if not self.monitor:
+            return self._peers_from_verdict()
         now = time.monotonic()
         out = []
         with self._lock:
@@ -230,19 +312,54 @@ class PeerWatchdog:
                 )
         return out
 
-    def _last_published(self, states: dict[int, PeerState]) -> None:
-        """Refresh each peer's step from the store (its last heartbeat may postdate our last poll)."""
-        for peer, state in states.items():
+    def _peers_from_verdict(self) -> list[PeerState]:
+        now = time.monotonic()
+        with self._lock:
+            verdict, read_at, (_, changed_at) = self._verdict, self._verdict_read_at, self._verdict_at
+        flagged = verdict.get("flagged") or {}
+        out = []
+        for peer in range(self.world_size):
             if peer == self.rank:
+                out.append(PeerState(rank=peer, step=self._step, silent_s=0.0, done=False))
+            elif peer == MONITOR:  # the verdict's sequence number is its heartbeat
+                out.append(PeerState(rank=peer, step=verdict.get("step"), silent_s=now - changed_at,
+                                     done=bool(verdict.get("done"))))
+            elif str(peer) in flagged:
+                step, silent_s, done = flagged[str(peer)]
+                out.append(PeerState(rank=peer, step=step, silent_s=silent_s + (now - read_at), done=bool(done)))
+            else:  # alive as of the last verdict; its step is read when diagnosing
+                out.append(PeerState(rank=peer, step=None, silent_s=0.0, done=False))
+        return out
+
+    def _last_published(self, states: dict[int, PeerState]) -> None:
+        """Refresh each peer's step from the store (its last heartbeat may postdate our last poll).
+
+        The monitor reads every heartbeat; the others read the monitor's table and verdict (two requests).
+        """
+        try:
+            if self.monitor:
+                values = {}
+                for peer in states:
+                    key = self._key(peer)
+                    if peer != self.rank and self._store.check([key]):
+                        values[peer] = self._store.get(key).decode()
+            else:
+                values = {}
+                if self._store.check([self._table_key()]):
+                    values = {int(r): v for r, v in json.loads(self._store.get(self._table_key()).decode()).items()}
+                if self._store.check([self._verdict_key()]):
+                    verdict = json.loads(self._store.get(self._verdict_key()).decode())
+                    if MONITOR in states and verdict.get("step") is not None:
+                        states[MONITOR].step = verdict["step"]
+                    states[MONITOR].done = states[MONITOR].done or bool(verdict.get("done"))
+        except Exception:  # the store's host is gone: keep what the thread saw
+            return
+        for peer, value in values.items():
+            if peer == self.rank or peer not in states:
                 continue
-            try:
-                key = self._key(peer)
-                if self._store.check([key]):
-                    head, _, step = self._store.get(key).decode().partition(":")
-                    state.step = int(step) if step else state.step
-                    state.done = state.done or head == _DONE
-            except Exception:  # the store's host is gone: keep what the thread saw
-                return
+            head, _, step = value.partition(":")
+            states[peer].step = int(step) if step else states[peer].step
+            states[peer].done = states[peer].done or head == _DONE
 
     def silent_ranks(self) -> list[int]:
         """Peers silent for ``dead_after`` seconds or gone (``done``); rank 0 if the store is unreachable."""
@@ -260,7 +377,8 @@ class PeerWatchdog:
         """
         timed_out = exc is not None and is_timeout_error(exc)
         wait = wait and not timed_out
-        deadline = time.monotonic() + (self.dead_after + 2 * self.interval if wait else 0.0)
+        # a death reaches the others one verdict later than the monitor
+        deadline = time.monotonic() + (self.dead_after + 3 * self.interval if wait else 0.0)
         while True:
             silent = self.silent_ranks()
             if silent or time.monotonic() >= deadline or self._thread is None:

@@ -3,6 +3,8 @@
 - ``skip``: the final weights equal a run in which that batch took no optimizer step;
 - ``rollback``: the weights go back to the last checkpoint (saved every 2 steps) and the
   run ends equal to one that skipped every batch since that checkpoint;
+- ``rollback`` with ``max_rollbacks``: the rollback after the last allowed one stops training with
+  ``NonFiniteError`` naming the step and the count;
 - ``stop``: ``NonFiniteError`` naming the step, weights still finite;
 - the flag itself: NaN / inf in the loss or any gradient, read from the queue at once on CPU.
 The 2-rank behaviour (flag agreed over the ranks, rollback through sharded checkpoints) is
@@ -83,6 +85,28 @@ def test_rollback_restores_the_last_checkpoint_and_continues(tmp_path: Path) -> 
     # batches 4 (undone by the rollback) and 5 (NaN) leave no trace
     _, ref = _fit(skip_batches={4, 5})
     _same(rolled, ref)
+
+
+def test_rollbacks_stop_after_max_rollbacks(tmp_path: Path) -> None:
+    from lightning_perf.callbacks import NonFiniteError, NonFiniteGuard
+
+    assert NonFiniteGuard("rollback").max_rollbacks == 3
+    guard = NonFiniteGuard("rollback", max_rollbacks=2)
+    # checkpoints after steps 2, 4, 6; NaN at 3 and 5: two rollbacks; NaN at 7: the third would exceed the limit
+    with pytest.raises(NonFiniteError, match=r"global step 7 after 2 rollbacks \(max_rollbacks=2; at global steps "
+                                             r"3, 5\): training stops instead of rolling back again") as info:
+        with pytest.warns(UserWarning, match="rolling back"):
+            _fit(guard, ckpt_dir=tmp_path, nan_at={3, 5, 7})
+    assert info.value.step == 7
+    assert [step for step, _ in guard.rollbacks] == [3, 5] and guard.bad_steps == [3, 5, 7]
+
+    guard = NonFiniteGuard("rollback", max_rollbacks=0)
+    with pytest.raises(NonFiniteError, match=r"global step 3 after 0 rollbacks \(max_rollbacks=0\)"):
+        _fit(guard, ckpt_dir=tmp_path / "none", nan_at={3})
+    assert guard.rollbacks == []
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_rollbacks must be an integer >= 0 or None"):
+            NonFiniteGuard("rollback", max_rollbacks=bad)
 
 
 def test_rollback_without_checkpoint_stops_with_a_message() -> None:

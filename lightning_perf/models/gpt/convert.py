@@ -58,6 +58,7 @@ def pack_state_and_config(
     """The GPT's whole state dict and config from a Lightning ``.ckpt``, a sharded checkpoint directory
     (consolidated in memory) or a consolidated ``.pt`` (which holds no config: give ``config``)."""
     from lightning_perf.parallel.checkpoint import consolidated_state_dict, read_extra
+    from lightning_perf.parallel.checkpoint_io import torch_load_weights
 
     p = Path(path)
     if not p.exists():
@@ -66,7 +67,7 @@ def pack_state_and_config(
         hparams = _lightning_dict(read_extra(p).get("extra") or {}).get("hyper_parameters") or {}
         state = consolidated_state_dict(p)
     else:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+        ckpt = torch_load_weights(p, map_location="cpu")
         if "state_dict" in ckpt:
             hparams = ckpt.get("hyper_parameters") or {}
             state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}

@@ -323,7 +323,9 @@ class HFWeights:
                 self._handles[file] = safetensors.safe_open(str(file), framework="pt")
             return self._handles[file]
         if file not in self._torch_state:
-            self._torch_state[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            from lightning_perf.parallel.checkpoint_io import torch_load_weights
+
+            self._torch_state[file] = torch_load_weights(file, map_location="cpu", mmap=True)
         return self._torch_state[file]
 
     def keys(self) -> list[str]:
