@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
@@ -279,6 +281,147 @@ def _did_you_mean(message: str, known: list[str]) -> str:
     return "\n".join(suggestions)
 
 
+# ---- errors a user can act on: a short message instead of a traceback ---------------------------
+
+DEBUG_ENV = "LIGHTNING_PERF_DEBUG"
+_DEBUG_HINT = f"(for the traceback: {DEBUG_ENV}=1 or --debug)"
+_PACK_DIR = Path(__file__).resolve().parent
+# Lightning's special values of --ckpt_path (resolved by the Trainer, not files)
+_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+
+
+def _pop_debug(args: list[str]) -> tuple[list[str], bool]:
+    """``args`` without ``--debug``, and whether the traceback was asked for (flag or environment)."""
+    debug = "--debug" in args
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # ranks a launcher starts inherit it
+    on = debug or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return [a for a in args if a != "--debug"], on
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the exceptions it was raised from or during, outermost first."""
+    seen: list[BaseException] = []
+    todo: list[Optional[BaseException]] = [err]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+    return seen
+
+
+def _raised_in_pack(err: BaseException) -> bool:
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(_PACK_DIR)
+
+
+def _option_value(args: list[str], name: str) -> Optional[str]:
+    """The value of ``--name V`` / ``--name=V`` on a command line (the last one), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == f"--{name}" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _load_mismatch(err: BaseException, args: list[str]) -> Optional[str]:
+    """For a checkpoint that does not fit the model, the first offending tensor (from wherever in the
+    chain of exceptions it was reported) and what to do; None for any other error."""
+    pattern = re.compile(r"size mismatch|missing key|unexpected key", re.I)
+    for e in _chain(err):
+        lines = [line.strip() for line in str(e).splitlines() if pattern.search(line)]
+        if not lines:
+            continue
+        first = lines[0]
+        if first.lower().startswith(("missing key", "unexpected key")) and len(first) > 240:
+            first = first[:240] + " ..."
+        more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+        ckpt = _option_value(args, "ckpt_path")
+        where = f"--ckpt_path {ckpt}" if ckpt else "the checkpoint"
+        return (
+            f"{where} does not fit this model: {first}{more}\n"
+            "build the model as the checkpoint was trained (the same --model.config and "
+            "--model.config_overrides), or leave out --ckpt_path"
+        )
+    return None
+
+
+def _pack_error_types() -> tuple[type, ...]:
+    from lightning_perf.callbacks.nonfinite import NonFiniteError
+    from lightning_perf.parallel.async_checkpoint import AsyncCheckpointError
+    from lightning_perf.parallel.checkpoint import CheckpointCorruptError
+    from lightning_perf.parallel.watchdog import CollectiveTimeoutError, RankFailureError
+
+    return (CheckpointCorruptError, AsyncCheckpointError, NonFiniteError, RankFailureError, CollectiveTimeoutError)
+
+
+def user_error_message(err: BaseException, args: Optional[list[str]] = None) -> Optional[str]:
+    """The message of an error the user can act on (bad input, a file that is missing or does not fit),
+    or None for one whose traceback is needed (a bug).
+
+    User errors: the pack's own error types, a ``ValueError`` the pack raised, Lightning's
+    ``MisconfigurationException``, a missing or unreadable file, an optional extra that is not
+    installed, and a checkpoint whose tensors do not fit the model (named from the innermost cause).
+    """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    mismatch = _load_mismatch(err, list(args or []))
+    if mismatch is not None:
+        return mismatch
+    if isinstance(err, _pack_error_types()) or isinstance(err, MisconfigurationException):
+        return str(err)
+    if isinstance(err, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+        return str(err)
+    if isinstance(err, ValueError) and _raised_in_pack(err):
+        return str(err)
+    if isinstance(err, ImportError) and "pip install" in str(err):
+        return str(err)
+    return None
+
+
+def _exit_on_user_error(err: BaseException, args: list[str]) -> None:
+    """Print a user error in a few lines and exit 1; return (for the caller to re-raise) otherwise."""
+    message = user_error_message(err, args)
+    if message is None or not message.strip():
+        return
+    sub = args[0] if args and not args[0].startswith("-") else ""
+    prog = f"lightning-perf {sub}".strip()
+    sys.stderr.write(f"{prog}: error: {_first_lines(message, limit=4)}\n{_DEBUG_HINT}\n")
+    raise SystemExit(1)
+
+
+def _check_ckpt_path(ckpt_path: Any) -> None:
+    """Refuse a ``--ckpt_path`` that is no checkpoint before the Trainer reads it (torch's unpickler
+    fails on such a file with e.g. ``KeyError: 101``)."""
+    if not isinstance(ckpt_path, (str, os.PathLike)) or str(ckpt_path) in _CKPT_KEYWORDS or "://" in str(ckpt_path):
+        return
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--ckpt_path {path}: no such file or directory (pass a checkpoint that `fit` wrote, e.g. "
+            "<default_root_dir>/checkpoints/last.ckpt, or 'last')"
+        )
+    if path.is_file() and not _is_torch_file(path):
+        raise ValueError(
+            f"--ckpt_path {path}: not a checkpoint (not a file written by torch.save, or a truncated one); pass "
+            "a .ckpt that `fit` wrote or a sharded checkpoint directory"
+        )
+
+
+def _is_torch_file(path: Path) -> bool:
+    """Whether ``path`` is a complete ``torch.save`` archive (or the legacy pickle format)."""
+    import zipfile
+
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x80\x02"  # torch's legacy (non-zip) format starts with a protocol-2 pickle
+
+
 # ---- the CLI ---------------------------------------------------------------------------------
 
 
@@ -291,6 +434,12 @@ class PerfCLI(LightningCLI):
             "-c", "--config", action=ActionConfigFile, help="a recipe name or YAML file (see lightning-perf --help)"
         )
         return parser
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        sub = self.config.get("subcommand")
+        if sub:  # before LightningCLI reads the checkpoint's hyper-parameters
+            _check_ckpt_path((self.config.get(sub) or {}).get("ckpt_path"))
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand)) if self.subcommand else self.config
@@ -366,11 +515,13 @@ def _generate(argv: list[str]) -> None:
     )
     p.add_argument("--prompt", default="")
     p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top_k", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (always the likeliest token); >= 0")
+    p.add_argument("--top_k", type=_optional_int, default=50, help="sample among the k likeliest tokens (>= 1), "
+                   "or none for the whole vocabulary")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    _check_sampling_args(p, args)
     from lightning_perf.data import load_tokenizer
 
     path = Path(args.ckpt_path)
@@ -401,6 +552,43 @@ def _generate(argv: list[str]) -> None:
     print(tok.decode(out[0].tolist()))
 
 
+def _optional_int(value: str) -> Optional[int]:
+    return None if value.strip().lower() in ("none", "null") else int(value)
+
+
+def _check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse sampling arguments torch would fail on (or silently reinterpret), before anything loads."""
+    import math
+
+    problem = None
+    if args.top_k is not None and args.top_k < 1:
+        problem = f"--top_k must be >= 1 (or none: no top-k cut), got {args.top_k}"
+    elif not math.isfinite(args.temperature) or args.temperature < 0:
+        problem = f"--temperature must be a finite number >= 0 (0: greedy decoding), got {args.temperature}"
+    elif args.max_new_tokens < 0:
+        problem = f"--max_new_tokens must be >= 0, got {args.max_new_tokens}"
+    if problem is not None:
+        sys.stderr.write(f"{parser.prog}: error: {problem}\n(all options: {parser.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def _with_consolidated_hparams(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """A consolidated state dict (``lightning-perf consolidate``) as a checkpoint: its weights under the
+    module's ``model.`` and the hyper-parameters recorded beside it."""
+    from lightning_perf.parallel.checkpoint import consolidated_hparams_path, read_consolidated_hparams
+
+    try:
+        hparams = read_consolidated_hparams(path)
+    except ValueError as err:
+        raise SystemExit(f"lightning-perf generate: {err}") from err
+    if hparams is None:
+        raise SystemExit(
+            f"{path} is a consolidated state dict without {consolidated_hparams_path(path).name} (the GPT config "
+            "that `lightning-perf consolidate` writes beside it): re-run consolidate on the sharded checkpoint"
+        )
+    return {"state_dict": {f"model.{k}": v for k, v in state.items()}, "hyper_parameters": hparams}
+
+
 def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule:
     """Load a GPTLightningModule from a Lightning checkpoint file or a consolidated state file."""
     import torch
@@ -413,10 +601,14 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
             f"{path} is a sharded (distributed) checkpoint directory: run "
             f"`lightning-perf consolidate --ckpt_dir {path} --out model.pt` first and pass model.pt"
         )
+    if not _is_torch_file(path):
+        raise SystemExit(f"cannot load checkpoint {path}: not a file written by torch.save (or a truncated one)")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # truncated file, not a checkpoint, or a pickled object we refuse to run
         raise SystemExit(f"cannot load checkpoint {path}: {err}") from err
+    if isinstance(ckpt, dict) and "state_dict" not in ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        ckpt = _with_consolidated_hparams(path, ckpt)
     hparams = ckpt.get("hyper_parameters") or {}
     if "config" not in hparams:
         raise SystemExit(f"{path} holds no GPT config under 'hyper_parameters': not a lightning_perf checkpoint")
@@ -434,7 +626,16 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    args, debug = _pop_debug(list(sys.argv[1:] if argv is None else argv))
+    try:
+        _main(args)
+    except Exception as err:
+        if not debug:
+            _exit_on_user_error(err, args)
+        raise
+
+
+def _main(args: list[str]) -> None:
     if not args or args[0] in ("-h", "--help"):
         return _print_help()
     if args[0] == "generate":
