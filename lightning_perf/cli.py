@@ -18,6 +18,11 @@ What the CLI adds to Lightning's:
 - Paths a recipe puts under its ``trainer.default_root_dir`` (logger ``save_dir``, checkpoint
   ``dirpath``) follow ``--trainer.default_root_dir`` when it is overridden.
 - A mistyped option gets a short error with the closest valid names instead of the usage text.
+- Bad input found while a run sets up (a missing file, a layout or checkpoint that does not fit, a
+  ``ValueError`` of the pack) is printed in a few lines naming the file or option and the fix, exit
+  status 1; ``LIGHTNING_PERF_DEBUG=1`` or ``--debug`` keeps the traceback.
+- ``--trainer.accelerator cpu`` on a GPU recipe switches its compile modes, half precision and loader
+  workers to CPU settings (one printed line); ``--config NAME --help`` shows the recipe's values.
 """
 
 from __future__ import annotations
@@ -390,7 +395,7 @@ def _exit_on_user_error(err: BaseException, args: list[str]) -> None:
         return
     sub = args[0] if args and not args[0].startswith("-") else ""
     prog = f"lightning-perf {sub}".strip()
-    sys.stderr.write(f"{prog}: error: {_first_lines(message, limit=4)}\n{_DEBUG_HINT}\n")
+    sys.stderr.write(f"{prog}: error: {_first_lines(message, limit=2)}\n{_DEBUG_HINT}\n")
     raise SystemExit(1)
 
 
