@@ -336,6 +336,9 @@ def _option_value(args: list[str], name: str) -> Optional[str]:
 def _load_mismatch(err: BaseException, args: list[str]) -> Optional[str]:
     """For a checkpoint that does not fit the model, the first offending tensor (from wherever in the
     chain of exceptions it was reported) and what to do; None for any other error."""
+    ckpt = _option_value(args, "ckpt_path")
+    if ckpt is None:  # only a checkpoint that is loaded can misfit
+        return None
     pattern = re.compile(r"size mismatch|missing key|unexpected key", re.I)
     for e in _chain(err):
         lines = [line.strip() for line in str(e).splitlines() if pattern.search(line)]
@@ -345,10 +348,8 @@ def _load_mismatch(err: BaseException, args: list[str]) -> Optional[str]:
         if first.lower().startswith(("missing key", "unexpected key")) and len(first) > 240:
             first = first[:240] + " ..."
         more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
-        ckpt = _option_value(args, "ckpt_path")
-        where = f"--ckpt_path {ckpt}" if ckpt else "the checkpoint"
         return (
-            f"{where} does not fit this model: {first}{more}\n"
+            f"--ckpt_path {ckpt} does not fit this model: {first}{more}\n"
             "build the model as the checkpoint was trained (the same --model.config and "
             "--model.config_overrides), or leave out --ckpt_path"
         )
@@ -603,7 +604,9 @@ def _run_lightning_cli(argv: list[str]) -> None:
         PerfCLI(
             GPTLightningModule,
             TokenDataModule,
-            parser_kwargs={"description": "lightning_perf: train, validate, test and predict with the GPT", **help_kwargs},
+            parser_kwargs={
+                "description": "lightning_perf: train, validate, test and predict with the GPT", **help_kwargs
+            },
             save_config_kwargs={"overwrite": True},
         )
     finally:

@@ -53,7 +53,8 @@ def _token_dir(path: Path, train_tokens: int, val_tokens: int) -> Path:
 
 def test_missing_data_dir_is_short_and_says_how_to_make_it(tmp_path):
     proc = _cli(["fit", *TINY, "--data.source", "memmap", "--data.data_dir", "nodir"], tmp_path)
-    _short_error(proc, "data_dir nodir does not exist", "lightning-perf prepare", "--out_dir nodir", "LIGHTNING_PERF_DEBUG=1")
+    _short_error(proc, "data_dir nodir does not exist", "lightning-perf prepare", "--out_dir nodir",
+                 "LIGHTNING_PERF_DEBUG=1")
 
 
 def test_layout_that_does_not_divide_the_world_is_short(tmp_path):
@@ -114,7 +115,8 @@ def test_lightning_checkpoint_of_another_shape_names_the_first_tensor(tmp_path):
 def zero_checkpoint(tmp_path_factory):
     """A sharded checkpoint of one ZeRO-2 step of a small GPT (one CPU process)."""
     cwd = tmp_path_factory.mktemp("zero")
-    checkpoint = "[{class_path: ModelCheckpoint, init_args: {dirpath: run/ckpt, every_n_train_steps: 1, save_last: true}}]"
+    checkpoint = ("[{class_path: ModelCheckpoint, init_args: {dirpath: run/ckpt, every_n_train_steps: 1, "
+                  "save_last: true}}]")
     proc = _cli(["fit", *TINY, *TINY_MODEL, "--trainer.strategy", "zero2", "--trainer.default_root_dir", "run",
                  "--trainer.callbacks", checkpoint], cwd)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -125,7 +127,8 @@ def zero_checkpoint(tmp_path_factory):
 
 def test_sharded_checkpoint_of_another_shape_names_the_size_mismatch(zero_checkpoint, tmp_path):
     """DCP reports the mismatch as the cause of the cause; the message shows that line."""
-    proc = _cli(["fit", *TINY, "--model.config_overrides", "{n_layer: 1, n_embd: 64, n_head: 2, n_kv_head: 2, block_size: 32}",
+    wider = "{n_layer: 1, n_embd: 64, n_head: 2, n_kv_head: 2, block_size: 32}"
+    proc = _cli(["fit", *TINY, "--model.config_overrides", wider,
                  "--trainer.strategy", "zero2", "--ckpt_path", zero_checkpoint, "--trainer.default_root_dir", "run"],
                 tmp_path)
     _short_error(proc, f"--ckpt_path {zero_checkpoint} does not fit this model", "Size mismatch", "64")
@@ -219,13 +222,15 @@ def test_user_errors_and_bugs_are_told_apart():
     try:
         try:
             try:
-                raise ValueError("Size mismatch between saved torch.Size([8]) and current: torch.Size([4]) for model.0.weight")
+                raise ValueError(
+                    "Size mismatch between saved torch.Size([8]) and current: torch.Size([4]) for model.0.weight")
             except ValueError as inner:
                 raise RuntimeError("CheckpointException ranks:dict_keys([0])") from inner
         except RuntimeError as middle:
             raise RuntimeError("reading checkpoint ck failed (raise ValueError()") from middle
     except RuntimeError as outer:
         message = user_error_message(outer, ["fit", "--ckpt_path", "ck"])
+        assert user_error_message(outer, ["fit"]) is None  # no checkpoint loaded: not a misfit, a bug
     assert message is not None and message.startswith("--ckpt_path ck does not fit this model: Size mismatch")
     assert "for model.0.weight" in message
 

@@ -88,9 +88,11 @@ def _short_split_error(split: str, tokens: int, total: int, seq_len: int, val_fr
     if total >= 2 * need and split == "val":
         fix = f"raise --val_fraction to {math.ceil(need / total * 1000) / 1000:g} or more, lower --seq_len or add text"
     elif total >= 2 * need:
-        fix = f"lower --val_fraction to {math.floor((1 - need / total) * 1000) / 1000:g} or less, lower --seq_len or add text"
+        most = math.floor((1 - need / total) * 1000) / 1000
+        fix = f"lower --val_fraction to {most:g} or less, lower --seq_len or add text"
     else:
-        fix = f"add text (at least {2 * need} tokens in all) or lower --seq_len (the --data.seq_len you will train with)"
+        fix = (f"add text (at least {2 * need} tokens in all) or lower --seq_len (the --data.seq_len you will "
+               "train with)")
     return ValueError(
         f"the {split} split would hold {tokens} tokens, fewer than one sample of seq_len + 1 = {need} "
         f"({total} tokens in all, val_fraction={val_fraction:g}): {fix}"

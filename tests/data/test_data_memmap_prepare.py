@@ -402,5 +402,5 @@ def test_short_validation_split_only_matters_when_validation_runs(tmp_path):
 
 def test_missing_data_dir_is_named(tmp_path):
     data = TokenDataModule(source="memmap", data_dir=str(tmp_path / "nodir"), seq_len=16)
-    with pytest.raises(FileNotFoundError, match=r"data_dir .*nodir does not exist: create it with `lightning-perf prepare"):
+    with pytest.raises(FileNotFoundError, match=r"data_dir .*nodir does not exist: create it with `lightning-perf"):
         data.setup("fit")
