@@ -18,14 +18,21 @@ What the CLI adds to Lightning's:
 - Paths a recipe puts under its ``trainer.default_root_dir`` (logger ``save_dir``, checkpoint
   ``dirpath``) follow ``--trainer.default_root_dir`` when it is overridden.
 - A mistyped option gets a short error with the closest valid names instead of the usage text.
+- Bad input found while a run sets up (a missing file, a layout or checkpoint that does not fit, a
+  ``ValueError`` of the pack) is printed in a few lines naming the file or option and the fix, exit
+  status 1; ``LIGHTNING_PERF_DEBUG=1`` or ``--debug`` keeps the traceback.
+- ``--trainer.accelerator cpu`` on a GPU recipe switches its compile modes, half precision and loader
+  workers to CPU settings (one printed line); ``--config NAME --help`` shows the recipe's values.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
@@ -279,6 +286,148 @@ def _did_you_mean(message: str, known: list[str]) -> str:
     return "\n".join(suggestions)
 
 
+# ---- errors a user can act on: a short message instead of a traceback ---------------------------
+
+DEBUG_ENV = "LIGHTNING_PERF_DEBUG"
+_DEBUG_HINT = f"(for the traceback: {DEBUG_ENV}=1 or --debug)"
+_PACK_DIR = Path(__file__).resolve().parent
+# Lightning's special values of --ckpt_path (resolved by the Trainer, not files)
+_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+
+
+def _pop_debug(args: list[str]) -> tuple[list[str], bool]:
+    """``args`` without ``--debug``, and whether the traceback was asked for (flag or environment)."""
+    debug = "--debug" in args
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # ranks a launcher starts inherit it
+    on = debug or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return [a for a in args if a != "--debug"], on
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the exceptions it was raised from or during, outermost first."""
+    seen: list[BaseException] = []
+    todo: list[Optional[BaseException]] = [err]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+    return seen
+
+
+def _raised_in_pack(err: BaseException) -> bool:
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(_PACK_DIR)
+
+
+def _option_value(args: list[str], name: str) -> Optional[str]:
+    """The value of ``--name V`` / ``--name=V`` on a command line (the last one), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == f"--{name}" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _load_mismatch(err: BaseException, args: list[str]) -> Optional[str]:
+    """For a checkpoint that does not fit the model, the first offending tensor (from wherever in the
+    chain of exceptions it was reported) and what to do; None for any other error."""
+    ckpt = _option_value(args, "ckpt_path")
+    if ckpt is None:  # only a checkpoint that is loaded can misfit
+        return None
+    pattern = re.compile(r"size mismatch|missing key|unexpected key", re.I)
+    for e in _chain(err):
+        lines = [line.strip() for line in str(e).splitlines() if pattern.search(line)]
+        if not lines:
+            continue
+        first = lines[0]
+        if first.lower().startswith(("missing key", "unexpected key")) and len(first) > 240:
+            first = first[:240] + " ..."
+        more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+        return (
+            f"--ckpt_path {ckpt} does not fit this model: {first}{more}\n"
+            "build the model as the checkpoint was trained (the same --model.config and "
+            "--model.config_overrides), or leave out --ckpt_path"
+        )
+    return None
+
+
+def _pack_error_types() -> tuple[type, ...]:
+    from lightning_perf.callbacks.nonfinite import NonFiniteError
+    from lightning_perf.parallel.async_checkpoint import AsyncCheckpointError
+    from lightning_perf.parallel.checkpoint import CheckpointCorruptError
+    from lightning_perf.parallel.watchdog import CollectiveTimeoutError, RankFailureError
+
+    return (CheckpointCorruptError, AsyncCheckpointError, NonFiniteError, RankFailureError, CollectiveTimeoutError)
+
+
+def user_error_message(err: BaseException, args: Optional[list[str]] = None) -> Optional[str]:
+    """The message of an error the user can act on (bad input, a file that is missing or does not fit),
+    or None for one whose traceback is needed (a bug).
+
+    User errors: the pack's own error types, a ``ValueError`` the pack raised, Lightning's
+    ``MisconfigurationException``, a missing or unreadable file, an optional extra that is not
+    installed, and a checkpoint whose tensors do not fit the model (named from the innermost cause).
+    """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    mismatch = _load_mismatch(err, list(args or []))
+    if mismatch is not None:
+        return mismatch
+    if isinstance(err, _pack_error_types()) or isinstance(err, MisconfigurationException):
+        return str(err)
+    if isinstance(err, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+        return str(err)
+    if isinstance(err, ValueError) and _raised_in_pack(err):
+        return str(err)
+    if isinstance(err, ImportError) and "pip install" in str(err):
+        return str(err)
+    return None
+
+
+def _exit_on_user_error(err: BaseException, args: list[str]) -> None:
+    """Print a user error in a few lines and exit 1; return (for the caller to re-raise) otherwise."""
+    message = user_error_message(err, args)
+    if message is None or not message.strip():
+        return
+    sub = args[0] if args and not args[0].startswith("-") else ""
+    prog = f"lightning-perf {sub}".strip()
+    sys.stderr.write(f"{prog}: error: {_first_lines(message, limit=2)}\n{_DEBUG_HINT}\n")
+    raise SystemExit(1)
+
+
+def _check_ckpt_path(ckpt_path: Any) -> None:
+    """Refuse a ``--ckpt_path`` that is no checkpoint before the Trainer reads it (torch's unpickler
+    fails on such a file with e.g. ``KeyError: 101``)."""
+    if not isinstance(ckpt_path, (str, os.PathLike)) or str(ckpt_path) in _CKPT_KEYWORDS or "://" in str(ckpt_path):
+        return
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--ckpt_path {path}: no such file or directory (pass a checkpoint that `fit` wrote, e.g. "
+            "<default_root_dir>/checkpoints/last.ckpt, or 'last')"
+        )
+    if path.is_file() and not _is_torch_file(path):
+        raise ValueError(
+            f"--ckpt_path {path}: not a checkpoint (not a file written by torch.save, or a truncated one); pass "
+            "a .ckpt that `fit` wrote or a sharded checkpoint directory"
+        )
+
+
+def _is_torch_file(path: Path) -> bool:
+    """Whether ``path`` is a complete ``torch.save`` archive (or the legacy pickle format)."""
+    import zipfile
+
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x80\x02"  # torch's legacy (non-zip) format starts with a protocol-2 pickle
+
+
 # ---- the CLI ---------------------------------------------------------------------------------
 
 
@@ -291,6 +440,12 @@ class PerfCLI(LightningCLI):
             "-c", "--config", action=ActionConfigFile, help="a recipe name or YAML file (see lightning-perf --help)"
         )
         return parser
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        sub = self.config.get("subcommand")
+        if sub:  # before LightningCLI reads the checkpoint's hyper-parameters
+            _check_ckpt_path((self.config.get(sub) or {}).get("ckpt_path"))
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand)) if self.subcommand else self.config
@@ -340,7 +495,108 @@ def _print_help() -> None:
     print(_HELP.format(own=own, recipes=", ".join(recipe_names())))
 
 
+# ---- a GPU recipe on the CPU; --help with a recipe's values -------------------------------------
+
+
+def _config_files(argv: list[str]) -> list[str]:
+    """The ``--config`` values of a command line, in order."""
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    return files + [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+
+
+def _merged_recipe(files: list[str]) -> dict[str, Any]:
+    """The YAML config files layered as LightningCLI layers them (later keys override earlier ones)."""
+    import yaml
+
+    def merge(base: dict, top: dict) -> dict:
+        out = dict(base)
+        for key, value in top.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    merged: dict[str, Any] = {}
+    for f in files:
+        try:
+            data = yaml.safe_load(Path(f).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue  # the parser reports it
+        if isinstance(data, dict):
+            merged = merge(merged, data)
+    return merged
+
+
+def _given_options(argv: list[str]) -> set[str]:
+    return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
+def cpu_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """For ``--trainer.accelerator cpu`` on a recipe written for GPUs: the flags that switch its GPU-only or
+    slow-on-a-CPU settings (compile modes, CUDA graphs among them; half precision; loader workers) to what
+    runs fast on a CPU, and one description per switch. Settings the command line names stay as given."""
+    if _option_value(argv, "trainer.accelerator") != "cpu":
+        return [], []
+    recipe = _merged_recipe(_config_files(argv))
+    trainer, model, data = (recipe.get(k) or {} for k in ("trainer", "model", "data"))
+    if str(trainer.get("accelerator", "")).lower() not in ("gpu", "cuda"):
+        return [], []
+    given = _given_options(argv)
+    flags: list[str] = []
+    switched: list[str] = []
+
+    def switch(key: str, old: Any, new: str, *aliases: str) -> None:
+        if key in given or any(a in given for a in aliases):
+            return
+        flags.extend([f"--{key}", new])
+        switched.append(f"{key} {old} -> {new}")
+
+    precision = trainer.get("precision")
+    if precision is not None and str(precision) not in ("32", "32-true", "64", "64-true"):
+        switch("trainer.precision", precision, "32-true")
+    if model.get("compile") is not None:  # every compile mode (reduce-overhead: CUDA graphs) compiles for minutes
+        switch("model.compile", model["compile"], "null")
+    strategy = trainer.get("strategy")
+    strategy_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    if strategy_args.get("compile") is not None:
+        switch("trainer.strategy.init_args.compile", strategy_args["compile"], "null", "trainer.strategy.compile")
+    workers = data.get("num_workers")
+    if isinstance(workers, int) and workers > 0:
+        switch("data.num_workers", workers, "0")
+    return flags, switched
+
+
+def _switch_gpu_recipe_to_cpu(argv: list[str]) -> list[str]:
+    if any(a in ("-h", "--help") for a in argv):
+        return argv
+    flags, switched = cpu_overrides(argv)
+    if switched and os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
+        # stderr: --print_config's YAML on stdout stays YAML
+        sys.stderr.write(f"lightning-perf: a GPU recipe on the CPU: {', '.join(switched)} (name one on the command "
+                         "line to keep it)\n")
+    return argv + flags
+
+
+def _recipe_defaults_for_help(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """For ``SUBCOMMAND --config ... --help``: the command line without the configs, and parser arguments
+    that make them the subcommand's defaults, so the help shows the recipe's values."""
+    if not argv or argv[0] not in _LIGHTNING_SUBCOMMANDS or not any(a in ("-h", "--help") for a in argv):
+        return argv, {}
+    files = _config_files(argv)
+    if not files:
+        return argv, {}
+    rest, i = [argv[0]], 1
+    while i < len(argv):
+        if argv[i] in ("--config", "-c"):
+            i += 2
+            continue
+        if not argv[i].startswith("--config="):
+            rest.append(argv[i])
+        i += 1
+    return rest, {argv[0]: {"default_config_files": files}}
+
+
 def _run_lightning_cli(argv: list[str]) -> None:
+    argv = _switch_gpu_recipe_to_cpu(argv)
+    argv, help_kwargs = _recipe_defaults_for_help(argv)
     # LightningCLI reads sys.argv (it warns when given args beside a command line)
     saved = sys.argv
     sys.argv = [saved[0] if saved else "lightning-perf", *argv]
@@ -348,7 +604,9 @@ def _run_lightning_cli(argv: list[str]) -> None:
         PerfCLI(
             GPTLightningModule,
             TokenDataModule,
-            parser_kwargs={"description": "lightning_perf: train, validate, test and predict with the GPT"},
+            parser_kwargs={
+                "description": "lightning_perf: train, validate, test and predict with the GPT", **help_kwargs
+            },
             save_config_kwargs={"overwrite": True},
         )
     finally:
@@ -366,11 +624,13 @@ def _generate(argv: list[str]) -> None:
     )
     p.add_argument("--prompt", default="")
     p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top_k", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (always the likeliest token); >= 0")
+    p.add_argument("--top_k", type=_optional_int, default=50, help="sample among the k likeliest tokens (>= 1), "
+                   "or none for the whole vocabulary")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    _check_sampling_args(p, args)
     from lightning_perf.data import load_tokenizer
 
     path = Path(args.ckpt_path)
@@ -401,6 +661,43 @@ def _generate(argv: list[str]) -> None:
     print(tok.decode(out[0].tolist()))
 
 
+def _optional_int(value: str) -> Optional[int]:
+    return None if value.strip().lower() in ("none", "null") else int(value)
+
+
+def _check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse sampling arguments torch would fail on (or silently reinterpret), before anything loads."""
+    import math
+
+    problem = None
+    if args.top_k is not None and args.top_k < 1:
+        problem = f"--top_k must be >= 1 (or none: no top-k cut), got {args.top_k}"
+    elif not math.isfinite(args.temperature) or args.temperature < 0:
+        problem = f"--temperature must be a finite number >= 0 (0: greedy decoding), got {args.temperature}"
+    elif args.max_new_tokens < 0:
+        problem = f"--max_new_tokens must be >= 0, got {args.max_new_tokens}"
+    if problem is not None:
+        sys.stderr.write(f"{parser.prog}: error: {problem}\n(all options: {parser.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def _with_consolidated_hparams(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """A consolidated state dict (``lightning-perf consolidate``) as a checkpoint: its weights under the
+    module's ``model.`` and the hyper-parameters recorded beside it."""
+    from lightning_perf.parallel.checkpoint import consolidated_hparams_path, read_consolidated_hparams
+
+    try:
+        hparams = read_consolidated_hparams(path)
+    except ValueError as err:
+        raise SystemExit(f"lightning-perf generate: {err}") from err
+    if hparams is None:
+        raise SystemExit(
+            f"{path} is a consolidated state dict without {consolidated_hparams_path(path).name} (the GPT config "
+            "that `lightning-perf consolidate` writes beside it): re-run consolidate on the sharded checkpoint"
+        )
+    return {"state_dict": {f"model.{k}": v for k, v in state.items()}, "hyper_parameters": hparams}
+
+
 def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule:
     """Load a GPTLightningModule from a Lightning checkpoint file or a consolidated state file."""
     import torch
@@ -413,10 +710,14 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
             f"{path} is a sharded (distributed) checkpoint directory: run "
             f"`lightning-perf consolidate --ckpt_dir {path} --out model.pt` first and pass model.pt"
         )
+    if not _is_torch_file(path):
+        raise SystemExit(f"cannot load checkpoint {path}: not a file written by torch.save (or a truncated one)")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # truncated file, not a checkpoint, or a pickled object we refuse to run
         raise SystemExit(f"cannot load checkpoint {path}: {err}") from err
+    if isinstance(ckpt, dict) and "state_dict" not in ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        ckpt = _with_consolidated_hparams(path, ckpt)
     hparams = ckpt.get("hyper_parameters") or {}
     if "config" not in hparams:
         raise SystemExit(f"{path} holds no GPT config under 'hyper_parameters': not a lightning_perf checkpoint")
@@ -434,7 +735,16 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    args, debug = _pop_debug(list(sys.argv[1:] if argv is None else argv))
+    try:
+        _main(args)
+    except Exception as err:
+        if not debug:
+            _exit_on_user_error(err, args)
+        raise
+
+
+def _main(args: list[str]) -> None:
     if not args or args[0] in ("-h", "--help"):
         return _print_help()
     if args[0] == "generate":

@@ -196,6 +196,8 @@ class TokenDataModule(L.LightningDataModule):
             if model_vocab is None:
                 raise ValueError(_SYNTHETIC_VOCAB_HINT + "; no Trainer with such a model is attached")
             self._model_vocab_for_synthetic = model_vocab
+        if self.source == "memmap":
+            self._check_data_dir()
         vocab = self.vocab_size  # validates files / vocabulary before anything is built
         if self.source == "memmap":
             self._check_tokenizer(getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None)
@@ -223,11 +225,26 @@ class TokenDataModule(L.LightningDataModule):
             self.train_dataset = MemmapTokenDataset(self.data_dir / "train", self.seq_len, documents=docs)
             self.val_dataset = MemmapTokenDataset(self.data_dir / "val", self.seq_len, documents=docs)
         for split, ds in (("train", self.train_dataset), ("val", self.val_dataset)):
+            if split == "val" and stage == "fit" and self._validation_disabled():
+                continue  # the Trainer never asks for the validation loader
             if len(ds) == 0:  # type: ignore[arg-type]
+                skip = " (or disable validation with limit_val_batches=0)" if split == "val" and stage == "fit" else ""
                 raise ValueError(
                     f"the {split} split of the {self.source} data ({ds!r}) has fewer than seq_len + 1 ="
-                    f" {self.seq_len + 1} tokens: lower seq_len or provide more data"
+                    f" {self.seq_len + 1} tokens: lower seq_len or provide more data{skip}"
                 )
+
+    def _validation_disabled(self) -> bool:
+        """Whether the attached Trainer runs no validation (``limit_val_batches=0``)."""
+        return self._trainer_attached() and getattr(self.trainer, "limit_val_batches", None) == 0
+
+    def _check_data_dir(self) -> None:
+        assert self.data_dir is not None
+        if not self.data_dir.is_dir():
+            raise FileNotFoundError(
+                f"data_dir {self.data_dir} does not exist: create it with `lightning-perf prepare --input"
+                f" <text files or dirs> --out_dir {self.data_dir}`, or point data_dir at such a directory"
+            )
 
     def document_boundaries(self) -> DocumentBoundaries | None:
         """How samples find their documents (the tokenizer's ``<eos>`` / ``<bos>`` ids), or None

@@ -8,11 +8,14 @@ built-in byte tokenizer (the default), or the ids of a Hugging Face ``tokenizer.
 (``--tokenizer <folder>``, the ``tokenizers`` library, offline; its begin / end tokens
 where it has them). The sidecars record the tokenizer's name, hash and vocabulary size. Directories are
 walked recursively (hidden entries skipped; files with a NUL byte in their first
-8 KiB are taken for binary and skipped). Documents are processed in sorted path order
-and go to validation when a hash of their path is below ``val_fraction``, so the split
-is deterministic and no document is in both files. When that cannot work (too few
-documents, e.g. one big text file, or held-out documents holding more than twice
-``val_fraction`` of the tokens) the last ``val_fraction`` of the token stream is used.
+8 KiB are taken for binary and skipped; each skipped entry is reported with its reason). Documents
+are processed in sorted path order and go to validation when a hash of their path is below
+``val_fraction``, so the split is deterministic and no document is in both files. When that cannot
+work (too few documents, e.g. one big text file, held-out documents holding more than twice
+``val_fraction`` of the tokens, or, with ``seq_len``, fewer tokens than one sample) the last
+``val_fraction`` of the token stream is used. With ``seq_len`` (the command's ``--seq_len``,
+256 by default) a split that cannot hold one sample of ``seq_len + 1`` tokens is refused before any
+file is replaced, with what to change.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Sequence
+import sys
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -34,32 +39,64 @@ from lightning_perf.data.memmap import TokenFileMeta, dtype_for_vocab
 __all__ = ["collect_documents", "main", "prepare"]
 
 
+# the TokenDataModule's default seq_len: what `prepare --seq_len` checks the splits against by default
+DEFAULT_SEQ_LEN = 256
+_BINARY_PROBE = 8192
+
+
 def _is_binary(path: Path) -> bool:
     with open(path, "rb") as f:
-        return b"\0" in f.read(8192)
+        return b"\0" in f.read(_BINARY_PROBE)
 
 
-def collect_documents(inputs: Sequence[str | os.PathLike]) -> list[tuple[Path, str]]:
+def collect_documents(
+    inputs: Sequence[str | os.PathLike], skipped: list[tuple[Path, str]] | None = None
+) -> list[tuple[Path, str]]:
     """``(path, key)`` of the text files named by ``inputs`` (files, or directories
     walked recursively), sorted by key, without duplicates. ``key`` is the path
     relative to the input directory (the file name for a file input), so the split
     does not depend on where the data lies. Raises ``FileNotFoundError`` for an input
-    that does not exist."""
+    that does not exist. ``skipped``, if given, receives ``(path, reason)`` for each entry
+    of a walked directory that is left out (hidden, binary, not a regular file)."""
     found: dict[Path, str] = {}
+    skip = skipped if skipped is not None else []
     for item in inputs:
         path = Path(item)
         if path.is_file():
             found.setdefault(path.resolve(), path.name)
         elif path.is_dir():
             for dirpath, dirnames, filenames in os.walk(path):
+                skip.extend((Path(dirpath, d), "hidden directory") for d in sorted(dirnames) if d.startswith("."))
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-                for name in filenames:
+                for name in sorted(filenames):
                     file = Path(dirpath, name)
-                    if not name.startswith(".") and file.is_file() and not _is_binary(file):
+                    if name.startswith("."):
+                        skip.append((file, "hidden file"))
+                    elif not file.is_file():
+                        skip.append((file, "not a regular file"))
+                    elif _is_binary(file):
+                        skip.append((file, f"a NUL byte in its first {_BINARY_PROBE // 1024} KiB: taken for binary"))
+                    else:
                         found.setdefault(file.resolve(), file.relative_to(path).as_posix())
         else:
             raise FileNotFoundError(f"prepare input {path} does not exist")
     return sorted(found.items(), key=lambda item: (item[1], str(item[0])))
+
+
+def _short_split_error(split: str, tokens: int, total: int, seq_len: int, val_fraction: float) -> ValueError:
+    need = seq_len + 1
+    if total >= 2 * need and split == "val":
+        fix = f"raise --val_fraction to {math.ceil(need / total * 1000) / 1000:g} or more, lower --seq_len or add text"
+    elif total >= 2 * need:
+        most = math.floor((1 - need / total) * 1000) / 1000
+        fix = f"lower --val_fraction to {most:g} or less, lower --seq_len or add text"
+    else:
+        fix = (f"add text (at least {2 * need} tokens in all) or lower --seq_len (the --data.seq_len you will "
+               "train with)")
+    return ValueError(
+        f"the {split} split would hold {tokens} tokens, fewer than one sample of seq_len + 1 = {need} "
+        f"({total} tokens in all, val_fraction={val_fraction:g}): {fix}"
+    )
 
 
 def _in_val(key: str, val_fraction: float) -> bool:
@@ -72,6 +109,8 @@ def prepare(
     out_dir: str | os.PathLike,
     val_fraction: float = 0.01,
     tokenizer: str = "byte",
+    seq_len: int | None = None,
+    on_skip: Callable[[Path, str], None] | None = None,
 ) -> dict[str, TokenFileMeta]:
     """Tokenize ``inputs`` into ``out_dir/{train,val}.{bin,json}``.
 
@@ -81,6 +120,10 @@ def prepare(
         val_fraction: share of the documents (or, with too few documents, of the
             tokens) held out for validation, in (0, 1).
         tokenizer: ``"byte"``, or a folder holding ``tokenizer.json`` (or that file).
+        seq_len: if given, each split must hold one sample of ``seq_len + 1`` tokens, else
+            ``ValueError`` says what to change and the files in ``out_dir`` stay as they were.
+        on_skip: called with ``(path, reason)`` for each entry of a directory input left out
+            (default: a ``UserWarning`` each).
 
     Returns:
         ``{"train": TokenFileMeta, "val": TokenFileMeta}``, as written to the sidecars
@@ -88,9 +131,17 @@ def prepare(
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
     tok = load_tokenizer(tokenizer)
     exact_sizes = tok.name == "byte"
-    docs = collect_documents(inputs)
+    skipped: list[tuple[Path, str]] = []
+    docs = collect_documents(inputs, skipped)
+    for path, reason in skipped:
+        if on_skip is None:
+            warnings.warn(f"prepare skipped {path}: {reason}", stacklevel=2)
+        else:
+            on_skip(path, reason)
     if not docs:
         raise ValueError(f"no text files found in {[str(i) for i in inputs]}")
     # Byte tokens: a document of n bytes is n + 2 tokens, known before reading it; other tokenizers'
@@ -101,6 +152,9 @@ def prepare(
     val_share = sum(sizes[d] for d in val_docs) / total
     # by document unless that leaves a split empty or holds out far more than asked
     by_document = 0 < len(val_docs) < len(docs) and val_share <= 2 * val_fraction
+    if seq_len is not None and by_document:  # the held-out documents must hold one sample
+        held = sum(sizes[d] for d in val_docs)
+        by_document = held > seq_len and total - held > seq_len
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -130,6 +184,12 @@ def prepare(
                 write("train", ids[:cut])
                 write("val", ids[cut:])
             pos += sizes[doc]
+    if seq_len is not None:
+        for split in ("train", "val"):
+            if counts[split] < seq_len + 1:
+                for f in tmp.values():
+                    f.unlink(missing_ok=True)
+                raise _short_split_error(split, counts[split], sum(counts.values()), seq_len, val_fraction)
     metas = {}
     for split, n in counts.items():
         meta = TokenFileMeta(
@@ -155,11 +215,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--tokenizer", default="byte",
         help="'byte' (default) or a folder holding a Hugging Face tokenizer.json (needs lightning-perf[hf])",
     )
+    p.add_argument(
+        "--seq_len", type=int, default=DEFAULT_SEQ_LEN,
+        help=f"each split must hold one sample of seq_len + 1 tokens: the --data.seq_len you will train with "
+        f"(default {DEFAULT_SEQ_LEN})",
+    )
     args = p.parse_args(argv)
+
+    def report(path: Path, reason: str) -> None:
+        print(f"skipped {path}: {reason}")
+
     try:
-        metas = prepare(args.input, args.out_dir, val_fraction=args.val_fraction, tokenizer=args.tokenizer)
-    except (FileNotFoundError, ValueError, ImportError) as err:
-        p.error(str(err))
+        metas = prepare(args.input, args.out_dir, val_fraction=args.val_fraction, tokenizer=args.tokenizer,
+                        seq_len=args.seq_len, on_skip=report)
+    except (FileNotFoundError, ValueError, ImportError) as err:  # bad input: the message, not the usage
+        sys.stderr.write(f"{p.prog}: error: {err}\n")
+        raise SystemExit(2) from err
     for split, meta in metas.items():
         print(f"{Path(args.out_dir) / split}.bin: {meta.num_tokens:,} tokens ({meta.dtype}, vocab {meta.vocab_size})")
     print(f"use it with: --data.source memmap --data.data_dir {args.out_dir}")

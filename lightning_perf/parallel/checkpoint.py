@@ -29,18 +29,21 @@ allow-list, ``extra.pt`` and non-tensor entries with ``weights_only=True``; see
 that makes a checkpoint visible, and the rename before the checkpoint it replaces is deleted.
 
 :func:`consolidate` turns a checkpoint into one ``state_dict`` file that a plain
-single-device model loads (``GPT(config).load_state_dict(torch.load(f, weights_only=True))``).
+single-device model loads (``GPT(config).load_state_dict(torch.load(f, weights_only=True))``),
+and writes the LightningModule's hyper-parameters (the GPT config among them) beside it as
+``<file>.json`` (:func:`consolidated_hparams_path`), so ``generate`` and ``convert`` can rebuild the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import shutil
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -66,6 +69,8 @@ __all__ = [
     "verify_files",
     "consolidate",
     "consolidated_state_dict",
+    "consolidated_hparams_path",
+    "read_consolidated_hparams",
     "update_link",
     "remove",
     "prepare_tmp",
@@ -465,7 +470,58 @@ def consolidate(ckpt_dir: PathLike, out_file: PathLike, *, prefix: Optional[str]
     fsync_file(tmp)
     os.replace(tmp, out_file)
     fsync_dir(out_file.parent)
+    _write_hparams(consolidated_hparams_path(out_file), _saved_hparams(ckpt_dir))
     return out_file
+
+
+def consolidated_hparams_path(out_file: PathLike) -> Path:
+    """Where :func:`consolidate` keeps the hyper-parameters of ``out_file``: ``<out_file>.json``."""
+    out_file = Path(out_file)
+    return out_file.with_name(out_file.name + ".json")
+
+
+def read_consolidated_hparams(out_file: PathLike) -> Optional[dict[str, Any]]:
+    """The LightningModule hyper-parameters recorded beside a consolidated file (None: none recorded)."""
+    path = consolidated_hparams_path(out_file)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e}): re-run `lightning-perf consolidate`") from e
+    hparams = data.get("hyper_parameters") if isinstance(data, dict) else None
+    if not isinstance(hparams, dict):
+        raise ValueError(f"{path} holds no 'hyper_parameters' object: re-run `lightning-perf consolidate`")
+    return hparams
+
+
+def _saved_hparams(ckpt_dir: PathLike) -> Optional[dict[str, Any]]:
+    """Lightning's ``hyper_parameters`` in a checkpoint's ``extra`` (either layout), if any."""
+    extra = read_extra(ckpt_dir).get("extra") or {}
+    nested = extra.get("lightning") if isinstance(extra, dict) else None
+    if isinstance(nested, dict) and len(extra) == 1:
+        extra = nested
+    hparams = extra.get("hyper_parameters") if isinstance(extra, dict) else None
+    return dict(hparams) if isinstance(hparams, Mapping) and hparams else None
+
+
+def _write_hparams(path: Path, hparams: Optional[dict[str, Any]]) -> None:
+    if hparams is None:  # nothing to record: a file left by an earlier run must not describe these weights
+        path.unlink(missing_ok=True)
+        return
+    # JSON keeps what rebuilds the module (numbers, strings, lists, the config dict); anything else is left out
+    kept = {}
+    for key, value in hparams.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        kept[key] = value
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"hyper_parameters": kept}, indent=2) + "\n")
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def consolidated_state_dict(ckpt_dir: PathLike, *, prefix: Optional[str] = None) -> dict[str, torch.Tensor]:
@@ -526,5 +582,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("need a checkpoint directory and an output file")
     out = consolidate(ckpt_dir, out_file, prefix=args.prefix)
     n = len(torch.load(out, map_location="cpu", weights_only=True))
-    print(f"wrote {out} ({n} tensors)")
+    hparams = consolidated_hparams_path(out)
+    beside = f" and {hparams} (its hyper-parameters)" if hparams.is_file() else ""
+    print(f"wrote {out} ({n} tensors){beside}")
     return 0

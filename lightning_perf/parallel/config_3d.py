@@ -26,6 +26,9 @@ from lightning_perf.parallel.tensor_parallel import check_sequence_parallel, req
 
 __all__ = ["Parallel3DConfig", "check_model", "check_model_config"]
 
+# the zero-bubble schedules split each stage's backward into an input-gradient and a weight-gradient pass
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv_zero_bubble")
+
 
 @dataclass(kw_only=True)
 class Parallel3DConfig:
@@ -103,6 +106,14 @@ class Parallel3DConfig:
         )
         if self.pipeline_parallel_size == 1 and self.stages_per_rank > 1:
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
+        if (self.pipeline_parallel_size > 1 and self.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+                and self.activation_checkpointing == "selective"):
+            # torch's selective checkpointing allows one backward per region; the failure came in the first step
+            raise ValueError(
+                f"pipeline_schedule={self.pipeline_schedule!r} runs each backward as two passes (input "
+                "gradients, then weight gradients), which selective activation checkpointing does not allow: "
+                "use activation_checkpointing='full' or 'none', or a schedule such as 'interleaved_1f1b'"
+            )
 
     def _check_replicate_size(self) -> None:
         check_replicate_size(

@@ -123,7 +123,8 @@ class ParallelDims:
                 raise ValueError(
                     f"world size {self.world_size} is not divisible by {others} = "
                     f"{model_ranks}, so the data-parallel size cannot be derived: "
-                    f"{self.world_size} / {model_ranks} = {self.world_size / model_ranks:.3g}"
+                    f"{self.world_size} / {model_ranks} = {self.world_size / model_ranks:.3g}; run on a multiple of "
+                    f"{model_ranks} processes (devices x num_nodes) or change the layout"
                 )
             self.dp = self.world_size // model_ranks
         _positive_int("data_parallel_size (dp)", self.dp)

@@ -156,7 +156,13 @@ class ZeroConfig:
         return self.backend == "native" and self.stage == 1
 
     def check_precision(self, precision: str, device_type: Optional[str] = None) -> None:
-        """Raise ValueError for a precision this backend cannot run (before any collective)."""
+        """Raise ValueError for a precision this backend cannot run, of the training or of the gradient
+        all-reduce (before any collective)."""
+        if self.gradient_compression == "bf16" and device_type == "cpu":
+            raise ValueError(
+                "gradient_compression='bf16' is torch's bf16 all-reduce hook, which needs CUDA and NCCL: on the CPU "
+                "use 'fp16', 'powersgd' or None"
+            )
         if self.backend == "deepspeed":
             if precision == "bf16-true":
                 raise ValueError(

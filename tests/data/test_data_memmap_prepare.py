@@ -305,3 +305,102 @@ def test_memmap_dataset_pickles_by_path(tmp_path):
     assert len(blob) < 1000  # the tokens are not copied into the pickle
     copy = pickle.loads(blob)
     assert torch.equal(copy[7][0], ds[7][0]) and len(copy) == len(ds) == 99
+
+
+def test_prepare_reports_every_skipped_entry(text_dir, tmp_path, capsys):
+    (text_dir / "log.txt").write_bytes(b"a text file with one NUL \x00 byte in it")
+    (text_dir / ".git").mkdir()
+    (text_dir / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    skipped = []
+    prepare([text_dir], tmp_path / "out", val_fraction=0.05, on_skip=lambda p, why: skipped.append((p.name, why)))
+    reasons = dict(skipped)
+    assert set(reasons) == {"blob.bin", "log.txt", ".hidden", ".git"}
+    assert "NUL byte" in reasons["log.txt"] and "hidden" in reasons[".hidden"] and "hidden" in reasons[".git"]
+    # the library warns by default; the command prints one line per entry
+    with pytest.warns(UserWarning, match="prepare skipped .*log.txt: a NUL byte"):
+        prepare([text_dir], tmp_path / "out", val_fraction=0.05)
+    prepare_main(["--input", str(text_dir), "--out_dir", str(tmp_path / "out"), "--val_fraction", "0.05",
+                  "--seq_len", "8"])
+    out = capsys.readouterr().out
+    assert f"skipped {text_dir / 'log.txt'}: a NUL byte in its first 8 KiB" in out
+    assert f"skipped {text_dir / 'blob.bin'}" in out and f"skipped {text_dir / '.git'}: hidden directory" in out
+
+
+def test_prepare_refuses_a_split_shorter_than_one_sample(tmp_path, capsys):
+    (tmp_path / "one.txt").write_text("x" * 998)  # 1000 tokens
+    out = tmp_path / "out"
+    prepare([tmp_path / "one.txt"], out, val_fraction=0.5)  # earlier files, which a refusal must leave alone
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # the validation share: 10 tokens, fewer than seq_len + 1
+    with pytest.raises(ValueError, match=r"the val split would hold 10 tokens, .* seq_len \+ 1 = 257 .*"
+                                         r"raise --val_fraction to 0.257 or more"):
+        prepare([tmp_path / "one.txt"], out, val_fraction=0.01, seq_len=256)
+    # the training share
+    with pytest.raises(ValueError, match=r"the train split would hold 100 tokens, .* lower --val_fraction to 0.743"):
+        prepare([tmp_path / "one.txt"], out, val_fraction=0.9, seq_len=256)
+    # too little text for any split
+    with pytest.raises(ValueError, match="add text"):
+        prepare([tmp_path / "one.txt"], out, val_fraction=0.5, seq_len=999)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # the suggested fraction works
+    metas = prepare([tmp_path / "one.txt"], tmp_path / "fixed", val_fraction=0.257, seq_len=256)
+    assert metas["val"].num_tokens >= 257 and metas["train"].num_tokens >= 257
+    # the command refuses with its default seq_len (256) in two lines, the usage left out
+    with pytest.raises(SystemExit) as exit_:
+        prepare_main(["--input", str(tmp_path / "one.txt"), "--out_dir", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage" not in err and len(err.strip().splitlines()) == 1
+    assert "the val split would hold 10 tokens" in err
+
+
+def test_prepare_holds_out_whole_documents_only_when_they_make_a_sample(tmp_path):
+    """With seq_len, held-out documents shorter than one sample give way to the stream split."""
+    from lightning_perf.data.prepare import _in_val
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    held = set()
+    for i in range(40):  # the documents the path hash holds out are short, the others long
+        name = f"doc{i:02d}.txt"
+        short = _in_val(name, 0.1)
+        held |= {name} if short else set()
+        (texts / name).write_text(f"held {i}\n" if short else f"document {i} " * 40)
+    assert 0 < len(held) < 40
+    by_doc = prepare([texts], tmp_path / "a", val_fraction=0.1)
+    val_docs = _split_documents(np.asarray(read_token_file(tmp_path / "a" / "val")[0]))
+    assert sorted(val_docs) == sorted((texts / n).read_text() for n in held)
+    small = by_doc["val"].num_tokens
+    total = small + by_doc["train"].num_tokens
+    # documents holding one sample (seq_len + 1 tokens) stay whole
+    assert prepare([texts], tmp_path / "b", val_fraction=0.1, seq_len=small - 1)["val"].num_tokens == small
+    # one token short: the last 10% of the token stream instead
+    metas = prepare([texts], tmp_path / "c", val_fraction=0.1, seq_len=small)
+    assert metas["val"].num_tokens == int(np.ceil(total * 0.1)) > small
+    val = ByteTokenizer().decode(np.asarray(read_token_file(tmp_path / "c" / "val")[0]))
+    assert val.endswith("document 39 " * 40)
+
+
+def test_short_validation_split_only_matters_when_validation_runs(tmp_path):
+    import lightning as L
+
+    write_token_file(tmp_path / "train", np.arange(200) % 250, vocab_size=260)
+    write_token_file(tmp_path / "val", np.arange(5), vocab_size=260)
+    for limit, ok in ((0, True), (0.0, True), (2, False), (1.0, False)):
+        data = TokenDataModule(source="memmap", data_dir=str(tmp_path), seq_len=16, batch_size=2)
+        data.trainer = L.Trainer(accelerator="cpu", limit_val_batches=limit, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False)
+        if ok:
+            data.setup("fit")
+            assert len(data.train_dataset) == 12 and len(data.val_dataset) == 0
+        else:
+            with pytest.raises(ValueError, match=r"val split .* limit_val_batches=0"):
+                data.setup("fit")
+    data = TokenDataModule(source="memmap", data_dir=str(tmp_path), seq_len=16, batch_size=2)
+    with pytest.raises(ValueError, match="val split"):  # validate itself needs the split
+        data.setup("validate")
+
+
+def test_missing_data_dir_is_named(tmp_path):
+    data = TokenDataModule(source="memmap", data_dir=str(tmp_path / "nodir"), seq_len=16)
+    with pytest.raises(FileNotFoundError, match=r"data_dir .*nodir does not exist: create it with `lightning-perf"):
+        data.setup("fit")

@@ -56,6 +56,9 @@ def test_convert_to_hf_from_sharded_and_consolidated_checkpoints(tmp_path):
     save_checkpoint(tmp_path / "sharded", module, extra={"hyper_parameters": dict(module.hparams)})
     main(["convert", "--to_hf", str(tmp_path / "sharded"), "--out", str(tmp_path / "hf1")])
     consolidate(tmp_path / "sharded", tmp_path / "model.pt")
+    # the config recorded beside the consolidated file (model.pt.json)
+    main(["convert", "--to_hf", str(tmp_path / "model.pt"), "--out", str(tmp_path / "hf3")])
+    (tmp_path / "model.pt.json").unlink()
     with pytest.raises(SystemExit):  # a bare state dict names no config
         main(["convert", "--to_hf", str(tmp_path / "model.pt"), "--out", str(tmp_path / "hf2")])
     cfg = GPTConfig(**module.hparams["config"])
@@ -64,7 +67,7 @@ def test_convert_to_hf_from_sharded_and_consolidated_checkpoints(tmp_path):
     checkpoint_to_hf(tmp_path / "model.pt", tmp_path / "hf2", config=cfg)
     idx = torch.randint(0, 260, (1, 20))
     expected = _logits(module, idx)[..., :260]
-    for folder in ("hf1", "hf2"):
+    for folder in ("hf1", "hf2", "hf3"):
         back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / folder))
         torch.testing.assert_close(_logits(back, idx), expected, atol=1e-4, rtol=1e-4)
 

@@ -53,3 +53,21 @@ def test_gpt_config_check_matches_the_layout() -> None:
         cfg.check_parallel_layout(tensor_parallel_size=4)
     with pytest.raises(ValueError, match=r"pp\(3\) \* stages_per_rank\(1\) = 3, 4 / 3 = 1.33"):
         check_model_config(cfg, Parallel3DConfig(pipeline_parallel_size=3))
+
+
+def test_zero_bubble_schedules_refuse_selective_checkpointing() -> None:
+    """Their split backward (input, then weight gradients) ran a second backward through a selectively
+    checkpointed region, which torch refused in the first step; now the layout is refused up front."""
+    from lightning_perf.parallel.config_3d import Parallel3DConfig
+
+    for schedule, stages in (("zero_bubble", 1), ("zero_bubble", 2), ("zbv_zero_bubble", 2)):
+        with pytest.raises(ValueError, match=rf"pipeline_schedule='{schedule}' runs each backward as two passes"):
+            Parallel3DConfig(pipeline_parallel_size=2, pipeline_schedule=schedule, stages_per_rank=stages,
+                             activation_checkpointing="selective")
+        for ac in ("full", "none"):  # these train (tests/reliability/test_bad_input.py draws them)
+            Parallel3DConfig(pipeline_parallel_size=2, pipeline_schedule=schedule, stages_per_rank=stages,
+                             activation_checkpointing=ac)
+    Parallel3DConfig(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", stages_per_rank=2,
+                     activation_checkpointing="selective")
+    # without a pipeline the schedule never runs
+    Parallel3DConfig(pipeline_schedule="zero_bubble", activation_checkpointing="selective")

@@ -193,21 +193,28 @@ def test_without_a_launcher_each_process_checks_before_its_process_group(spawned
     assert spawned == []
 
 
-def _cli(tmp_path, monkeypatch, *flags: str) -> None:
-    from lightning_perf.cli import main
+def _cli(tmp_path, monkeypatch, *flags: str, debug: bool = True) -> None:
+    from lightning_perf.cli import DEBUG_ENV, main
 
     monkeypatch.chdir(tmp_path)
+    # with the traceback asked for, the command raises the error itself (else: a short message, exit 1)
+    monkeypatch.setenv(DEBUG_ENV, "1" if debug else "")
     main(["fit", "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.logger=false",
           "--trainer.callbacks=[]", "--trainer.max_steps=1", "--data.source=synthetic", "--data.vocab_size=260",
           "--data.seq_len=16", "--data.batch_size=4", *flags])
 
 
-def test_cli_bad_layout_raises_in_the_parent(spawned, monkeypatch, tmp_path) -> None:
+def test_cli_bad_layout_raises_in_the_parent(spawned, monkeypatch, tmp_path, capsys) -> None:
+    layout = ("--model.config=tiny", "--trainer.strategy=lightning_perf.strategies.Parallel3DStrategy",
+              "--trainer.strategy.pipeline_parallel_size=2", "--trainer.strategy.pipeline_schedule=interleaved_1f1b",
+              "--trainer.strategy.stages_per_rank=3", "--trainer.strategy.num_microbatches=6")
     with pytest.raises(ValueError, match=r"^n_layer \(4\) is not divisible by pipeline stages"):
-        _cli(tmp_path, monkeypatch, "--model.config=tiny",
-             "--trainer.strategy=lightning_perf.strategies.Parallel3DStrategy",
-             "--trainer.strategy.pipeline_parallel_size=2", "--trainer.strategy.pipeline_schedule=interleaved_1f1b",
-             "--trainer.strategy.stages_per_rank=3", "--trainer.strategy.num_microbatches=6")
+        _cli(tmp_path, monkeypatch, *layout)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as short:  # as a user sees it
+        _cli(tmp_path, monkeypatch, *layout, debug=False)
+    assert short.value.code == 1
+    assert "lightning-perf fit: error: n_layer (4) is not divisible by pipeline stages" in capsys.readouterr().err
     assert spawned == []
 
 

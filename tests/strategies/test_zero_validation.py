@@ -166,3 +166,12 @@ def test_native_offload_options() -> None:
     assert strategy.config.native_offload and strategy.config.uses_fsdp
     assert ZeroStrategy(stage=2, offload_optimizer=True, backend="native").config.native_offload
     assert not ZeroStrategy(stage=3).config.native_offload
+
+
+def test_bf16_gradient_compression_is_refused_on_the_cpu() -> None:
+    """torch's bf16 all-reduce hook needs NCCL: on the CPU (gloo) it failed in the first backward."""
+    config = zero_config.ZeroConfig(stage=1, gradient_compression="bf16")
+    with pytest.raises(ValueError, match="gradient_compression='bf16' .* needs CUDA and NCCL"):
+        config.check_precision("32-true", "cpu")
+    config.check_precision("32-true", "cuda")
+    zero_config.ZeroConfig(stage=1, gradient_compression="fp16").check_precision("32-true", "cpu")

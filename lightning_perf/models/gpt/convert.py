@@ -56,8 +56,9 @@ def pack_state_and_config(
     path: Union[str, Path], config: Union[str, GPTConfig, None] = None
 ) -> tuple[dict[str, torch.Tensor], GPTConfig]:
     """The GPT's whole state dict and config from a Lightning ``.ckpt``, a sharded checkpoint directory
-    (consolidated in memory) or a consolidated ``.pt`` (which holds no config: give ``config``)."""
-    from lightning_perf.parallel.checkpoint import consolidated_state_dict, read_extra
+    (consolidated in memory) or a consolidated ``.pt`` (its config from the ``.pt.json`` that ``consolidate``
+    writes beside it; without one, give ``config``)."""
+    from lightning_perf.parallel.checkpoint import consolidated_state_dict, read_consolidated_hparams, read_extra
     from lightning_perf.parallel.checkpoint_io import torch_load_weights
 
     p = Path(path)
@@ -71,8 +72,8 @@ def pack_state_and_config(
         if "state_dict" in ckpt:
             hparams = ckpt.get("hyper_parameters") or {}
             state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-        else:
-            hparams, state = {}, ckpt
+        else:  # a consolidated state dict: its hyper-parameters, if recorded, lie beside it
+            hparams, state = read_consolidated_hparams(p) or {}, ckpt
     if isinstance(config, str):
         config = GPTConfig.from_name(config)
     if config is None:
@@ -108,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     source.add_argument("--from_hf", help="a Hugging Face folder (config.json + safetensors)")
     source.add_argument("--to_hf", help="a .ckpt file, a sharded checkpoint directory or a consolidated .pt")
     p.add_argument("--out", required=True, help="the .ckpt file (--from_hf) or the folder (--to_hf) to write")
-    p.add_argument("--config", default=None, help="--to_hf of a consolidated .pt: the GPT preset it was trained as")
+    p.add_argument("--config", default=None, help="--to_hf of a consolidated .pt without its .pt.json: the GPT preset")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="--to_hf: tensor dtype (default: as saved)")
     args = p.parse_args(argv)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -25,7 +26,8 @@ def generate(
 ) -> torch.Tensor:
     """Extend ``idx`` (B, T) by up to ``max_new_tokens`` sampled tokens.
 
-    The context is cropped to the model's ``block_size``. ``temperature=0`` is greedy decoding.
+    The context is cropped to the model's ``block_size``. ``temperature=0`` is greedy decoding (a negative
+    or non-finite temperature is refused); ``top_k`` (None, or >= 1) samples among the likeliest tokens.
     Tokens beyond the tokenizer's ``vocab_size`` (the padding of the embedding) are never sampled.
     Sampling stops early once every sequence has produced ``eos_id``.
     """
@@ -33,6 +35,10 @@ def generate(
         raise ValueError(f"idx must be (batch, time), got shape {tuple(idx.shape)}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy decoding), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
     cfg = model.config
     generator = None
     if seed is not None:
@@ -44,7 +50,7 @@ def generate(
         for _ in range(max_new_tokens):
             context = idx[:, -cfg.block_size :]
             logits = model(context)[:, -1, : cfg.vocab_size].float()  # (B, V)
-            if temperature <= 0:
+            if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
                 logits = logits / temperature
