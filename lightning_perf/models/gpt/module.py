@@ -420,6 +420,18 @@ class GPTLightningModule(L.LightningModule):
         )
 
     @override
+    def configure_callbacks(self) -> list[L.Callback]:
+        """A :class:`~lightning_perf.callbacks.PreemptionCheckpoint` unless the Trainer has one: SIGTERM,
+        SIGUSR1 and SIGINT stop the fit at a step boundary with a final checkpoint (``signals=()`` on
+        the Trainer's own turns it off)."""
+        from lightning_perf.callbacks.preemption import PreemptionCheckpoint
+
+        trainer = self._trainer
+        if trainer is not None and any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            return []
+        return [PreemptionCheckpoint()]
+
+    @override
     def on_fit_start(self) -> None:
         gpt = self._gpt()
         rank_zero_info(
