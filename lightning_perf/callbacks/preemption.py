@@ -278,6 +278,8 @@ class PreemptionCheckpoint(pl.Callback):
             path = ""
             if cb.save_last == "link" or not cb.save_last:  # a checkpoint of the step's own name
                 path = cb._get_metric_interpolated_filepath_name(candidates, trainer)
+                if cb.save_last:  # recorded in it, so that the resumed run's next last keeps the name
+                    cb.last_model_path = cb.format_checkpoint_name(candidates, cb.CHECKPOINT_NAME_LAST)
                 cb._save_checkpoint(trainer, path)
             if cb.save_last:
                 cb._save_last_checkpoint(trainer, candidates)

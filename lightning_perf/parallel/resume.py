@@ -10,10 +10,11 @@ leaves ``<name>.old`` and a complete ``<name>.tmp`` and no ``<name>``. Here:
   ``.old`` whose ``<name>`` is complete, and the leftovers of an interrupted deletion (``.del``) or
   link update (``.linktmp``). It never removes a complete checkpoint that has no other copy.
 - :func:`resume_path` is what ``ckpt_path="last"`` means once recovered: Lightning's own ``last``
-  when one exists and is complete; otherwise the newest complete checkpoint of the checkpoint
-  folders (by global step), named in one printed line; otherwise, when the folders hold only
-  partial saves or dangling links, a ``FileNotFoundError`` saying so. Only with nothing there at all
-  (a first run) does it leave ``"last"`` to Lightning, which then starts from step 0.
+  when one exists, is complete and no other complete checkpoint of the folders holds a later step;
+  otherwise the newest complete checkpoint of the checkpoint folders (by global step), named in one
+  printed line; otherwise, when the folders hold only partial saves or dangling links, a
+  ``FileNotFoundError`` saying so. Only with nothing there at all (a first run) does it leave
+  ``"last"`` to Lightning, which then starts from step 0.
 - :func:`point_link` moves a symlink atomically (a link is never missing), :func:`discard` deletes a
   checkpoint by renaming it to ``<name>.del`` first (a half-deleted checkpoint never looks like one),
   :func:`linked_to` tells whether a link of its folder points at a checkpoint.
@@ -350,20 +351,28 @@ def resume_path(trainer: "pl.Trainer", ckpt_path: Any, *, repair: bool = True,
 
 
 def _resolve_last(trainer: "pl.Trainer", folders: list[Path], *, repair: bool, announce: bool) -> Any:
-    lasts = _lightning_lasts(trainer)
-    if any(is_complete(p) for p in lasts):
-        return "last"  # Lightning picks the newest of them
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     extension = next((cb.FILE_EXTENSION for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)),
                      ".ckpt")
+    lasts = _lightning_lasts(trainer)
+    whole = [p for p in lasts if is_complete(p)]
     newest = newest_complete(folders, extension, unrecovered=not repair)
-    why = (f"{', '.join(sorted(p.name for p in lasts))} is not a complete checkpoint" if lasts
-           else "there is no last checkpoint")
+    newest_step = -1 if newest is None else (checkpoint_step(newest) if checkpoint_step(newest) is not None else -1)
+    if whole:
+        steps = {p: checkpoint_step(p) for p in whole}
+        last_step = max(-1 if s is None else s for s in steps.values())
+        if newest is None or newest_step <= last_step:
+            return "last"  # Lightning picks the newest of them
+        # a crash between the save of a step's checkpoint and of its last: the newer one is complete
+        shown = max(steps, key=lambda p: -1 if steps[p] is None else steps[p])
+        why = f"{shown.name} holds global step {last_step}, {newest.name} is newer"
+    else:
+        why = (f"{', '.join(sorted(p.name for p in lasts))} is not a complete checkpoint" if lasts
+               else "there is no last checkpoint")
     if newest is not None:
         if announce:
-            step = checkpoint_step(newest)
-            at = f" (global step {step})" if step is not None else ""
+            at = f" (global step {newest_step})" if newest_step >= 0 else ""
             print(f'lightning_perf: ckpt_path="last": {why}; resuming from {newest}{at}, the newest complete '
                   f"checkpoint in {newest.parent}", flush=True)
         return str(newest)
