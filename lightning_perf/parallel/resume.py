@@ -233,13 +233,14 @@ def recover(folder: PathLike) -> list[str]:
 
 
 def checkpoint_dirs(trainer: "pl.Trainer") -> list[Path]:
-    """The local folders the trainer's ``ModelCheckpoint`` callbacks write to (resolved as Lightning does)."""
+    """The local folders the trainer's ``ModelCheckpoint`` callbacks write full checkpoints to (resolved as
+    Lightning does)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     out: list[Path] = []
     for cb in trainer.checkpoint_callbacks:
-        if not isinstance(cb, ModelCheckpoint):
-            continue
+        if not isinstance(cb, ModelCheckpoint) or cb.save_weights_only:
+            continue  # weights only: nothing to resume a fit from
         folder = cb.dirpath
         if folder is None:
             resolve = getattr(cb, "_ModelCheckpoint__resolve_ckpt_dir", None)
