@@ -24,7 +24,8 @@ A second Ctrl-C raises ``KeyboardInterrupt`` at once (Lightning's way out, witho
 Lightning's own SIGTERM handler is not called during training: it broadcasts from inside the
 signal handler, wherever the rank then is, and ends the fit with ``SIGTERMException`` and no
 checkpoint; the handlers it composes with it (the user's) are. Outside training (setup, the
-sanity check) the handlers are Lightning's. A signal in the last step lets the fit complete.
+sanity check) the handlers are Lightning's. A signal in the last step stops the fit the same way
+when it ends (the checkpoint holds its final state).
 
 ``GPTLightningModule`` (through ``configure_callbacks``) and the pack's strategies add one to a
 fit that has none; pass ``PreemptionCheckpoint(signals=())`` to the Trainer to turn it off.
@@ -218,16 +219,20 @@ class PreemptionCheckpoint(pl.Callback):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        agreed = 0
-        if self._work is not None:  # the last step's agreement: every rank issued it
-            self._work.wait()
-            assert self._box is not None
-            agreed, self._work = int(self._box.item()), None
-        agreed = agreed or (int(self.received or 0) if self._group is None else 0)
-        if agreed and trainer.is_global_zero:
-            print(f"lightning_perf: {signal.Signals(agreed).name} arrived during the last step: the fit completed",
-                  flush=True)
-        self._restore()
+        """A signal the last step's agreement carries (or, on one process, one since the last step) stops the
+        fit as anywhere else: its final state is saved as the checkpoint, and the exit code is the signal's."""
+        try:
+            agreed = 0
+            if self._work is not None:  # the last step's agreement: every rank issued it
+                self._work.wait()
+                assert self._box is not None
+                agreed, self._work = int(self._box.item()), None
+            elif self._group is None:
+                agreed = int(self.received or 0)
+            if agreed:
+                self._stop(trainer, agreed)
+        finally:
+            self._restore()
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:

@@ -232,9 +232,9 @@ def recover(folder: PathLike) -> list[str]:
 # ---- what to resume from -------------------------------------------------------------------------
 
 
-def checkpoint_dirs(trainer: "pl.Trainer") -> list[Path]:
-    """The local folders the trainer's ``ModelCheckpoint`` callbacks write full checkpoints to (resolved as
-    Lightning does)."""
+def checkpoint_dirs(trainer: "pl.Trainer", *, resolve: bool = True) -> list[Path]:
+    """The local folders the trainer's ``ModelCheckpoint`` callbacks write full checkpoints to; those without
+    a ``dirpath`` resolved as Lightning does (``resolve``) or left out."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     out: list[Path] = []
@@ -242,7 +242,7 @@ def checkpoint_dirs(trainer: "pl.Trainer") -> list[Path]:
         if not isinstance(cb, ModelCheckpoint) or cb.save_weights_only:
             continue  # weights only: nothing to resume a fit from
         folder = cb.dirpath
-        if folder is None:
+        if folder is None and resolve:  # a logger's versioned folder: what Lightning's "last" looks in
             resolve = getattr(cb, "_ModelCheckpoint__resolve_ckpt_dir", None)
             folder = resolve(trainer) if callable(resolve) else None
         if folder is None or "://" in str(folder) and not str(folder).startswith("file://"):
@@ -333,7 +333,7 @@ def resume_path(trainer: "pl.Trainer", ckpt_path: Any, *, repair: bool = True,
     hold nothing complete but what a crash left. ``repair``: run :func:`recover` on each folder (one
     process of the job: the others only look).
     """
-    folders = checkpoint_dirs(trainer)
+    folders = checkpoint_dirs(trainer, resolve=ckpt_path == "last")
     for d in folders if repair else []:
         for line in recover(d):
             if announce:

@@ -10,6 +10,7 @@ the one the signal makes):
 
 each leaves a final checkpoint of one step >= 3, the same on both ranks, and ``ckpt_path="last"``
 resumes it: the losses of the remaining steps equal those of one process that was never stopped.
+A signal in the last step is agreed on at the end of the fit, which stops the same way.
 One process without a pack strategy (``GPTLightningModule`` on Lightning's single device) the same,
 and under ``SLURMEnvironment(auto_requeue=True)`` SIGUSR1 also runs Lightning's requeue (its own
 checkpoint and ``scontrol requeue``, here a stand-in ``scontrol`` on the PATH).
@@ -34,7 +35,7 @@ def _strategy(kind: str):
 
     from lightning_perf.strategies import Parallel3DStrategy, ZeroStrategy
 
-    if kind == "zero3":
+    if kind in ("zero3", "zero3_last"):
         return ZeroStrategy(stage=3, timeout=TIMEOUT, async_checkpoint=False)
     if kind == "zero3_async":
         return ZeroStrategy(stage=3, timeout=TIMEOUT, async_checkpoint=True)
@@ -64,9 +65,9 @@ def _fit(kind: str, world: int, root: Path, module, *, ckpt_path=None, strategy=
     return {"stopped": stopped, "losses": dict(module.losses), "global_step": trainer.global_step}
 
 
-def _signal_at(signum: int, ranks: set[int], rank: int):
+def _signal_at(signum: int, ranks: set[int], rank: int, at: int = K):
     def on_step(module, step):
-        if step == K and rank in ranks:
+        if step == at and rank in ranks:
             os.kill(os.getpid(), signum)
     return on_step
 
@@ -88,6 +89,11 @@ def _two_ranks(rank: int, world: int, out: Path, root: Path) -> dict:
         L.seed_everything(0, verbose=False)
         resumed = _fit(kind, world, root, make_module(), ckpt_path="last")
         res[kind] = {"signum": int(signum), "first": first, "left": left, "resumed": resumed}
+    # a signal in the last step (to rank 1): the ranks agree at the end of the fit, and stop there the same way
+    L.seed_everything(0, verbose=False)
+    res["zero3_last"] = _fit("zero3_last", world, root, make_module(on_step=_signal_at(signal.SIGTERM, {1}, rank,
+                                                                                      at=STEPS - 1)))
+    res["zero3_last"]["last_step"] = read_extra(root / "zero3_last" / "last.ckpt")["extra"]["global_step"]
     return res
 
 
@@ -131,6 +137,13 @@ def test_resume_after_a_signal_continues_the_uninterrupted_losses(two_ranks, kin
     for g in got:
         assert g["resumed"]["stopped"] is None and g["resumed"]["global_step"] == STEPS
     _check_exact([g["resumed"]["losses"] for g in got], step, two_ranks["ref"])
+
+
+def test_signal_in_the_last_step_stops_at_the_end_with_the_final_state(two_ranks) -> None:
+    got = [r["zero3_last"] for r in two_ranks["ranks"]]
+    for g in got:
+        assert g["stopped"] is not None and g["stopped"]["step"] == STEPS and g["stopped"]["code"] == 143, g
+        assert g["last_step"] == STEPS and sorted(g["losses"]) == list(range(STEPS))
 
 
 # ---- one process ---------------------------------------------------------------------------------
