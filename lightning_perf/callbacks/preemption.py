@@ -68,8 +68,9 @@ def _signum(value: Union[str, int, signal.Signals]) -> int:
         name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
         if not hasattr(signal.Signals, name):
             raise ValueError(f"PreemptionCheckpoint: unknown signal {value!r}; e.g. SIGTERM, SIGUSR1, SIGINT")
-        return int(signal.Signals[name])
-    number = int(value)
+        number = int(signal.Signals[name])
+    else:
+        number = int(value)
     if number in (int(signal.SIGKILL), int(signal.SIGSTOP)) or number not in {int(s) for s in signal.valid_signals()}:
         raise ValueError(f"PreemptionCheckpoint: signal {value!r} cannot be handled")
     return number

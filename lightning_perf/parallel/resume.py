@@ -195,7 +195,10 @@ def recover(folder: PathLike) -> list[str]:
     for e in entries():  # the leftovers of a deletion or a link update under way
         if e.name.endswith((DEL, LINKTMP)):
             try:
-                discard(e)
+                if e.is_dir() and not e.is_symlink():
+                    shutil.rmtree(e)
+                else:
+                    e.unlink()
                 done.append(f"removed the leftover {e.name}")
             except OSError:
                 pass
