@@ -429,7 +429,9 @@ class PerfParallelStrategy(ParallelStrategy):
 
     def _join_trainer(self, trainer: Optional["pl.Trainer"]) -> None:
         """A ``PreemptionCheckpoint`` for the fit unless it has one; ``last`` links moved by ``link_checkpoint``."""
-        if trainer is None:
+        from lightning.pytorch import Trainer
+
+        if not isinstance(trainer, Trainer):
             return
         from lightning_perf.callbacks.preemption import attach_preemption
 
