@@ -29,8 +29,8 @@ def _logged_steps(metrics: Path) -> list[int]:
 
 def test_sigterm_saves_the_step_and_ckpt_path_last_continues_from_it(tmp_path) -> None:
     marker = tmp_path / "marker"  # a second, weights-only ModelCheckpoint: shows that training has begun
-    run = start([*FIT, "--trainer.max_steps", "5000", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                 f"--trainer.callbacks.dirpath={marker}", "--trainer.callbacks.every_n_train_steps=3",
+    run = start([*FIT, "--trainer.max_steps", "5000",
+                 "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={marker}", "--trainer.callbacks.every_n_train_steps=3",
                  "--trainer.callbacks.save_weights_only=true", "--trainer.callbacks.save_top_k=-1"], cwd=tmp_path)
     deadline = time.monotonic() + 300
     while not list(marker.glob("*step=3.ckpt")) and time.monotonic() < deadline:

@@ -20,9 +20,9 @@ link_async_finalize    ``"link"``, background: step 4 never final               
 
 (``last`` is saved after the step's top-k checkpoint: a crash between the two leaves a complete
 checkpoint newer than ``last``, which the resume takes.) Each resumed run trains the remaining steps
-on the loss curve of one process never stopped, and leaves a clean folder. Then the states a crash of another writer leaves: a ``last`` link that
-dangles beside complete checkpoints resumes from the newest of them (one printed line); a folder
-holding only a partial save refuses, saying why.
+on the loss curve of one process never stopped, and leaves a clean folder. Then the states a crash
+of another writer leaves: a ``last`` link that dangles beside complete checkpoints resumes from the
+newest of them (one printed line); a folder holding only a partial save refuses, saying why.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def _resume(rank: int, world: int, out: Path, root: Path, scenario: str) -> dict
     from lightning_perf.parallel.resume import checkpoint_step
 
     return {"left": left, "losses": dict(module.losses), "names": sorted(p.name for p in folder.iterdir()),
-            "last_is_link": (folder / "last.ckpt").is_symlink(), "last_steps": {p.name: checkpoint_step(p) for p in folder.glob("last*.ckpt")}}
+            "last_is_link": (folder / "last.ckpt").is_symlink(),
+            "last_steps": {p.name: checkpoint_step(p) for p in folder.glob("last*.ckpt")}}
 
 
 @pytest.fixture(scope="module")
