@@ -23,6 +23,7 @@ What the CLI adds to Lightning's:
   status 1; ``LIGHTNING_PERF_DEBUG=1`` or ``--debug`` keeps the traceback.
 - ``--trainer.accelerator cpu`` on a GPU recipe switches its compile modes, half precision and loader
   workers to CPU settings (one printed line); ``--config NAME --help`` shows the recipe's values.
+- ``--ckpt_path last`` never starts over silently: see :func:`lightning_perf.runtime.resume.resume_path`.
 """
 
 from __future__ import annotations
@@ -457,6 +458,9 @@ class PerfCLI(LightningCLI):
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         return super().instantiate_trainer(**{**kwargs, **perf_precision_for(trainer_config)})
 
+    def before_fit(self) -> None:
+        _resolve_ckpt_path(self)
+
     def after_fit(self) -> None:
         trainer = self.trainer
         if not trainer.is_global_zero:
@@ -473,6 +477,35 @@ class PerfCLI(LightningCLI):
                 lines.append(f"{type(cb).__name__}: {f}")
         if lines:
             print("lightning-perf: wrote\n  " + "\n  ".join(lines))
+
+
+def _first_process() -> bool:
+    """Whether this is the job's first process (rank 0), from what launchers set."""
+    import os
+
+    for var in ("RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return os.environ[var] == "0"
+    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    return os.environ.get("LOCAL_RANK", "0") == "0" and node == "0"
+
+
+def _resolve_ckpt_path(cli: "PerfCLI") -> None:
+    """``--ckpt_path last`` as the pack resolves it (:func:`lightning_perf.runtime.resume.resume_path`), for
+    the strategies that are not the pack's (theirs does it in its launcher): a crash's half-done rename
+    repaired, a missing or dangling ``last`` replaced by the newest complete checkpoint, or a refusal."""
+    from lightning_perf.runtime.resume import resume_path
+    from lightning_perf.strategies import PerfParallelStrategy
+
+    config = cli.config_init[cli.subcommand]
+    ckpt_path = config.get("ckpt_path")
+    first = _first_process()
+    if isinstance(cli.trainer.strategy, PerfParallelStrategy) or (ckpt_path != "last" and not first):
+        return
+    try:
+        config["ckpt_path"] = resume_path(cli.trainer, ckpt_path, repair=first, announce=first)
+    except FileNotFoundError as err:
+        raise SystemExit(f"lightning-perf fit: {err}") from err
 
 
 _HELP = """usage: lightning-perf {{fit,validate,test,predict,generate,prepare,consolidate,convert}} [options]

@@ -24,6 +24,7 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], bool]] = {
     "perf": (("models",) + ADAPTERS, True),
     "kernels": (("data", "models", "parallel", "perf") + ADAPTERS, True),
     "data": (("kernels", "models", "parallel", "perf") + ADAPTERS, False),
+    "runtime": (("models",) + ADAPTERS, False),
     "models": (ADAPTERS, False),
 }
 

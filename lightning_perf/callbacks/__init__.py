@@ -8,6 +8,7 @@ from lightning_perf.callbacks.garbage import GarbageCollection
 from lightning_perf.callbacks.memory import MemoryMonitor
 from lightning_perf.callbacks.mfu import MFUMonitor
 from lightning_perf.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
+from lightning_perf.callbacks.preemption import Preempted, PreemptionCheckpoint
 from lightning_perf.callbacks.report import PerfReport
 from lightning_perf.callbacks.roofline import RooflineMonitor
 from lightning_perf.callbacks.stall import DataLoaderStallDetector
@@ -25,6 +26,8 @@ __all__ = [
     "PerfReport",
     "NonFiniteGuard",
     "NonFiniteError",
+    "PreemptionCheckpoint",
+    "Preempted",
     "RankWatchdog",
     "RankFailureError",
     "CollectiveTimeoutError",

@@ -153,6 +153,10 @@ class RankWatchdog(pl.Callback):
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         watchdog, self.watchdog = self.watchdog, None
+        if isinstance(exception, SystemExit):  # a requested stop (PreemptionCheckpoint), not a fault
+            if watchdog is not None:
+                watchdog.stop(done=True)
+            return
         if isinstance(exception, (RankFailureError, CollectiveTimeoutError, KeyboardInterrupt)):
             return
         error = watchdog.diagnose(exception) if watchdog is not None else None

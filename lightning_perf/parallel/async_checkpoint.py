@@ -13,7 +13,9 @@ only the timing differs:
 3. ``poll`` (cheap: no collective, no wait) tells whether the save is final and raises its error if
    it failed; ``wait`` blocks until it is final. Removals of older checkpoints asked for while a
    save is in flight (``remove``) run once it is final, so the previous checkpoint survives a
-   crash before then; if the save fails they never run.
+   crash before then; if the save fails they never run. ``after_final`` defers any other action
+   the same way (the pack's strategies move a ``last`` link with it: never onto a checkpoint that
+   is not yet final).
 
 The background collectives (DCP's plan and metadata exchange, the manifest, the rename's
 barriers) use a gloo group of their own over the same ranks, created at construction: DCP's
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -81,7 +83,8 @@ class AsyncCheckpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_perf_ckpt")
         self._pending: Optional[Future] = None
         self._pending_path: Optional[Path] = None
-        self._removals: list[Path] = []
+        # (the checkpoint it deletes, if any; the action), in the order asked for
+        self._deferred: list[tuple[Optional[Path], Callable[[], None]]] = []
         self.finalized: list[Path] = []  # every checkpoint this process saw become final, in order
 
     @property
@@ -106,7 +109,7 @@ class AsyncCheckpointer:
 
         self.wait()
         path = Path(path)
-        self._removals = [p for p in self._removals if p != path]
+        self._deferred = [(p, a) for p, a in self._deferred if p != path]  # a new save of it cancels its removal
         tmp = ckpt.prepare_tmp(path, group=self._group)
         state, blob = ckpt.sharded_state(model, optimizers, extra)
         blob = copy.deepcopy(blob)  # loop counters, callback states: as they are now
@@ -150,26 +153,37 @@ class AsyncCheckpointer:
     def remove(self, path: PathLike) -> None:
         """Remove checkpoint ``path`` (on rank 0) now, or once the save in flight is final."""
         path = Path(path)
-        if self._pending is not None and not self.poll():
-            self._removals.append(path)
-        elif self._rank == 0:
+        self.after_final(lambda: self._remove_now(path), removes=path)
+
+    def _remove_now(self, path: Path) -> None:
+        if self._rank == 0:
             ckpt.remove(path)
+
+    def after_final(self, action: Callable[[], None], *, removes: Optional[PathLike] = None) -> None:
+        """Run ``action`` on this rank once the save in flight is final (now if none is); never if it fails.
+
+        Deferred actions run in the order they were asked for. ``removes``: the checkpoint the action
+        deletes, so that a later save to that path cancels it.
+        """
+        if self._pending is not None and not self.poll():
+            self._deferred.append((None if removes is None else Path(removes), action))
+        else:
+            action()
 
     def _collect(self) -> Path:
         future, path = self._pending, self._pending_path
         assert future is not None and path is not None
         self._pending = self._pending_path = None
-        removals, self._removals = self._removals, []
+        deferred, self._deferred = self._deferred, []
         error = future.exception()
-        if error is not None:  # the deferred removals are dropped: the older checkpoints stay
+        if error is not None:  # the deferred removals (and links) are dropped: the older checkpoints stay
             raise AsyncCheckpointError(
                 f"writing checkpoint {path} failed in the background ({type(error).__name__}: {error}); "
                 f"{path.name}.tmp was not renamed, the previous checkpoints are intact"
             ) from error
         self.finalized.append(path)
-        if self._rank == 0:
-            for old in removals:
-                ckpt.remove(old)
+        for _, action in deferred:
+            action()
         return path
 
     def close(self) -> None:

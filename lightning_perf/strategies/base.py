@@ -18,6 +18,16 @@ keep only what differs:
   background with ``async_checkpoint`` (``lightning_perf.parallel.async_checkpoint``): the save
   in flight is polled at each batch start, waited for before the next save, a load, the end of
   the fit and on an exception, and ``remove_checkpoint`` waits for it to be final before deleting.
+  ``ModelCheckpoint(save_last="link")`` moves its ``last`` link through ``link_checkpoint``: in one
+  rename, once the checkpoint it points at is final; a checkpoint a link points at is deleted only
+  after the link has moved (``lightning_perf.runtime.resume``);
+- resuming: before the fit runs (in the launcher, so before Lightning resolves ``ckpt_path``), one
+  process repairs what a crash left in the checkpoint folders, and ``ckpt_path="last"`` without a
+  complete ``last`` resumes from the newest complete checkpoint or refuses
+  (:func:`lightning_perf.runtime.resume.resume_path`), never silently from step 0;
+- preemption: a :class:`~lightning_perf.callbacks.PreemptionCheckpoint` joins the fit's callbacks
+  unless it has one: SIGTERM, SIGUSR1 and SIGINT stop every rank at the same step with a final
+  checkpoint.
 
 A strategy names where it differs by overriding the small methods below:
 ``_build_device_mesh`` (required), ``_check_world_size``, ``_check_before_launch``,
@@ -32,6 +42,8 @@ that dict nested as ``extra["lightning"]`` load too.
 
 from __future__ import annotations
 
+import inspect
+import os
 from abc import abstractmethod
 from collections.abc import Mapping
 from datetime import timedelta
@@ -51,7 +63,9 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -63,6 +77,7 @@ from typing_extensions import override
 
 from lightning_perf.callbacks.garbage import DefaultCollection, GarbageCollection
 from lightning_perf.parallel import checkpoint as ckpt
+from lightning_perf.runtime import resume
 from lightning_perf.parallel.async_checkpoint import AsyncCheckpointer, async_save_supported
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, check_every_n_steps
 from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
@@ -130,7 +145,36 @@ class _CheckingLauncher(_SubprocessScriptLauncher):
         module = self._strategy.lightning_module or _find_instance(LightningModule, args, kwargs)
         datamodule = _find_instance(LightningDataModule, args, kwargs)
         self._strategy._check_before_launch(module, datamodule)
+        args, kwargs = self._strategy._prepare_resume(function, args, kwargs, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _InPlaceLauncher(_Launcher):
+    """For processes a cluster started (torchrun, SLURM): the function runs in place, after the resume
+    preparation that ``_CheckingLauncher`` does where Lightning starts the processes."""
+
+    def __init__(self, strategy: "PerfParallelStrategy") -> None:
+        self._strategy = strategy
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        args, kwargs = self._strategy._prepare_resume(function, args, kwargs, trainer)
+        return function(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        pass  # the cluster started the processes and stops them
+
+
+def _link_through_strategy(trainer: "pl.Trainer", filepath: str, linkpath: str) -> None:
+    """``ModelCheckpoint._link_checkpoint`` while a pack strategy trains: see ``link_checkpoint``."""
+    strategy = trainer.strategy
+    if isinstance(strategy, PerfParallelStrategy):
+        strategy.link_checkpoint(filepath, linkpath)
+    else:
+        ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
 
 
 def _lightning_checkpoint(extra: dict[str, Any]) -> dict[str, Any]:
@@ -194,6 +238,7 @@ class PerfParallelStrategy(ParallelStrategy):
         self._async_option = async_checkpoint
         self._checkpointer: Optional[AsyncCheckpointer] = None
         self._collection = DefaultCollection(gc_every_n_steps)
+        self._held_removals: list[Path] = []  # checkpoints a link still points at (rank 0)
 
     # ---- what each strategy names ------------------------------------------------------------
 
@@ -342,12 +387,42 @@ class PerfParallelStrategy(ParallelStrategy):
         self._check_world_size(self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _CheckingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _InPlaceLauncher(self)
+
+    def _launching_rank(self) -> int:
+        """This process's global rank, from the cluster environment (before ``set_world_ranks``)."""
+        env = self.cluster_environment
+        try:
+            return int(env.node_rank()) * self.num_processes + int(env.local_rank())  # type: ignore[union-attr]
+        except Exception:
+            return 0
+
+    def _prepare_resume(self, function: Callable, args: tuple, kwargs: dict[str, Any],
+                        trainer: Optional["pl.Trainer"]) -> tuple[tuple, dict[str, Any]]:
+        """Before Lightning reads ``ckpt_path``: rank 0 repairs the checkpoint folders, and ``"last"``
+        becomes what :func:`lightning_perf.runtime.resume.resume_path` finds."""
+        if trainer is None:
+            return args, kwargs
+        try:
+            bound = inspect.signature(function).bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return args, kwargs
+        if "ckpt_path" not in bound.arguments:
+            return args, kwargs
+        first = self._launching_rank() == 0
+        ckpt_path = bound.arguments["ckpt_path"]
+        if not first and ckpt_path != "last":
+            return args, kwargs
+        bound.arguments["ckpt_path"] = resume.resume_path(trainer, ckpt_path, repair=first, announce=first)
+        return bound.args, bound.kwargs
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
         self._check_before_process_group()  # a bad configuration never reaches a collective
+        self._join_trainer(getattr(self.lightning_module, "_trainer", None))
         self.precision_plugin.device_type = self.root_device.type
         reset_seed()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -379,6 +454,19 @@ class PerfParallelStrategy(ParallelStrategy):
             return  # the user's schedule decides
         if self._collection not in callbacks:
             callbacks.append(self._collection)
+
+    def _join_trainer(self, trainer: Optional["pl.Trainer"]) -> None:
+        """A ``PreemptionCheckpoint`` for the fit unless it has one; ``last`` links moved by ``link_checkpoint``."""
+        from lightning.pytorch import Trainer
+
+        if not isinstance(trainer, Trainer):
+            return
+        from lightning_perf.runtime.preemption import attach_preemption
+
+        attach_preemption(trainer)
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):  # an instance attribute in place of the static method
+                callback._link_checkpoint = _link_through_strategy  # type: ignore[method-assign]
 
     def _prepare_process_group(self, backend: str) -> None:
         """Let the fit's callbacks set what torch reads when the group is created (module docstring)."""
@@ -470,6 +558,7 @@ class PerfParallelStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.wait_for_checkpoint()
+        self._release_held_removals()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -510,8 +599,42 @@ class PerfParallelStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        path = Path(filepath)
         if self._checkpointer is not None:  # deferred while the newer checkpoint is being written
-            self._checkpointer.remove(filepath)
+            self._checkpointer.after_final(lambda: self._remove_now(path), removes=path)
             return
+        self._remove_now(path)
+
+    def link_checkpoint(self, filepath: Any, linkpath: Any) -> None:
+        """Point the link ``linkpath`` at checkpoint ``filepath`` (every rank calls it; rank 0 moves it).
+
+        The link moves in one rename (never missing), and only once ``filepath`` is final: with a save
+        in flight, when it is (never dangling). What a link pointed at and was asked to go goes after.
+        """
+        target, link = Path(filepath), Path(linkpath)
+        if os.path.abspath(target) != os.path.abspath(link):
+            if self._checkpointer is not None:
+                self._checkpointer.after_final(lambda: self._link_now(target, link))
+            else:
+                self._link_now(target, link)
+        self.barrier()
+
+    def _link_now(self, target: Path, link: Path) -> None:
         if self.is_global_zero:
-            ckpt.remove(filepath)
+            resume.point_link(link, target)
+            self._release_held_removals()
+
+    def _remove_now(self, path: Path) -> None:
+        """Rank 0 deletes ``path`` (renamed to ``.del`` first), unless a link of its folder points at it."""
+        if not self.is_global_zero:
+            return
+        if resume.linked_to(path):  # deleted once the link has moved on
+            if path not in self._held_removals:
+                self._held_removals.append(path)
+            return
+        resume.discard(path)
+
+    def _release_held_removals(self) -> None:
+        held, self._held_removals = self._held_removals, []
+        for path in held:
+            self._remove_now(path)

@@ -177,14 +177,17 @@ def test_zero_good_model_passes_the_check(module, spawned, tmp_path) -> None:
 
 
 def test_without_a_launcher_each_process_checks_before_its_process_group(spawned, monkeypatch, tmp_path) -> None:
-    # torchrun started this process: Lightning makes no launcher, the strategy checks in-process
+    # torchrun started this process: no process is started (the strategy's in-place launcher only prepares
+    # the resume), the strategy checks in-process
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("NODE_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29599")
     trainer = _trainer(Parallel3DStrategy(tensor_parallel_size=2), tmp_path)
-    assert trainer.strategy.launcher is None
+    assert not isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
     with pytest.raises(ValueError, match=r"n_head \(3\) is not divisible by tensor_parallel_size \(2\)"):
         trainer.fit(_gpt(n_head=3, n_kv_head=3, n_embd=96))
     ok = _trainer(Parallel3DStrategy(tensor_parallel_size=2), tmp_path)

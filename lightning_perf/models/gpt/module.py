@@ -20,6 +20,7 @@ from lightning_perf.parallel.activation_checkpointing import AC_MODES, apply_act
 from lightning_perf.parallel.compile import COMPILE_MODES, COMPILE_SCOPES, apply_compile
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, Priority, ScheduledCollection, check_every_n_steps
 from lightning_perf.perf.documents import document_work, packed_batch_flops
+from lightning_perf.runtime.preemption import PreemptionCheckpoint
 
 __all__ = ["GPTLightningModule", "cosine_with_warmup"]
 
@@ -174,10 +175,6 @@ class GPTLightningModule(L.LightningModule):
         self._batch_doc_ids: Optional[torch.Tensor] = None  # the last training batch's, if packed
         self._loss_copies: list[tuple[torch.Tensor, Any]] = []  # (pinned host copy, CUDA event) in flight
         self._collection = _ModelCollection(gc_every_n_steps)
-
-    @override
-    def configure_callbacks(self) -> list[L.Callback]:
-        return [self._collection]
 
     # ---- model ---------------------------------------------------------------------------
 
@@ -459,6 +456,17 @@ class GPTLightningModule(L.LightningModule):
         return generate(
             self._gpt(), idx, max_new_tokens, temperature=temperature, top_k=top_k, eos_id=eos_id, seed=seed
         )
+
+    @override
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The module's garbage-collection schedule (``gc_every_n_steps``; a strategy's or an attached
+        ``GarbageCollection`` decides over it) and a :class:`~lightning_perf.callbacks.PreemptionCheckpoint`
+        unless the Trainer has one: SIGTERM, SIGUSR1 and SIGINT stop the fit at a step boundary with a
+        final checkpoint (``signals=()`` on the Trainer's own turns it off)."""
+        trainer = self._trainer
+        if trainer is not None and any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            return [self._collection]
+        return [self._collection, PreemptionCheckpoint()]
 
     @override
     def on_fit_start(self) -> None:
