@@ -446,8 +446,10 @@ class PerfParallelStrategy(ParallelStrategy):
 
     def _attach_collection(self) -> None:
         """The strategy's collection schedule joins the fit's callbacks, unless the user attached one."""
+        from lightning.pytorch import Trainer
+
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is None:
+        if not isinstance(trainer, Trainer):
             return
         callbacks = trainer.callbacks
         if any(isinstance(c, GarbageCollection) and c is not self._collection for c in callbacks):
