@@ -1,7 +1,10 @@
 """Shared test helpers live beside this file (``_spawn.py``, ``_warm.py``); make them importable from every folder."""
 
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -15,3 +18,25 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             "processes started fresh (their environment differed from the fork server's in): "
             + ", ".join(f"{name} ({n})" for name, n in sorted(fresh.items())))
+
+
+# what Lightning's launcher writes into os.environ when a test fits a pack strategy in the pytest process
+# itself (it does so for one device too): left behind, the next in-process fit takes its processes for
+# externally started ones and a later subprocess inherits a port that is already bound
+# (restored to what the session started with: a module-scoped fixture that fits runs before a test's own)
+_LAUNCH_ENV = ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")
+_SESSION_LAUNCH_ENV = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+
+
+@pytest.fixture(autouse=True)
+def _in_process_launch_state():
+    yield
+    for key, value in _SESSION_LAUNCH_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # a one-process group an in-process fit made
+        dist.destroy_process_group()

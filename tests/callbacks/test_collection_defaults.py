@@ -33,10 +33,6 @@ def _collector_on():
     gc.enable()
     yield
     gc.enable() if was else gc.disable()
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # a pack strategy's one-process group: not for later tests
-        dist.destroy_process_group()
 
 
 class Watch(Callback):
