@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_perf.kernels.dtensor import is_dtensor
 from lightning_perf.kernels.document_mask import document_positions
+from lightning_perf.kernels.dtensor import is_dtensor
 from lightning_perf.models.gpt import ops
 from lightning_perf.models.gpt.config import GPTConfig
 
