@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lightning_perf.kernels.ops import fp8_linear as f8  # noqa: E402
+from lightning_perf.kernels.ops import fp8_casts as f8  # noqa: E402
 
 
 @triton.jit

@@ -57,7 +57,7 @@ def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
 
 
 def _fp8_linear(recipe: str, K: int, N: int, device) -> torch.nn.Module:
-    from lightning_perf.kernels.float8 import convert_to_fp8
+    from lightning_perf.kernels.torchao_fp8 import convert_to_fp8
 
     holder = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device=device))
     convert_to_fp8(holder, "tensorwise" if recipe == "torchao-tensorwise" else recipe)  # "delayed": a history too
@@ -67,7 +67,7 @@ def _fp8_linear(recipe: str, K: int, N: int, device) -> torch.nn.Module:
 @contextlib.contextmanager
 def _torchao_matmuls(on: bool):
     """With ``on``, tensorwise layers run torchao's matmul for plain weights too (not ``kernels.ops.fp8_linear``)."""
-    from lightning_perf.kernels import float8
+    from lightning_perf.kernels import torchao_fp8 as float8
 
     original = float8._pack_path
     if on:

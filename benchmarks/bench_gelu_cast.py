@@ -37,7 +37,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lightning_perf.kernels.ops import fp8_linear as f8  # noqa: E402
+from lightning_perf.kernels.ops import fp8_casts as f8  # noqa: E402
+from lightning_perf.kernels.ops import fp8_gelu_mlp as f8_mlp  # noqa: E402
+from lightning_perf.kernels.ops import fp8_gelu_operand as f8_gelu  # noqa: E402
 
 
 @triton.jit
@@ -58,7 +60,7 @@ def _operand(U, BIAS, DH, rows, cols, mask, stride, HAS_BIAS: tl.constexpr, GRAD
         h = 0.5 * a * (1.0 + t)
         d = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * a * a)
     else:
-        h, d = f8._gelu_parts(a)
+        h, d = f8_gelu._gelu_parts(a)
     if GRAD:
         h = d * tl.load(DH + rows.to(tl.int64) * stride + cols, mask=mask, other=0.0).to(tl.float32)
     return tl.where(mask, h, 0.0)
@@ -111,8 +113,8 @@ def run_form(form, u, b, dh, scale, dtype, cfg, out):
                   GRAD=dh is not None)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
     if form == "library":
-        f8._gelu_cast_transpose_kernel[grid](u, b, u if dh is None else dh, q, qt, scale, amax, dbp, M, N,
-                                             u.stride(0), u.stride(0), **consts, **cfg)
+        f8_mlp._gelu_cast_transpose_kernel[grid](u, b, u if dh is None else dh, q, qt, scale, amax, dbp, M, N,
+                                                 u.stride(0), u.stride(0), **consts, **cfg)
     elif form == "recompute":
         _recompute_kernel[grid](u, b, u if dh is None else dh, q, qt, scale, amax, dbp, M, N, u.stride(0), **consts,
                                 **cfg)
@@ -150,15 +152,15 @@ def main() -> int:
     rows = []
     for grad in (False, True):
         dtype = f8.E5M2 if grad else f8.E4M3
-        ref_h = f8.gelu_operand_reference(u, b, dh if grad else None)
+        ref_h = f8_gelu.gelu_operand_reference(u, b, dh if grad else None)
         scale = f8._scale_of(ref_h, dtype)
         d = dh if grad else None
-        lib = f8.gelu_cast_transpose_fp8(u, b, scale, dtype, d)
+        lib = f8_mlp.gelu_cast_transpose_fp8(u, b, scale, dtype, d)
         row = {"pass": "backward" if grad else "forward", "M": M, "N": N, "fp8": str(dtype)}
         row["copy_ms"] = bench(lambda: u.clone())  # 2 bytes read + 2 written per element
         moved = M * N * (2 + (2 if grad else 0) + 2)  # u (+ dh) read, q and q^T written
         row["ideal_bytes"] = moved
-        row["op_ms"] = bench(lambda: f8.gelu_cast_transpose_fp8(u, b, scale, dtype, d))  # with its allocations
+        row["op_ms"] = bench(lambda: f8_mlp.gelu_cast_transpose_fp8(u, b, scale, dtype, d))  # with its allocations
         if grad:
             def unfused():
                 (g,) = gelu_bwd_c(dh, u, b)

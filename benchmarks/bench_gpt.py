@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import WallClockWindow, Window, clear_graph_breaks, graph_breaks  # noqa: E402
 
-from lightning_perf.kernels.ops import fp8_linear as _f8  # noqa: E402
+from lightning_perf.kernels.ops import fp8_casts as _f8  # noqa: E402
 
 _ABSMAX = _f8.absmax  # the library's amax; the "torch" ablation swaps it for the PyTorch reduction
 

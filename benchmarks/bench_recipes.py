@@ -186,7 +186,7 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
         _torchao_matmuls_only()
     if "--bench.fp8_mlp=unfused" in extra:  # a variant only: delayed GELU MLPs run as their two layers + GELU
         extra = [a for a in extra if a != "--bench.fp8_mlp=unfused"]
-        from lightning_perf.kernels import float8
+        from lightning_perf.kernels import torchao_fp8 as float8
 
         float8.delayed_gelu_mlp = lambda x, up, down: None
     if "--bench.clip=in_place" in extra:  # a variant only: clipping rewrites the gradients before the step
@@ -200,7 +200,7 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
 def _fp8_overrides(recipe: dict, fp8: str, smoke: bool) -> list[str]:
     """CLI arguments that run the recipe's model with ``GPTConfig.fp8 = fp8``, its other overrides kept
     (the smoke's tiny model has none)."""
-    from lightning_perf.kernels.float8 import normalize_fp8
+    from lightning_perf.kernels.torchao_fp8 import normalize_fp8
 
     overrides = {} if smoke else dict((recipe.get("model") or {}).get("config_overrides") or {})
     overrides["fp8"] = normalize_fp8(False if fp8.lower() in ("false", "none", "off") else fp8)
@@ -209,7 +209,7 @@ def _fp8_overrides(recipe: dict, fp8: str, smoke: bool) -> list[str]:
 
 def _torchao_matmuls_only() -> None:
     """Tensorwise FP8 layers run torchao's matmul for plain weights too (not ``kernels.ops.fp8_linear``)."""
-    from lightning_perf.kernels import float8
+    from lightning_perf.kernels import torchao_fp8 as float8
 
     float8._pack_path = lambda x, weight: False
 

@@ -47,7 +47,8 @@ def host_us(fn, n: int = 300) -> float:
 
 
 def micro() -> dict:
-    from lightning_perf.kernels.ops import fp8_linear as f8
+    from lightning_perf.kernels.ops import fp8_casts as f8
+    from lightning_perf.kernels.ops import fp8_linear as f8_linear
 
     x = torch.randn(16384, 768, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(3072, 768, device="cuda", dtype=torch.bfloat16)
@@ -65,7 +66,7 @@ def micro() -> dict:
     }
     xr = x.clone().requires_grad_(True)
     wr = w.clone().requires_grad_(True)
-    out["fp8_linear forward (eager)"] = host_us(lambda: f8.fp8_linear(xr, wr))
+    out["fp8_linear forward (eager)"] = host_us(lambda: f8_linear.fp8_linear(xr, wr))
     out["F.linear forward (eager)"] = host_us(lambda: torch.nn.functional.linear(xr, wr))
     return out
 

@@ -4,7 +4,8 @@ Functional API (autograd-aware, ``torch.compile``-friendly through custom ops):
 ``flash_attention``, ``fused_linear_cross_entropy``, ``rms_norm``, ``layer_norm``,
 ``rotary_embedding``, ``swiglu``, ``gelu_tanh``, ``gelu_tanh_mul``; ``fp8_linear`` (a tensorwise FP8
 matmul through ``torch._scaled_mm``, Triton for the casts; current or delayed scaling). FP8 linear
-layers: ``kernels.float8`` (torchao.float8).
+layers: ``kernels.torchao_fp8`` (torchao.float8). ``kernels.dtensor.is_dtensor``: whether tensors are
+DTensors, which the kernels do not take.
 
 Submodules are imported on first use: importing this package does not import
 Triton, so CPU-only installs (Triton is the ``triton`` extra) and other modules are

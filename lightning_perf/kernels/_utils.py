@@ -1,4 +1,5 @@
-"""Small helpers shared by the kernel files: where a kernel can run, launch sizes."""
+"""Small helpers shared by the kernel files: where a kernel can run, launch sizes (private to ``kernels``;
+``kernels.dtensor`` holds the DTensor check the models use too)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ __all__ = [
     "cdiv",
     "kernel_dtypes",
     "num_sms",
-    "is_dtensor",
     "ELEMENTWISE_DTYPES",
 ]
 
@@ -53,15 +53,6 @@ def kernel_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     if device.type == "cuda":
         return ELEMENTWISE_DTYPES
     return (torch.float32, torch.float16)
-
-
-def is_dtensor(*tensors: Any) -> bool:
-    """Whether any argument is a DTensor (tensor parallelism): the kernels see local shards only."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - builds without distributed
-        return False
-    return any(isinstance(t, DTensor) for t in tensors)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -25,7 +25,6 @@ from typing import Callable, Optional
 
 import torch
 
-from lightning_perf.kernels._utils import is_dtensor as _is_dtensor
 from lightning_perf.kernels.attention_backends import (
     BACKENDS,
     LIBRARY_BACKENDS,
@@ -33,6 +32,7 @@ from lightning_perf.kernels.attention_backends import (
     AttentionBackends,
     sdpa,
 )
+from lightning_perf.kernels.dtensor import is_dtensor as _is_dtensor
 
 __all__ = [
     "attention",

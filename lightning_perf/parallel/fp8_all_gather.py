@@ -1,6 +1,6 @@
 """FSDP2 all-gathers FP8 weights (torchao): half the bytes of a bf16 gather, and no cast after it.
 
-With tensorwise FP8 linears (``GPTConfig(fp8="tensorwise")``, ``kernels.float8``) every block
+With tensorwise FP8 linears (``GPTConfig(fp8="tensorwise")``, ``kernels.torchao_fp8``) every block
 projection quantises its weight to e4m3 before the matmul. Under ZeRO-2/3 the weight would first be
 all-gathered in the parameter dtype (bf16), then quantised. Instead each rank quantises its own
 shard *before* the gather, with the scale of the whole weight, so the gather moves one byte per
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from lightning_perf.kernels.float8 import fp8_recipe_of, is_fp8_linear
+from lightning_perf.kernels.torchao_fp8 import fp8_recipe_of, is_fp8_linear
 
 __all__ = ["enable_fp8_all_gather", "precompute_fp8_scales", "fp8_all_gather_weights", "plain_state_dict",
            "require_fp8_linears", "require_fp8_config"]

@@ -88,7 +88,7 @@ def block_attention(q, k, v, causal: bool, scale: float,
 
     ``use_triton``: None picks the Triton kernel on a GPU where it takes the shape (tests force it)."""
     if _use_triton(q, k, v, use_triton):
-        from lightning_perf.kernels.ops.flash_attention import flash_attn_fwd
+        from lightning_perf.kernels.ops.flash_attention_launch import flash_attn_fwd
 
         o, lse2 = flash_attn_fwd(q, k, v, causal, scale)
         return o.float(), lse2 * _LN2
@@ -102,7 +102,7 @@ def block_attention_backward(q, k, v, out, lse, dout, causal: bool, scale: float
                              use_triton: Optional[bool] = None):
     """(dQ, dK, dV) fp32 of one block, given the merged output ``out`` and LSE ``lse`` of its query rows."""
     if _use_triton(q, k, v, use_triton):
-        from lightning_perf.kernels.ops.flash_attention import flash_attn_bwd
+        from lightning_perf.kernels.ops.flash_attention_launch import flash_attn_bwd
 
         dq, dk, dv = flash_attn_bwd(q, k, v, out, (lse / _LN2).contiguous(), dout, causal, scale)
         return dq.float(), dk.float(), dv.float()

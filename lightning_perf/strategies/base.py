@@ -273,7 +273,7 @@ class PerfParallelStrategy(ParallelStrategy):
         """
         if module is None or dtensors is None:
             return
-        from lightning_perf.kernels.float8 import uses_delayed_fp8
+        from lightning_perf.kernels.torchao_fp8 import uses_delayed_fp8
 
         if uses_delayed_fp8(module):
             raise ValueError(

@@ -6,7 +6,8 @@ of their module. So it is set here, only on machines without CUDA (on a GPU the 
 as usual, and setting it would also turn torch.compile's Triton kernels into interpreted ones).
 When this folder runs alone, nothing has imported Triton yet. In a whole-suite run something
 earlier usually has (``import lightning`` does), so the Triton language modules and any kernel
-module already imported are re-imported here, in interpreter mode. Other folders are unaffected
+module already imported are re-imported here, in interpreter mode, each after the modules whose
+kernels it imports (it would keep their compiled kernels otherwise). Other folders are unaffected
 on CPU: torch.compile generates C++ there, and the library falls back to the PyTorch references
 wherever a kernel cannot launch.
 """
@@ -32,10 +33,23 @@ if not torch.cuda.is_available():
         for _name in ("triton.language.standard", "triton.language.random", "triton.language"):
             if _name in sys.modules:
                 importlib.reload(sys.modules[_name])
-    for _name in sorted(n for n in sys.modules if n.startswith("lightning_perf.kernels.")):
-        _module = sys.modules[_name]
-        if any(_is_compiled_jit(v) for v in vars(_module).values()):
-            importlib.reload(_module)
+    _compiled = sorted(n for n in sys.modules if n.startswith("lightning_perf.kernels.")
+                       and any(_is_compiled_jit(v) for v in vars(sys.modules[n]).values()))
+    _reloaded: set = set()
+
+    def _reload(name: str) -> None:
+        """Re-import ``name`` after the modules that define the compiled kernels it holds."""
+        if name in _reloaded:
+            return
+        _reloaded.add(name)
+        for value in list(vars(sys.modules[name]).values()):
+            owner = value.fn.__module__ if _is_compiled_jit(value) else name
+            if owner != name and owner in _compiled:
+                _reload(owner)
+        importlib.reload(sys.modules[name])
+
+    for _name in _compiled:
+        _reload(_name)
 
 
 def _index_of_one_element_blocks() -> None:

@@ -187,13 +187,12 @@ def test_auto_times_only_backends_that_take_document_masks(monkeypatch, device):
 def test_triton_documents_with_unequal_blocks(monkeypatch, close, device, poison):
     """Query and key blocks of different sizes (as on the GPU): the document path walks the causal
     loops of the one kernel, below-diagonal tiles unmasked but for the ids, the diagonal masked."""
-    from lightning_perf.kernels.ops import flash_attention as fa
+    from lightning_perf.kernels.ops import flash_attention_configs as fc
 
-    cfg = fa._cfg
-    monkeypatch.setattr(fa, "_config_cache", {})
-    monkeypatch.setattr(fa, "_fwd_configs", lambda D, cuda: [cfg(32, 16, 4, 1)])
-    monkeypatch.setattr(fa, "_dq_configs", lambda D, cuda: [cfg(32, 16, 4, 1)])
-    monkeypatch.setattr(fa, "_dkdv_configs", lambda D, cuda: [cfg(16, 32, 4, 1)])
+    cfg, table = fc._cfg, fc._base_configs
+    forced = {"fwd": [cfg(32, 16, 4, 1)], "dq": [cfg(32, 16, 4, 1)], "dkdv": [cfg(16, 32, 4, 1)]}
+    monkeypatch.setattr(fc, "_config_cache", {})
+    monkeypatch.setattr(fc, "_base_configs", lambda kernel, D, cuda: forced.get(kernel) or table(kernel, D, cuda))
     case = (1, 4, 2, 16, [[3, 30, 1, 19, 2]])  # T = 55: a document across three key blocks, a ragged tail
     _check_against_documents(lambda q, k, v, d: flash_attention(q, k, v, doc_ids=d), case, device, close,
                              "triton documents, 32x16 blocks")

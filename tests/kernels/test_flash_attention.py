@@ -81,31 +81,31 @@ def test_large_logits_do_not_overflow(poison, close, device):
 
 @pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
 def test_gpu_config_lists_fit_the_causal_loops(D):
-    from lightning_perf.kernels.ops import flash_attention as fa
+    from lightning_perf.kernels.ops import flash_attention_configs as fc
 
-    for kernel, build in (("fwd", fa._fwd_configs), ("dq", fa._dq_configs), ("dkdv", fa._dkdv_configs)):
-        every = build(D, True)
-        causal = fa.usable_configs(kernel, every, True)
-        assert causal and fa.usable_configs(kernel, every, False) == list(every)
+    for kernel in ("fwd", "dq", "dkdv"):
+        every = fc._base_configs(kernel, D, True)
+        causal = fc.usable_configs(kernel, every, True)
+        assert causal and fc.usable_configs(kernel, every, False) == list(every)
         for c in causal:
             small, big = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
             assert c[big] % c[small] == 0, (kernel, D, c)
     for kernel in ("fwd", "dq", "dkdv", "fused"):  # the lists the launchers use, deep-pipeline extras included
         small, big = ("BLOCK_M", "BLOCK_N") if kernel in ("dkdv", "fused") else ("BLOCK_N", "BLOCK_M")
-        for c in fa._configs(kernel, D, True, True):
+        for c in fc._configs(kernel, D, True, True):
             assert c[big] % c[small] == 0, (kernel, D, c)
 
 
 def test_unequal_blocks_and_unusable_first_config(monkeypatch, poison, close, device):
     """Query and key blocks of different sizes (as on the GPU), with a causally unusable config
     listed first: it must be skipped, the others must give the reference on both masks."""
-    from lightning_perf.kernels.ops import flash_attention as fa
+    from lightning_perf.kernels.ops import flash_attention_configs as fc
 
-    cfg = fa._cfg
-    monkeypatch.setattr(fa, "_config_cache", {})
-    monkeypatch.setattr(fa, "_fwd_configs", lambda D, cuda: [cfg(16, 32, 4, 1), cfg(32, 16, 4, 1)])
-    monkeypatch.setattr(fa, "_dq_configs", lambda D, cuda: [cfg(16, 32, 4, 1), cfg(32, 16, 4, 1)])
-    monkeypatch.setattr(fa, "_dkdv_configs", lambda D, cuda: [cfg(32, 16, 4, 1), cfg(16, 32, 4, 1)])
+    cfg, table = fc._cfg, fc._base_configs
+    forced = {"fwd": [cfg(16, 32, 4, 1), cfg(32, 16, 4, 1)], "dq": [cfg(16, 32, 4, 1), cfg(32, 16, 4, 1)],
+              "dkdv": [cfg(32, 16, 4, 1), cfg(16, 32, 4, 1)]}
+    monkeypatch.setattr(fc, "_config_cache", {})
+    monkeypatch.setattr(fc, "_base_configs", lambda kernel, D, cuda: forced.get(kernel) or table(kernel, D, cuda))
     q, k, v = _qkv(1, 2, 1, 45, 16, torch.float32, device)
     _check(q, k, v, True, close, 2e-5, 2e-5)
     q, k, v = _qkv(1, 2, 1, 45, 16, torch.float32, device)  # non-causal takes the first configs
@@ -121,9 +121,9 @@ _FP32, _FP16 = CPU_DTYPES
 ], ids=["gqa-T37-causal-fp32", "gqa-T37-full-fp32", "T19-causal-fp16", "T19-full-fp32"])
 def test_fused_backward_matches_reference(shape, causal, dtype, atol, rtol, monkeypatch, poison, close, device):
     """The one-pass backward (dQ by atomic adds), which the GPU chooses when it times faster."""
-    from lightning_perf.kernels.ops import flash_attention as fa
+    from lightning_perf.kernels.ops import flash_attention_launch as launch
 
-    monkeypatch.setattr(fa, "_bwd_impls", lambda cuda: [dict(impl="fused")])
+    monkeypatch.setattr(launch, "_bwd_impls", lambda cuda: [dict(impl="fused")])
     q, k, v = _qkv(*shape, dtype, device, layout="projection")
     _check(q, k, v, causal, close, atol, rtol)
 
@@ -162,11 +162,11 @@ def test_flash_attention_gpu(shape, causal, dtype, atol, rtol, poison, close):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_both_backwards_gpu(impl, causal, monkeypatch, poison, close):
     """Each backward strategy on its own (the tuner runs only the faster one in the other tests)."""
-    from lightning_perf.kernels.ops import flash_attention as fa
+    from lightning_perf.kernels.ops import flash_attention_launch as launch
 
     from lightning_perf.kernels import autotune
 
-    monkeypatch.setattr(fa, "_bwd_impls", lambda cuda: [dict(impl=impl)])
+    monkeypatch.setattr(launch, "_bwd_impls", lambda cuda: [dict(impl=impl)])
     # a tuner of its own: no choice remembered from another test (or run) can override the forced one
     monkeypatch.setattr(autotune._Default, "tuner", autotune.KernelTuner(autotune.AutotuneCache(enabled=False)))
     q, k, v = _qkv(1, 8, 2, 1031, 128, torch.bfloat16, "cuda", layout="projection")
@@ -187,7 +187,7 @@ def _tma_configs(on_gpu: bool):
 def test_tensor_descriptor_forward_matches_reference(shape, causal, layout, poison, close, device):
     """The TMA forward (tiles through 4-D tensor descriptors, tails zero-filled / clipped by the copy
     engine) gives the reference output and the pointer kernel's log-sum-exp, every element written."""
-    from lightning_perf.kernels.ops.flash_attention import _tma_usable, flash_attn_fwd
+    from lightning_perf.kernels.ops.flash_attention_launch import _tma_usable, flash_attn_fwd
 
     dtype, atol, rtol = (torch.bfloat16, 2e-2, 2e-2) if ON_GPU else (torch.float32, 2e-5, 2e-5)
     q, k, v = (t.detach() for t in _qkv(*shape, dtype, device, layout))
@@ -203,7 +203,7 @@ def test_tensor_descriptor_forward_matches_reference(shape, causal, layout, pois
 
 
 def test_tensor_descriptor_config_refused_on_misaligned_input(device):
-    from lightning_perf.kernels.ops.flash_attention import flash_attn_fwd
+    from lightning_perf.kernels.ops.flash_attention_launch import flash_attn_fwd
 
     base = torch.randn(1 * 2 * 9 * 16 + 1, device=device)[1:]  # 4-byte offset: not 16-byte aligned
     q = base.view(1, 2, 9, 16)
@@ -217,7 +217,7 @@ def test_tensor_descriptor_config_refused_on_misaligned_input(device):
 def test_tensor_descriptor_dkdv_matches_reference(shape, causal, layout, poison, close, device):
     """The dK/dV kernel through tensor descriptors (GQA heads looped per key block) gives the
     reference gradients; dQ from the pointer kernel beside it."""
-    from lightning_perf.kernels.ops.flash_attention import _tma_usable, flash_attn_bwd, flash_attn_fwd
+    from lightning_perf.kernels.ops.flash_attention_launch import _tma_usable, flash_attn_bwd, flash_attn_fwd
 
     dtype, atol, rtol = (torch.bfloat16, 2e-2, 2e-2) if ON_GPU else (torch.float32, 2e-5, 2e-5)
     q, k, v = _qkv(*shape, dtype, device, layout)

@@ -7,26 +7,30 @@ import torch
 import torch.nn.functional as F
 
 from lightning_perf.kernels import fp8_linear
+from lightning_perf.kernels.ops import fp8_amax_history as f8_history
+from lightning_perf.kernels.ops import fp8_casts as f8_casts
+from lightning_perf.kernels.ops import fp8_gelu_mlp as f8_mlp
+from lightning_perf.kernels.ops import fp8_gelu_operand as f8_gelu
 from lightning_perf.kernels.ops import fp8_linear as f8
 
 ON_GPU = torch.cuda.is_available()
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-E4M3, E5M2 = f8.E4M3, f8.E5M2
+E4M3, E5M2 = f8_casts.E4M3, f8_casts.E5M2
 
 
 def _deq(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    q, inv = f8.quantize_fp8(t, dtype)
+    q, inv = f8_casts.quantize_fp8(t, dtype)
     return q.float() * inv
 
 
 def test_quantize_maps_amax_to_the_format_maximum():
     t = torch.tensor([[0.5, -3.0], [1.0, 2.0]])
     for dtype in (E4M3, E5M2):
-        q, inv = f8.quantize_fp8(t, dtype)
+        q, inv = f8_casts.quantize_fp8(t, dtype)
         assert q.dtype == dtype and inv.dim() == 0
         assert q.float().abs().max() == torch.finfo(dtype).max
         assert torch.allclose(q.float() * inv, t, rtol=0.13)  # 3 (e4m3) / 2 (e5m2) mantissa bits
-    q, inv = f8.quantize_fp8(torch.zeros(4, 4), E4M3)  # all zeros: no NaN from 0 / 0
+    q, inv = f8_casts.quantize_fp8(torch.zeros(4, 4), E4M3)  # all zeros: no NaN from 0 / 0
     assert torch.isfinite(inv) and (q.float() == 0).all()
 
 
@@ -67,7 +71,7 @@ def test_unaligned_shapes_fall_back_to_the_plain_linear():
 
 
 def _tensorwise_layer(K: int = 32, N: int = 16) -> torch.nn.Module:
-    from lightning_perf.kernels.float8 import convert_to_fp8
+    from lightning_perf.kernels.torchao_fp8 import convert_to_fp8
 
     holder = torch.nn.Sequential(torch.nn.Linear(K, N))
     assert convert_to_fp8(holder, "tensorwise") == ["0"]
@@ -75,7 +79,7 @@ def _tensorwise_layer(K: int = 32, N: int = 16) -> torch.nn.Module:
 
 
 def test_tensorwise_layer_runs_this_matmul_for_plain_weights_and_agrees_with_torchao():
-    """``kernels.float8``'s tensorwise layer (a torchao ``Float8Linear``) runs ``fp8_linear`` for a plain
+    """``kernels.torchao_fp8``'s tensorwise layer (a torchao ``Float8Linear``) runs ``fp8_linear`` for a plain
     weight; torchao's own forward on the same layer gives the same output and gradients."""
     from torchao.float8.float8_linear import Float8Linear
 
@@ -127,8 +131,8 @@ def test_cast_transpose_kernel_writes_both_layouts(M, N, dtype):
     scale = torch.tensor(1.0)
     q = torch.full((M, N), float("nan")).to(dtype)  # poison: every element must be written
     qt = torch.full((N, M), float("nan")).to(dtype)
-    f8._cast_transpose_launch(t, scale, dtype, out=(q, qt))
-    want, want_t = f8.cast_transpose_fp8_reference(t, scale, dtype)
+    f8_casts._cast_transpose_launch(t, scale, dtype, out=(q, qt))
+    want, want_t = f8_casts.cast_transpose_fp8_reference(t, scale, dtype)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
 
@@ -139,9 +143,9 @@ def test_cast_transpose_kernel_writes_both_layouts(M, N, dtype):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_cast_transpose_kernel_bitwise_on_gpu(M, N, src, dtype):
     t = (torch.randn(M, N, device="cuda") * 3).to(src)
-    scale = f8._scale_of(t, dtype)
-    q, qt = f8.cast_transpose_fp8(t, scale, dtype)
-    want, want_t = f8.cast_transpose_fp8_reference(t, scale, dtype)
+    scale = f8_casts._scale_of(t, dtype)
+    q, qt = f8_casts.cast_transpose_fp8(t, scale, dtype)
+    want, want_t = f8_casts.cast_transpose_fp8_reference(t, scale, dtype)
 
     def report(got, want, src):  # mismatching codes: how many, and the first few (input * scale, got, want)
         bad = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero()[:4]
@@ -159,9 +163,9 @@ def test_cast_transpose_compiled_bitwise_on_gpu(src, dtype):
     """Under torch.compile the kernel is launched from the generated code (triton_op): same bits."""
     torch._dynamo.reset()
     t = (torch.randn(4096, 1024, device="cuda") * 3).to(src)
-    scale = f8._scale_of(t, dtype)
-    q, qt = torch.compile(lambda a, s: f8.cast_transpose_fp8(a, s, dtype), fullgraph=True)(t, scale)
-    want, want_t = f8.cast_transpose_fp8_reference(t, scale, dtype)
+    scale = f8_casts._scale_of(t, dtype)
+    q, qt = torch.compile(lambda a, s: f8_casts.cast_transpose_fp8(a, s, dtype), fullgraph=True)(t, scale)
+    want, want_t = f8_casts.cast_transpose_fp8_reference(t, scale, dtype)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
 
@@ -198,7 +202,7 @@ def test_absmax_kernel_matches_torch(n, dtype):
     where = int(torch.randint(0, n, (1,), generator=gen))
     t[where] = -3.5 if n % 2 else 3.5  # the maximum magnitude, negative for odd n
     t = t.to(dtype).to(_kernel_device())
-    got = f8._absmax_launch(t, out=torch.full((), float("nan"), device=t.device))  # poisoned output
+    got = f8_casts._absmax_launch(t, out=torch.full((), float("nan"), device=t.device))  # poisoned output
     assert got.dtype == torch.float32 and got.dim() == 0
     assert torch.equal(got.cpu(), t.abs().amax().float().cpu()) and float(got) == 3.5
 
@@ -206,18 +210,18 @@ def test_absmax_kernel_matches_torch(n, dtype):
 def test_absmax_kernel_propagates_nan_and_inf():
     t = torch.randn(10_000)
     t[1234] = float("-inf")
-    assert float(f8._absmax_launch(t.to(_kernel_device()))) == float("inf")
+    assert float(f8_casts._absmax_launch(t.to(_kernel_device()))) == float("inf")
     t[9999] = float("nan")
-    assert torch.isnan(f8._absmax_launch(t.to(_kernel_device())))  # as torch.amax: NaN wins over inf
+    assert torch.isnan(f8_casts._absmax_launch(t.to(_kernel_device())))  # as torch.amax: NaN wins over inf
     assert torch.isnan(t.abs().amax())
 
 
 def test_absmax_dispatch_and_empty_input():
     t = torch.randn(3, 5)
-    torch.testing.assert_close(f8.absmax(t), t.abs().amax(), atol=0, rtol=0)  # CPU: the PyTorch reduction
-    torch.testing.assert_close(f8.absmax(t.t()), t.abs().amax(), atol=0, rtol=0)  # non-contiguous
+    torch.testing.assert_close(f8_casts.absmax(t), t.abs().amax(), atol=0, rtol=0)  # CPU: the PyTorch reduction
+    torch.testing.assert_close(f8_casts.absmax(t.t()), t.abs().amax(), atol=0, rtol=0)  # non-contiguous
     with pytest.raises(ValueError, match="empty"):
-        f8.absmax(torch.empty(0, 4))
+        f8_casts.absmax(torch.empty(0, 4))
 
 
 @requires_gpu
@@ -227,8 +231,8 @@ def test_absmax_on_gpu_eager_and_compiled(src):
     torch._dynamo.reset()
     t = (torch.randn(16384, 2048, device="cuda") * 3).to(src)
     want = t.abs().amax().float()
-    assert torch.equal(f8.absmax(t), want)
-    compiled = torch.compile(lambda a: f8.absmax(a * 2) / 2, fullgraph=True)  # with a producer before it
+    assert torch.equal(f8_casts.absmax(t), want)
+    compiled = torch.compile(lambda a: f8_casts.absmax(a * 2) / 2, fullgraph=True)  # with a producer before it
     assert torch.equal(compiled(t), want)
     assert torch.equal(compiled(t), want)  # a second call: the output word is zeroed each time
 
@@ -255,8 +259,8 @@ def test_cast_transpose_amax_kernel_equals_reference_cast_and_true_amax(M, N, dt
     q = torch.full((M, N), float("nan")).to(dtype)
     qt = torch.full((N, M), float("nan")).to(dtype)
     amax = torch.zeros(())
-    f8._cast_transpose_launch(t, scale, dtype, out=(q, qt), amax=amax)
-    want, want_t, want_amax = f8.cast_transpose_amax_fp8_reference(t, scale, dtype)
+    f8_casts._cast_transpose_launch(t, scale, dtype, out=(q, qt), amax=amax)
+    want, want_t, want_amax = f8_casts.cast_transpose_amax_fp8_reference(t, scale, dtype)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
     assert amax.dtype == torch.float32 and torch.equal(amax, want_amax) and torch.equal(amax, t.float().abs().amax())
@@ -268,10 +272,10 @@ def test_cast_transpose_amax_kernel_on_values_off_the_grid_and_nan():
         pytest.skip("the GPU test below checks the compiled kernel")
     t = torch.randn(40, 24, generator=torch.Generator().manual_seed(0)) * 3.7
     amax = torch.zeros(())
-    f8._cast_transpose_launch(t, torch.tensor(10.0), E4M3, amax=amax)
+    f8_casts._cast_transpose_launch(t, torch.tensor(10.0), E4M3, amax=amax)
     assert torch.equal(amax, t.abs().amax())
     t[39, 23] = float("nan")
-    f8._cast_transpose_launch(t, torch.tensor(10.0), E4M3, amax=amax.zero_())
+    f8_casts._cast_transpose_launch(t, torch.tensor(10.0), E4M3, amax=amax.zero_())
     assert torch.isnan(amax)
 
 
@@ -280,25 +284,25 @@ def test_absmax_unless_prior_reads_only_without_a_recorded_amax():
     t[77] = -2.5
     t = t.to(_kernel_device())
     empty, recorded = torch.zeros((), device=t.device), torch.tensor(1.5, device=t.device)
-    assert float(f8._absmax_launch(t, prior=empty)) == 2.5  # nothing recorded: the current amax
-    assert float(f8._absmax_launch(t, prior=recorded)) == 0.0  # a recorded amax stands in: nothing read
-    assert float(f8._absmax_unless_op(t.cpu(), empty.cpu())) == 2.5  # the op's PyTorch path (CPU)
-    assert float(f8._absmax_unless_op(t.cpu(), recorded.cpu())) == 0.0
+    assert float(f8_casts._absmax_launch(t, prior=empty)) == 2.5  # nothing recorded: the current amax
+    assert float(f8_casts._absmax_launch(t, prior=recorded)) == 0.0  # a recorded amax stands in: nothing read
+    assert float(f8_history._absmax_unless_op(t.cpu(), empty.cpu())) == 2.5  # the op's PyTorch path (CPU)
+    assert float(f8_history._absmax_unless_op(t.cpu(), recorded.cpu())) == 0.0
 
 
 def test_history_push_and_scale():
     h = torch.zeros(4)
     fmax = torch.finfo(E4M3).max
     x = torch.tensor([[1.0, -3.0]])
-    assert torch.equal(f8.history_scale(x, h, E4M3), torch.tensor(fmax / 3.0))  # empty: the current amax
+    assert torch.equal(f8_history.history_scale(x, h, E4M3), torch.tensor(fmax / 3.0))  # empty: the current amax
     for v in (2.0, 5.0, float("nan"), 1.0, float("inf"), 0.5):
-        f8.push_amax(h, torch.tensor(v))
+        f8_history.push_amax(h, torch.tensor(v))
     # newest first, the oldest (2.0 and 5.0) dropped, non-finite amaxes recorded as "nothing seen"
     assert h.tolist() == [0.5, 0.0, 1.0, 0.0]
-    assert torch.equal(f8.history_scale(x, h, E4M3), torch.tensor(fmax / 1.0))  # the max over the history
-    assert torch.equal(f8.history_scale(x, h, E5M2), torch.tensor(torch.finfo(E5M2).max / 1.0))
+    assert torch.equal(f8_history.history_scale(x, h, E4M3), torch.tensor(fmax / 1.0))  # the max over the history
+    assert torch.equal(f8_history.history_scale(x, h, E5M2), torch.tensor(torch.finfo(E5M2).max / 1.0))
     with pytest.raises(ValueError, match="at least one entry"):
-        f8.new_amax_history(0)
+        f8_history.new_amax_history(0)
 
 
 def _history_deq(t: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +321,7 @@ def test_delayed_linear_equals_dequantised_matmuls_with_the_history_scale_over_s
     K, N, M = 32, 48, 16
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(N, K, generator=gen) / K**0.5).requires_grad_()
-    hist = f8.new_amax_history(3)
+    hist = f8_history.new_amax_history(3)
     recorded = []
     for step, gain in enumerate((1.0, 0.5, 1.0, 20.0, 1.0)):
         x = (torch.randn(M, K, generator=gen) * gain).requires_grad_()
@@ -348,8 +352,8 @@ def test_delayed_linear_equals_dequantised_matmuls_with_the_history_scale_over_s
 def test_delayed_linear_without_recording_and_with_bias():
     gen = torch.Generator().manual_seed(6)
     x, w, b = torch.randn(2, 16, 32, generator=gen), torch.randn(16, 32, generator=gen), torch.randn(16, generator=gen)
-    hist = f8.new_amax_history()
-    assert hist.shape == (3, f8.AMAX_HISTORY)
+    hist = f8_history.new_amax_history()
+    assert hist.shape == (3, f8_history.AMAX_HISTORY)
     x.requires_grad_()
     y = fp8_linear(x, w, b, amax_history=hist, record=False)  # evaluation: read, record nothing
     y.sum().backward()
@@ -357,7 +361,7 @@ def test_delayed_linear_without_recording_and_with_bias():
     x = x.detach()
     torch.testing.assert_close(y, fp8_linear(x, w, b), atol=0, rtol=0)  # empty history = current scaling
     hist[0, 5], hist[1, 0] = 3 * x.abs().max(), w.abs().max()  # not a power of two: other roundings
-    from lightning_perf.kernels.float8 import fp8_linear_reference
+    from lightning_perf.kernels.torchao_fp8 import fp8_linear_reference
 
     torch.testing.assert_close(fp8_linear(x, w, b, amax_history=hist, record=False),
                                fp8_linear_reference(x, w, b, recipe="delayed", amax_history=hist), atol=1e-5, rtol=1e-5)
@@ -372,7 +376,7 @@ def test_delayed_linear_compiled_equals_eager_without_graph_breaks():
     gen = torch.Generator().manual_seed(7)
     w_e = (torch.randn(48, 32, generator=gen) / 6).requires_grad_()
     w_c = w_e.detach().clone().requires_grad_()
-    h_e, h_c = f8.new_amax_history(4), f8.new_amax_history(4)
+    h_e, h_c = f8_history.new_amax_history(4), f8_history.new_amax_history(4)
 
     def step(x, w, h):
         return fp8_linear(x, w, amax_history=h)
@@ -400,10 +404,10 @@ def test_cast_transpose_amax_bitwise_on_gpu_eager_and_compiled(src, dtype):
     called directly and launched from torch.compile's generated code (twice: the word is zeroed per call)."""
     torch._dynamo.reset()
     t = (torch.randn(4096, 1024, device="cuda") * 3).to(src)
-    scale = f8._scale_of(t, dtype) * 0.5  # a history scale: nothing clips
-    want, want_t, want_amax = f8.cast_transpose_amax_fp8_reference(t, scale, dtype)
-    compiled = torch.compile(lambda a, s: f8.cast_transpose_amax_fp8(a, s, dtype), fullgraph=True)
-    for fn in (f8.cast_transpose_amax_fp8, compiled, compiled):
+    scale = f8_casts._scale_of(t, dtype) * 0.5  # a history scale: nothing clips
+    want, want_t, want_amax = f8_casts.cast_transpose_amax_fp8_reference(t, scale, dtype)
+    compiled = torch.compile(lambda a, s: f8_casts.cast_transpose_amax_fp8(a, s, dtype), fullgraph=True)
+    for fn in (f8_casts.cast_transpose_amax_fp8, compiled, compiled):
         q, qt, amax = fn(t, scale) if fn is compiled else fn(t, scale, dtype)
         assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
         assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
@@ -418,7 +422,7 @@ def test_delayed_fp8_linear_on_gpu_compiled_equals_eager():
     torch.manual_seed(0)
     w_e = (torch.randn(1024, 2048, device="cuda") * 0.02).requires_grad_()
     w_c = w_e.detach().clone().requires_grad_()
-    h_e, h_c = f8.new_amax_history(device="cuda"), f8.new_amax_history(device="cuda")
+    h_e, h_c = f8_history.new_amax_history(device="cuda"), f8_history.new_amax_history(device="cuda")
 
     def step(x, w, h):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -466,10 +470,10 @@ def test_gelu_cast_transpose_kernel_casts_the_exact_operand(M, N, grad, bias):
         pytest.skip("the GPU test below checks the compiled kernel")
     u, b, dh = _gelu_inputs(M, N, bias, grad)
     dtype = E5M2 if grad else E4M3
-    h = f8.gelu_operand_reference(u, b, dh)
+    h = f8_gelu.gelu_operand_reference(u, b, dh)
     scale = (torch.finfo(dtype).max / h.abs().amax().double()).float() * 0.5
-    q, qt, amax, db = f8._gelu_cast_transpose_launch(u, b, scale, dtype, dh, tuned=False)
-    want, want_t = f8._cast_transpose_launch(h, scale, dtype)
+    q, qt, amax, db = f8_mlp._gelu_cast_transpose_launch(u, b, scale, dtype, dh, tuned=False)
+    want, want_t = f8_casts._cast_transpose_launch(h, scale, dtype)
     assert torch.equal(q.float(), want.float()) and torch.equal(qt.float(), want_t.float())  # -0.0 == 0.0
     torch.testing.assert_close(amax, h.abs().amax(), rtol=2e-6, atol=0)
     if grad:
@@ -478,21 +482,21 @@ def test_gelu_cast_transpose_kernel_casts_the_exact_operand(M, N, grad, bias):
         assert db.numel() == 0
     # the op's PyTorch path (fp32 GELU ops) agrees with the float64 maths up to its own cancellation in the
     # tails (absolute, a millionth of the largest value: far below FP8 resolution)
-    torch.testing.assert_close(f8._gelu_operand_fp32(u, b, dh), h, rtol=1e-4, atol=1e-6 * float(h.abs().max()))
+    torch.testing.assert_close(f8_gelu._gelu_operand_fp32(u, b, dh), h, rtol=1e-4, atol=1e-6 * float(h.abs().max()))
 
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_gelu_absmax_reads_only_without_a_recorded_amax(grad):
     u, b, dh = _gelu_inputs(3 * 64 + 5, 64, True, grad, device=_kernel_device())
-    h = f8.gelu_operand_reference(u.cpu(), b.cpu(), None if dh is None else dh.cpu())
+    h = f8_gelu.gelu_operand_reference(u.cpu(), b.cpu(), None if dh is None else dh.cpu())
     empty, recorded = torch.zeros((), device=u.device), torch.tensor(1.5, device=u.device)
-    got = f8._gelu_absmax_launch(u, b, empty, dh, wrap=False)
+    got = f8_mlp._gelu_absmax_launch(u, b, empty, dh, wrap=False)
     torch.testing.assert_close(got.cpu(), h.abs().amax(), rtol=2e-6, atol=0)
-    assert float(f8._gelu_absmax_launch(u, b, recorded, dh, wrap=False)) == 0.0  # nothing read
+    assert float(f8_mlp._gelu_absmax_launch(u, b, recorded, dh, wrap=False)) == 0.0  # nothing read
     cpu = [None if t is None else t.cpu() for t in (u, b, dh)]
-    torch.testing.assert_close(f8._gelu_absmax_unless_op(cpu[0], cpu[1], empty.cpu(), cpu[2]), h.abs().amax(),
+    torch.testing.assert_close(f8_mlp._gelu_absmax_unless_op(cpu[0], cpu[1], empty.cpu(), cpu[2]), h.abs().amax(),
                                rtol=1e-4, atol=0)
-    assert float(f8._gelu_absmax_unless_op(cpu[0], cpu[1], recorded.cpu(), cpu[2])) == 0.0
+    assert float(f8_mlp._gelu_absmax_unless_op(cpu[0], cpu[1], recorded.cpu(), cpu[2])) == 0.0
 
 
 def _mlp_params(K=32, F_=64, D=48, bias=True, seed=8):
@@ -513,14 +517,14 @@ def test_fused_gelu_mlp_equals_dequantised_matmuls_with_the_history_scales_over_
     of delayed linears gives the same numbers off the GPU."""
     w1, b1, w2, b2 = _mlp_params(bias=bias)
     params = [p for p in (w1, b1, w2, b2) if p is not None]
-    hu, hd = f8.new_amax_history(3), f8.new_amax_history(3)
-    hu2, hd2 = f8.new_amax_history(3), f8.new_amax_history(3)
+    hu, hd = f8_history.new_amax_history(3), f8_history.new_amax_history(3)
+    hu2, hd2 = f8_history.new_amax_history(3), f8_history.new_amax_history(3)
     gen = torch.Generator().manual_seed(9)
     for step, gain in enumerate((1.0, 0.5, 20.0, 1.0)):
         x = (torch.randn(16, 32, generator=gen) * gain).requires_grad_()
         g = torch.randn(16, 48, generator=gen) * (1 + step)
         bu, bd = hu.clone(), hd.clone()
-        y = f8.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd)
+        y = f8_mlp.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd)
         y.backward(g)
         grads = [x.grad] + [p.grad for p in params]
         # the maths, operand by operand
@@ -564,13 +568,13 @@ def test_fused_gelu_mlp_equals_dequantised_matmuls_with_the_history_scales_over_
 def test_fused_gelu_mlp_without_recording_and_unsupported_shapes():
     w1, b1, w2, b2 = _mlp_params()
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
-    hu, hd = f8.new_amax_history(), f8.new_amax_history()
-    y = f8.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd, record=False)
+    hu, hd = f8_history.new_amax_history(), f8_history.new_amax_history()
+    y = f8_mlp.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd, record=False)
     assert y.shape == (2, 8, 48) and not hu.any() and not hd.any()
     # an inner width FP8 matmuls cannot take (not a multiple of 16): the plain layers, composed
     w1o, b1o, w2o, b2o = _mlp_params(F_=40)
-    assert not f8.fp8_gelu_mlp_supported(x, w1o, w2o)
-    y = f8.fp8_gelu_mlp(x, w1o, b1o, w2o, b2o, up_history=hu, down_history=hd)
+    assert not f8_mlp.fp8_gelu_mlp_supported(x, w1o, w2o)
+    y = f8_mlp.fp8_gelu_mlp(x, w1o, b1o, w2o, b2o, up_history=hu, down_history=hd)
     torch.testing.assert_close(y, F.linear(F.gelu(F.linear(x, w1o, b1o), approximate="tanh"), w2o, b2o))
 
 
@@ -580,10 +584,10 @@ def test_fused_gelu_mlp_compiled_equals_eager_without_graph_breaks():
     torch._dynamo.reset()
     eager_p = _mlp_params()
     comp_p = [p.detach().clone().requires_grad_() for p in eager_p]
-    hs = [(f8.new_amax_history(4), f8.new_amax_history(4)) for _ in range(2)]
+    hs = [(f8_history.new_amax_history(4), f8_history.new_amax_history(4)) for _ in range(2)]
 
     def step(x, w1, b1, w2, b2, hu, hd):
-        return f8.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd)
+        return f8_mlp.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd)
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     gen = torch.Generator().manual_seed(10)
@@ -621,11 +625,11 @@ def test_gelu_cast_transpose_on_gpu_eager_and_compiled(grad):
     torch._dynamo.reset()
     u, b, dh = _gelu_inputs(4096, 1024, True, grad, device="cuda", dtype=torch.bfloat16)
     dtype = E5M2 if grad else E4M3
-    h = f8.gelu_operand_reference(u, b, dh)
+    h = f8_gelu.gelu_operand_reference(u, b, dh)
     scale = (torch.finfo(dtype).max / h.abs().amax().double()).float() * 0.5
-    want, want_t = f8.cast_transpose_fp8(h, scale, dtype)
-    compiled = torch.compile(lambda *a: f8.gelu_cast_transpose_fp8(*a), fullgraph=True)
-    for fn in (f8.gelu_cast_transpose_fp8, compiled, compiled):
+    want, want_t = f8_casts.cast_transpose_fp8(h, scale, dtype)
+    compiled = torch.compile(lambda *a: f8_mlp.gelu_cast_transpose_fp8(*a), fullgraph=True)
+    for fn in (f8_mlp.gelu_cast_transpose_fp8, compiled, compiled):
         q, qt, amax, db = fn(u, b, scale, dtype, dh)
         assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
         assert not _fp8_ulps_apart(q, want, dtype).any()
@@ -648,18 +652,18 @@ def test_gelu_cast_transpose_every_configuration_writes_the_transpose_on_gpu(M, 
     for grad in (False, True):
         u, b, dh = _gelu_inputs(M, N, True, grad, device="cuda", dtype=torch.bfloat16)
         dtype = E5M2 if grad else E4M3
-        scale = f8._scale_of(f8.gelu_operand_reference(u, b, dh), dtype)
-        for cfg in f8._GELU_CT_CONFIGS_GPU:
+        scale = f8_casts._scale_of(f8_gelu.gelu_operand_reference(u, b, dh), dtype)
+        for cfg in f8_mlp._GELU_CT_CONFIGS_GPU:
             for _ in range(3):
                 q = torch.full((M, N), 0x7F, dtype=torch.uint8, device="cuda").view(dtype)
                 qt = torch.full((N, M), 0x7F, dtype=torch.uint8, device="cuda").view(dtype)
                 amax = torch.zeros((), device="cuda")
-                dbp = torch.zeros(triton.cdiv(M, f8._GELU_CT_BLOCK_M), N, device="cuda")
-                grid = (triton.cdiv(M, f8._GELU_CT_BLOCK_M), triton.cdiv(N, cfg["BLOCK_N"]))
-                f8._gelu_cast_transpose_kernel[grid](
+                dbp = torch.zeros(triton.cdiv(M, f8_mlp._GELU_CT_BLOCK_M), N, device="cuda")
+                grid = (triton.cdiv(M, f8_mlp._GELU_CT_BLOCK_M), triton.cdiv(N, cfg["BLOCK_N"]))
+                f8_mlp._gelu_cast_transpose_kernel[grid](
                     u, b, u if dh is None else dh, q, qt, scale, amax, dbp, M, N, N, N,
                     FMAX=float(torch.finfo(dtype).max), ROUND_TO_2_BITS=grad, HAS_BIAS=True, GRAD=grad,
-                    BLOCK_M=f8._GELU_CT_BLOCK_M, **cfg)
+                    BLOCK_M=f8_mlp._GELU_CT_BLOCK_M, **cfg)
                 assert not torch.isnan(q.float()).any(), cfg
                 assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8)), cfg
 
@@ -672,11 +676,11 @@ def test_fused_gelu_mlp_on_gpu_compiled_equals_eager_and_agrees_with_the_layers(
     torch.manual_seed(0)
     base = [t.cuda() for t in _mlp_params(K=1024, F_=4096, D=1024)]
     sets = [[p.detach().clone().requires_grad_() for p in base] for _ in range(3)]
-    hists = [(f8.new_amax_history(device="cuda"), f8.new_amax_history(device="cuda")) for _ in range(3)]
+    hists = [(f8_history.new_amax_history(device="cuda"), f8_history.new_amax_history(device="cuda")) for _ in range(3)]
 
     def fused(x, w1, b1, w2, b2, hu, hd):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return f8.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd)
+            return f8_mlp.fp8_gelu_mlp(x, w1, b1, w2, b2, up_history=hu, down_history=hd)
 
     def layers(x, w1, b1, w2, b2, hu, hd):
         with torch.autocast("cuda", dtype=torch.bfloat16):

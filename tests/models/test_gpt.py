@@ -282,7 +282,7 @@ def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv, rec
     sees, the loss stays within FP8 error of the bf16-free exact model, and a few AdamW steps lower it
     as much; the fused q/k/v matmul equals the three projections. "delayed" layers have empty histories
     at the first forward, so it is the tensorwise reference there; the steps after run on history scales."""
-    from lightning_perf.kernels.float8 import fp8_linear_reference, fp8_recipe_of, is_fp8_linear
+    from lightning_perf.kernels.torchao_fp8 import fp8_linear_reference, fp8_recipe_of, is_fp8_linear
 
     idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(1))
     models = {}
@@ -302,7 +302,7 @@ def test_fp8_gpt_matches_its_quantised_reference_and_trains(name, fused_qkv, rec
             seen[name] = (args[0], out)
         return hook
 
-    # GELU MLPs of delayed layers run as one fused function (kernels.float8.delayed_gelu_mlp): no layer hooks
+    # GELU MLPs of delayed layers run as one fused function (kernels.torchao_fp8.delayed_gelu_mlp): no layer hooks
     fused_mlp = recipe == "delayed" and quant.config.activation == "gelu"
     hooks = [m.register_forward_hook(keep(n)) for n, m in quant.named_modules()
              if is_fp8_linear(m) or (fused_mlp and n.endswith(".mlp"))]
@@ -354,7 +354,7 @@ def test_delayed_fp8_gpt_compiled_whole_equals_eager(name):
     the amax histories are recorded in the forward and in the backward graph): losses, gradients and every
     layer's history equal eager mode's over three AdamW steps, the history rows filling as they go. "tiny"
     (GELU) runs its MLPs through the fused delayed GELU MLP, "tiny-llama" (SwiGLU) through the layers."""
-    from lightning_perf.kernels.float8 import fp8_recipe_of
+    from lightning_perf.kernels.torchao_fp8 import fp8_recipe_of
 
     torch._dynamo.reset()
     idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(4))
@@ -390,7 +390,7 @@ def test_delayed_fp8_gpt_checkpoints_are_the_tensorwise_ones_and_a_load_rewarms(
     empty after a load, so the next step scales by the current amaxes, as the tensorwise model does."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from lightning_perf.kernels.float8 import fp8_recipe_of
+    from lightning_perf.kernels.torchao_fp8 import fp8_recipe_of
 
     idx = torch.randint(0, 260, (2, 32), generator=torch.Generator().manual_seed(6))
     torch.manual_seed(0)

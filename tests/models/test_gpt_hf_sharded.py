@@ -18,7 +18,7 @@ VOCAB = 301  # odd: the embedding and head rows shard unevenly over 2 ranks
 def _worker(rank: int, world: int, out_dir: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_perf.kernels._utils import is_dtensor
+    from lightning_perf.kernels.dtensor import is_dtensor
     from lightning_perf.models import GPT
     from lightning_perf.models.gpt.hf import config_from_hf, read_hf_config
     from lightning_perf.parallel.checkpoint import save_checkpoint

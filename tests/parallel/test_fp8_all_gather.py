@@ -49,8 +49,8 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
     from lightning_perf.parallel.fp8_all_gather import fp8_all_gather_weights, precompute_fp8_scales
     from lightning_perf.parallel.init import materialize_from_rank0, take_full_state
 
-    from lightning_perf.kernels import float8
-    from lightning_perf.kernels.float8 import is_fp8_linear
+    from lightning_perf.kernels import torchao_fp8 as float8
+    from lightning_perf.kernels.torchao_fp8 import is_fp8_linear
 
     # both sides on torchao's matmul (a plain weight would otherwise take kernels.ops.fp8_linear, an
     # FP8-gathered one cannot): the comparison is of the gathers

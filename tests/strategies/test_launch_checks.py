@@ -239,7 +239,7 @@ class DelayedNet(PlainNet):
 
     def __init__(self) -> None:
         L.LightningModule.__init__(self)
-        from lightning_perf.kernels.float8 import convert_to_fp8
+        from lightning_perf.kernels.torchao_fp8 import convert_to_fp8
 
         self.model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
         assert convert_to_fp8(self.model, "delayed") == ["0", "2"]

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-from lightning_perf.kernels.float8 import normalize_fp8
+from lightning_perf.kernels.torchao_fp8 import normalize_fp8
 
 __all__ = ["GPTConfig", "PRESETS"]
 
@@ -66,7 +66,7 @@ class GPTConfig:
     # under tensor parallelism where each projection shard is narrow
     fused_qkv: bool = False
     # the blocks' linears (attention and MLP projections, not the LM head) run their forward and both
-    # gradient matmuls in FP8 through torchao.float8 (lightning_perf.kernels.float8): "tensorwise"
+    # gradient matmuls in FP8 through torchao.float8 (lightning_perf.kernels.torchao_fp8): "tensorwise"
     # (True means this) or "rowwise" scales, or "delayed" (tensorwise scales from each layer's last 16
     # amaxes, recorded by the casts: one read per operand; one device or DDP-like data parallelism);
     # parameters, optimizer state and checkpoints stay as they are

@@ -411,7 +411,7 @@ def _read_box(weights: HFWeights, src: WeightSource, config: GPTConfig, index: t
 @torch.no_grad()
 def _fill(param: torch.Tensor, weights: HFWeights, src: WeightSource, config: GPTConfig) -> None:
     """Fill ``param``, or its local shard when ``param`` is a DTensor, with only the elements it holds."""
-    from lightning_perf.kernels._utils import is_dtensor
+    from lightning_perf.kernels.dtensor import is_dtensor
 
     if is_dtensor(param):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -535,7 +535,7 @@ def save_hf(
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with DTensor shards gathered into whole tensors (a collective when sharded)."""
-    from lightning_perf.kernels._utils import is_dtensor
+    from lightning_perf.kernels.dtensor import is_dtensor
 
     return {k: (v.full_tensor() if is_dtensor(v) else v) for k, v in model.state_dict().items()}
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_perf.kernels._utils import is_dtensor
 from lightning_perf.kernels.document_mask import document_positions
+from lightning_perf.kernels.dtensor import is_dtensor
 from lightning_perf.models.gpt import ops
 from lightning_perf.models.gpt.config import GPTConfig
 
@@ -79,7 +79,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def _to_fp8(module: nn.Module, config: GPTConfig) -> None:
     """With ``config.fp8``, the module's projections become torchao FP8 linears (same parameters)."""
     if config.fp8:
-        from lightning_perf.kernels.float8 import convert_to_fp8
+        from lightning_perf.kernels.torchao_fp8 import convert_to_fp8
 
         convert_to_fp8(module, config.fp8)
 
@@ -106,7 +106,7 @@ class Attention(nn.Module):
     def _fused_qkv_ok(self) -> bool:
         """One q/k/v matmul, unless the projections are FP8 and their weights tensor-parallel or
         already gathered in FP8 (each with its own scale): then each projection runs as it is."""
-        from lightning_perf.kernels.float8 import is_fp8_linear
+        from lightning_perf.kernels.torchao_fp8 import is_fp8_linear
 
         if not is_fp8_linear(self.q_proj):
             return True
@@ -145,7 +145,7 @@ class Attention(nn.Module):
         else:
             w = torch.cat([p.weight for p in projs])
             b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-            from lightning_perf.kernels.float8 import fp8_matmul, is_fp8_linear
+            from lightning_perf.kernels.torchao_fp8 import fp8_matmul, is_fp8_linear
 
             if is_fp8_linear(self.q_proj):
                 y = fp8_matmul(x, w, self.q_proj)
@@ -198,8 +198,8 @@ class MLP(nn.Module):
         if self.gate_proj is not None:
             h = ops.mlp_activation(self.gate_proj(x), self.up_proj(x), kind="swiglu", impl=self.impl)
         else:
-            if self.delayed_fp8:  # GELU and its FP8 casts fused (kernels.float8.delayed_gelu_mlp)
-                from lightning_perf.kernels.float8 import delayed_gelu_mlp
+            if self.delayed_fp8:  # GELU and its FP8 casts fused (kernels.torchao_fp8.delayed_gelu_mlp)
+                from lightning_perf.kernels.torchao_fp8 import delayed_gelu_mlp
 
                 y = delayed_gelu_mlp(x, self.up_proj, self.down_proj)
                 if y is not None:
@@ -279,7 +279,7 @@ class GPT(nn.Module):
         ``init_from_hf`` set, every parameter (or its local shard) is read from that checkpoint instead.
         """
         if self.config.fp8 == "delayed":  # after to_empty the histories hold whatever memory held
-            from lightning_perf.kernels.float8 import reset_amax_history
+            from lightning_perf.kernels.torchao_fp8 import reset_amax_history
 
             reset_amax_history(self)
         if self.init_from_hf is not None:

@@ -151,7 +151,7 @@ class GPTLightningModule(L.LightningModule):
             # headers only: a vocabulary or shape mismatch fails here, before any process or process group
             check_hf_weights(cfg, init_from_hf)
         if cfg.fp8:
-            from lightning_perf.kernels.float8 import require_fp8
+            from lightning_perf.kernels.torchao_fp8 import require_fp8
 
             require_fp8(cfg.fp8)  # a missing extra fails here, before any process or process group
         if compile not in COMPILE_MODES:
@@ -192,7 +192,7 @@ class GPTLightningModule(L.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         if self.config.fp8 and self._trainer is not None:
-            from lightning_perf.kernels.float8 import check_fp8_device
+            from lightning_perf.kernels.torchao_fp8 import check_fp8_device
 
             check_fp8_device(self.trainer.strategy.root_device)
 

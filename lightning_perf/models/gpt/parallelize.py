@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from lightning_perf.kernels._utils import is_dtensor
-from lightning_perf.kernels.float8 import fp8_recipe_of
+from lightning_perf.kernels.dtensor import is_dtensor
+from lightning_perf.kernels.torchao_fp8 import fp8_recipe_of
 
 if TYPE_CHECKING:
     from lightning_perf.models.gpt.config import GPTConfig

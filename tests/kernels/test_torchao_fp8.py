@@ -1,4 +1,4 @@
-"""``kernels.float8``: recipe names, which layers convert, the device check, the missing-extra error."""
+"""``kernels.torchao_fp8``: recipe names, which layers convert, the device check, the missing-extra error."""
 
 from __future__ import annotations
 
@@ -7,21 +7,21 @@ import sys
 import pytest
 import torch
 
-from lightning_perf.kernels import float8
+from lightning_perf.kernels import torchao_fp8
 
 
 def test_recipe_names():
-    assert float8.normalize_fp8(False) is False and float8.normalize_fp8(None) is False
-    assert float8.normalize_fp8(True) == "tensorwise"
-    assert float8.normalize_fp8("rowwise") == "rowwise"
-    assert float8.normalize_fp8("delayed") == "delayed"
+    assert torchao_fp8.normalize_fp8(False) is False and torchao_fp8.normalize_fp8(None) is False
+    assert torchao_fp8.normalize_fp8(True) == "tensorwise"
+    assert torchao_fp8.normalize_fp8("rowwise") == "rowwise"
+    assert torchao_fp8.normalize_fp8("delayed") == "delayed"
     for bad in ("e4m3", 1, "Tensorwise"):
         with pytest.raises(ValueError, match="fp8 must be False, True"):
-            float8.normalize_fp8(bad)
+            torchao_fp8.normalize_fp8(bad)
     for recipe in ("rowwise", "delayed"):
         with pytest.raises(ValueError, match="FP8 all-gather needs the 'tensorwise' recipe"):
-            float8.fp8_linear_config(recipe, fsdp_all_gather=True)
-    assert float8.fp8_linear_config("tensorwise", fsdp_all_gather=True).enable_fsdp_float8_all_gather
+            torchao_fp8.fp8_linear_config(recipe, fsdp_all_gather=True)
+    assert torchao_fp8.fp8_linear_config("tensorwise", fsdp_all_gather=True).enable_fsdp_float8_all_gather
 
 
 def test_convert_skips_unaligned_and_excluded_layers_and_works_on_meta():
@@ -29,34 +29,34 @@ def test_convert_skips_unaligned_and_excluded_layers_and_works_on_meta():
         net = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 20), torch.nn.Linear(20, 32),
                                   torch.nn.Linear(32, 32))
     weights = [m.weight for m in net]
-    names = float8.convert_to_fp8(net, "tensorwise", include=lambda layer, name: name != "3")
+    names = torchao_fp8.convert_to_fp8(net, "tensorwise", include=lambda layer, name: name != "3")
     assert names == ["0"]  # 48 -> 20 and 20 -> 32 are not multiples of 16; "3" excluded
-    assert [float8.fp8_recipe_of(m) for m in net] == ["tensorwise", None, None, None]
+    assert [torchao_fp8.fp8_recipe_of(m) for m in net] == ["tensorwise", None, None, None]
     assert all(m.weight is w for m, w in zip(net, weights))  # the same parameters
-    assert float8.convert_to_fp8(net, False) == []
+    assert torchao_fp8.convert_to_fp8(net, False) == []
 
 
 def test_device_check_refuses_gpus_without_fp8(monkeypatch):
-    float8.check_fp8_device(torch.device("cpu"))
+    torchao_fp8.check_fp8_device(torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match=r"compute capability >= 8.9.*A100.*is 8.0: set fp8=False"):
-        float8.check_fp8_device(torch.device("cuda", 0))
+        torchao_fp8.check_fp8_device(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    float8.check_fp8_device(torch.device("cuda", 0))
+    torchao_fp8.check_fp8_device(torch.device("cuda", 0))
 
 
 def test_missing_torchao_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ImportError, match=r"lightning-perf\[fp8\]"):
-        float8.require_torchao()
+        torchao_fp8.require_torchao()
     from lightning_perf.models import GPTLightningModule
 
     with pytest.raises(ImportError, match=r"lightning-perf\[fp8\]"):
         GPTLightningModule("tiny", config_overrides={"fp8": "rowwise"})
-    assert not float8.is_fp8_linear(torch.nn.Linear(16, 16))
+    assert not torchao_fp8.is_fp8_linear(torch.nn.Linear(16, 16))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
@@ -65,11 +65,11 @@ def test_converted_model_copies_and_pickles(recipe):
     import pickle
 
     net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
-    float8.convert_to_fp8(net, recipe)
+    torchao_fp8.convert_to_fp8(net, recipe)
     x = torch.randn(16, 32)
     net.eval()  # a delayed layer in eval mode records nothing: every call below sees the same history
     for clone in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
-        assert type(clone[0]) is type(net[0]) and float8.fp8_recipe_of(clone[0]) == recipe
+        assert type(clone[0]) is type(net[0]) and torchao_fp8.fp8_recipe_of(clone[0]) == recipe
         torch.testing.assert_close(clone(x), net(x), atol=0, rtol=0)
 
 
@@ -82,8 +82,8 @@ def _pair(K: int = 32, N: int = 48, seed: int = 0) -> tuple[torch.nn.Module, tor
     delayed = torch.nn.Sequential(torch.nn.Linear(K, N))
     tensorwise = torch.nn.Sequential(torch.nn.Linear(K, N))
     tensorwise.load_state_dict(delayed.state_dict())
-    assert float8.convert_to_fp8(delayed, "delayed", amax_history=4) == ["0"]
-    float8.convert_to_fp8(tensorwise, "tensorwise")
+    assert torchao_fp8.convert_to_fp8(delayed, "delayed", amax_history=4) == ["0"]
+    torchao_fp8.convert_to_fp8(tensorwise, "tensorwise")
     return delayed[0], tensorwise[0]
 
 
@@ -93,7 +93,7 @@ def test_delayed_layer_history_is_state_outside_the_state_dict():
     delayed, tensorwise = _pair()
     assert delayed.fp8_amax_history.shape == (3, 4) and not delayed.fp8_amax_history.any()
     assert list(delayed.state_dict()) == list(tensorwise.state_dict()) == ["weight", "bias"]
-    assert float8.fp8_recipe_of(delayed) == "delayed" and float8.is_fp8_linear(delayed)
+    assert torchao_fp8.fp8_recipe_of(delayed) == "delayed" and torchao_fp8.is_fp8_linear(delayed)
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(16, 32, generator=gen) * (1 + i) for i in range(3)]
     torch.testing.assert_close(delayed(xs[0]), tensorwise(xs[0]), atol=0, rtol=0)  # first call: current scaling
@@ -107,7 +107,7 @@ def test_delayed_layer_history_is_state_outside_the_state_dict():
     assert not delayed.fp8_amax_history.any()
     torch.testing.assert_close(delayed(xs[0]), tensorwise(xs[0]), atol=0, rtol=0)
     tensorwise.load_state_dict(delayed.state_dict())
-    assert float8.reset_amax_history(torch.nn.Sequential(delayed, tensorwise)) == 1
+    assert torchao_fp8.reset_amax_history(torch.nn.Sequential(delayed, tensorwise)) == 1
     assert not delayed.fp8_amax_history.any()
     delayed.reset_parameters()  # a re-initialised layer starts with an empty history too
     assert not delayed.fp8_amax_history.any()
@@ -116,20 +116,20 @@ def test_delayed_layer_history_is_state_outside_the_state_dict():
 def test_delayed_layer_on_meta_and_its_errors():
     with torch.device("meta"):
         net = torch.nn.Sequential(torch.nn.Linear(32, 48))
-    float8.convert_to_fp8(net, "delayed")
+    torchao_fp8.convert_to_fp8(net, "delayed")
     assert net[0].fp8_amax_history.is_meta and net[0].fp8_amax_history.shape == (3, 16)
     net.to_empty(device="cpu")
-    assert float8.reset_amax_history(net) == 1 and not net[0].fp8_amax_history.any()
-    assert float8.uses_delayed_fp8(net) and not float8.uses_delayed_fp8(torch.nn.Linear(4, 4))
+    assert torchao_fp8.reset_amax_history(net) == 1 and not net[0].fp8_amax_history.any()
+    assert torchao_fp8.uses_delayed_fp8(net) and not torchao_fp8.uses_delayed_fp8(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="amax_history must be a positive number of steps"):
-        float8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32)), "delayed", amax_history=0)
+        torchao_fp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32)), "delayed", amax_history=0)
 
     class Shard(torch.Tensor):
         """Stands for a DTensor or an FP8-gathered weight."""
 
     w = torch.Tensor._make_subclass(Shard, torch.randn(48, 32))
     with pytest.raises(ValueError, match=r"fp8='delayed' keeps an amax history for plain weights; .* Shard weight"):
-        float8.fp8_matmul(torch.randn(16, 32), w, net[0])
+        torchao_fp8.fp8_matmul(torch.randn(16, 32), w, net[0])
 
 
 def test_delayed_layer_records_while_training_and_fp8_matmul_records_in_like():
@@ -140,7 +140,7 @@ def test_delayed_layer_records_while_training_and_fp8_matmul_records_in_like():
     assert not delayed.fp8_amax_history.any()  # evaluation reads the history, records nothing
     delayed.train()
     w = torch.cat([delayed.weight, 2 * delayed.weight])  # e.g. q, k, v weights by rows
-    y = float8.fp8_matmul(x, w, delayed)
-    torch.testing.assert_close(y, float8.fp8_linear_reference(x, w), atol=1e-5, rtol=1e-5)  # empty: current scales
+    y = torchao_fp8.fp8_matmul(x, w, delayed)
+    torch.testing.assert_close(y, torchao_fp8.fp8_linear_reference(x, w), atol=1e-5, rtol=1e-5)  # empty: current scales
     assert delayed.fp8_amax_history[0, 0] == x.abs().max()
     assert delayed.fp8_amax_history[1, 0] == w.abs().max()  # the matrix it multiplied

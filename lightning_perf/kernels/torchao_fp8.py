@@ -15,13 +15,15 @@ accumulation (``torch._scaled_mm``), dynamic scales recomputed from the current 
 
 Parameters, optimizer state and checkpoints are unchanged: FP8 exists only inside the matmuls.
 torchao owns the layer, the rowwise recipe, FSDP2's FP8 all-gather (``parallel.fp8_all_gather``)
-and the FP8 tensor-parallel styles; this module picks the layers and the recipe. One exception,
-by measurement: a tensorwise layer whose weight is a plain tensor when it runs (one device, DDP,
-pipeline stages, ZeRO gathering bf16/fp32 weights; not FP8-gathered or tensor-parallel) runs ``kernels.ops.fp8_linear``, which keeps the forward's
-FP8 copies for the backward instead of casting again (the gpt-1.3b FP8 recipe on an H200: 69.3k
-against 65.9k tokens/s). Delayed layers always run ``kernels.ops.fp8_linear`` (it holds the history
-logic and needs Triton); a weight that is a DTensor or FP8-gathered is refused at the call, and the
-pack's strategies refuse the recipe before any process group where they would make one.
+and the FP8 tensor-parallel styles; this module picks the layers and the recipe. One exception:
+a tensorwise layer whose weight is a plain tensor when it runs (one device, DDP, pipeline stages,
+ZeRO gathering bf16/fp32 weights; not FP8-gathered or tensor-parallel) runs ``kernels.ops.fp8_linear``,
+which keeps the forward's FP8 copies of x and W for the backward instead of casting them again
+(the recipe's throughput on either path: benchmarks/RESULTS.md). Delayed layers always run
+``kernels.ops.fp8_linear`` (with the amax history of ``kernels.ops.fp8_amax_history``; it needs
+Triton), and two of them around a tanh GELU run ``kernels.ops.fp8_gelu_mlp``
+(:func:`delayed_gelu_mlp`); a weight that is a DTensor or FP8-gathered is refused at the call, and
+the pack's strategies refuse the recipe before any process group where they would make one.
 
 The history (``fp8_amax_history``, (3, H) fp32) is a non-persistent buffer: state dicts and
 checkpoints are those of the other recipes, and loading one into a model empties every history, so
@@ -50,9 +52,10 @@ __all__ = ["FP8_RECIPES", "normalize_fp8", "require_torchao", "require_fp8", "fp
 
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 _PACK = "lightning_perf.kernels.ops.fp8_linear"  # the pack's tensorwise matmul (needs Triton)
+_PACK_MLP = "lightning_perf.kernels.ops.fp8_gelu_mlp"  # its fused GELU MLP for delayed layers (needs Triton)
 _ALIGN = 16  # torch._scaled_mm: both dimensions of each FP8 operand divisible by 16
 _TORCHAO_MIN = (0, 14)
-_AMAX_HISTORY = 16  # delayed: steps each scale looks back over (kernels.ops.fp8_linear.AMAX_HISTORY)
+_AMAX_HISTORY = 16  # delayed: steps each scale looks back over (kernels.ops.fp8_amax_history.AMAX_HISTORY)
 
 
 def normalize_fp8(value: Union[bool, str, None]) -> Union[bool, str]:
@@ -149,9 +152,11 @@ def convert_to_fp8(module: nn.Module, recipe: Union[bool, str], *,
 
 
 def _require_pack(what: str) -> None:
-    """Import the pack's FP8 matmul (once, outside any traced code), or an ImportError naming the extra."""
+    """Import the pack's FP8 matmul and fused MLP (once, outside any traced code), or an ImportError
+    naming the extra."""
     try:
         importlib.import_module(_PACK)
+        importlib.import_module(_PACK_MLP)
     except ModuleNotFoundError as err:
         if err.name != "triton":
             raise
@@ -192,6 +197,7 @@ def _tensorwise_class() -> type:
 
     try:  # once, outside any traced code; without Triton every call takes torchao's path
         importlib.import_module(_PACK)
+        importlib.import_module(_PACK_MLP)
     except ImportError:
         pass
 
@@ -214,7 +220,7 @@ def _delayed_class() -> type:
 
     class DelayedFloat8Linear(_tensorwise_class()):
         """A tensorwise FP8 linear whose scales come from ``fp8_amax_history`` (3, H): the last H amaxes of
-        its input, weight and output gradient, recorded by the casts themselves (see ``kernels.float8``)."""
+        its input, weight and output gradient, recorded by the casts themselves (see ``kernels.torchao_fp8``)."""
 
         _lp_fp8_recipe = "delayed"
 
@@ -247,7 +253,7 @@ def _delayed_matmul(x: torch.Tensor, weight: torch.Tensor, layer: nn.Module,
 def delayed_gelu_mlp(x: torch.Tensor, up: nn.Module, down: nn.Module) -> Optional[torch.Tensor]:
     """``down(gelu_tanh(up(x)))`` for two delayed FP8 layers, fused: the GELU and the FP8 casts of its
     output (forward) and of its input gradient (backward) in one pass each (``fp8_gelu_mlp`` in
-    ``kernels.ops.fp8_linear``), the same matmuls and histories as the layers' own forward.
+    ``kernels.ops.fp8_gelu_mlp``), the same matmuls and histories as the layers' own forward.
 
     None where that does not apply (another recipe, DTensor or FP8-gathered weights, no Triton): the
     caller runs the layers, which compute the same function unfused (or refuse, as they do).
@@ -256,9 +262,9 @@ def delayed_gelu_mlp(x: torch.Tensor, up: nn.Module, down: nn.Module) -> Optiona
         return None
     if type(x) is not torch.Tensor or any(type(w) not in (torch.Tensor, nn.Parameter) for w in (up.weight, down.weight)):
         return None
-    return sys.modules[_PACK].fp8_gelu_mlp(x, up.weight, up.bias, down.weight, down.bias,
-                                           up_history=up.fp8_amax_history, down_history=down.fp8_amax_history,
-                                           record=up.training)
+    return sys.modules[_PACK_MLP].fp8_gelu_mlp(x, up.weight, up.bias, down.weight, down.bias,
+                                               up_history=up.fp8_amax_history,
+                                               down_history=down.fp8_amax_history, record=up.training)
 
 
 def __getattr__(name: str) -> Any:
