@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _gpu import ON_GPU
 
 from lightning_perf.kernels import fp8_linear
 from lightning_perf.kernels.ops import fp8_linear as f8
 
-ON_GPU = torch.cuda.is_available()
-requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 E4M3, E5M2 = f8.E4M3, f8.E5M2
 
 
@@ -133,7 +132,7 @@ def test_cast_transpose_kernel_writes_both_layouts(M, N, dtype):
     assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("M,N", [(16384, 2048), (1000, 8192), (33, 48)])
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -152,7 +151,7 @@ def test_cast_transpose_kernel_bitwise_on_gpu(M, N, src, dtype):
     assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8)), ("q^T", report(qt, want_t, t.t()))
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_cast_transpose_compiled_bitwise_on_gpu(src, dtype):
@@ -166,7 +165,7 @@ def test_cast_transpose_compiled_bitwise_on_gpu(src, dtype):
     assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
 
 
-@requires_gpu
+@pytest.mark.gpu
 def test_fp8_linear_on_gpu_close_to_bf16():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
@@ -189,6 +188,7 @@ def _kernel_device() -> str:
     return "cuda" if ON_GPU else "cpu"  # the compiled kernel on a GPU, the interpreted one on CPU
 
 
+@pytest.mark.gpu(cpu=True)
 @pytest.mark.parametrize("n", [1, 7, 4096, 4097, 3 * 4096 + 5, 200_003])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_absmax_kernel_matches_torch(n, dtype):
@@ -220,7 +220,7 @@ def test_absmax_dispatch_and_empty_input():
         f8.absmax(torch.empty(0, 4))
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
 def test_absmax_on_gpu_eager_and_compiled(src):
     """The op in eager mode and launched from torch.compile's generated code: torch.amax's bits."""
@@ -392,7 +392,7 @@ def test_delayed_linear_compiled_equals_eager_without_graph_breaks():
         w_e.grad = w_c.grad = None
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_cast_transpose_amax_bitwise_on_gpu_eager_and_compiled(src, dtype):
@@ -410,7 +410,7 @@ def test_cast_transpose_amax_bitwise_on_gpu_eager_and_compiled(src, dtype):
         assert torch.equal(amax, want_amax) and torch.equal(amax, t.abs().amax().float())
 
 
-@requires_gpu
+@pytest.mark.gpu
 def test_delayed_fp8_linear_on_gpu_compiled_equals_eager():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
@@ -610,7 +610,7 @@ def _fp8_ulps_apart(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -
     return (g - w).abs() > step * 1.001
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("grad", [False, True])
 def test_gelu_cast_transpose_on_gpu_eager_and_compiled(grad):
     """The compiled kernel, called directly and from torch.compile's generated code: both layouts within one
@@ -635,7 +635,7 @@ def test_gelu_cast_transpose_on_gpu_eager_and_compiled(grad):
             torch.testing.assert_close(db, h.double().sum(0).float(), rtol=1e-4, atol=1e-3)
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("M,N", [(4096, 4096), (2048, 8192), (1040, 272)])
 def test_gelu_cast_transpose_every_configuration_writes_the_transpose_on_gpu(M, N):
     """Each configuration the tuner may pick, launched into NaN-filled outputs, several times: q^T is q
@@ -664,7 +664,7 @@ def test_gelu_cast_transpose_every_configuration_writes_the_transpose_on_gpu(M, 
                 assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8)), cfg
 
 
-@requires_gpu
+@pytest.mark.gpu
 def test_fused_gelu_mlp_on_gpu_compiled_equals_eager_and_agrees_with_the_layers():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
