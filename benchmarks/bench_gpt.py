@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import WallClockWindow, Window, clear_graph_breaks, graph_breaks  # noqa: E402
+from _baselines import plain_training_loop  # noqa: E402
+from _timing import WallClockWindow, clear_graph_breaks, graph_breaks  # noqa: E402
 
 from lightning_perf.kernels.ops import fp8_linear as _f8  # noqa: E402
 
@@ -92,23 +93,9 @@ def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     dm = make_data(cfg, seq_len, batch, warmup + steps, device)
     dm.setup("fit")
-    loader = dm.train_dataloader()
-    window = Window(device.type == "cuda", first_step=warmup)
-    it = iter(loader)
-    use_amp = device.type == "cuda"
-    for i in range(warmup + steps):
-        if i == warmup:
-            window.open()
-        if window.is_open:
-            window.step(batch * seq_len)
-        x, y = next(it)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return window.close(), cfg
+    window = plain_training_loop(model, opt, iter(dm.train_dataloader()), steps=steps, warmup=warmup, device=device,
+                                 tokens_per_step=batch * seq_len, amp=device.type == "cuda")
+    return window, cfg
 
 
 def run_trainer(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block", extra=None):
