@@ -233,18 +233,17 @@ def _fixed_step(model, opt, x, y, device, clip: bool = False):
     return step
 
 
-def _built(cfg, seq_len, batch, device, compile_targets):
-    """The GPT of ``cfg`` on ``device``, ``compile_targets(model)`` compiled, fused AdamW, fixed tokens."""
+def _built(cfg, seq_len, batch, device, compiled):
+    """The GPT of ``cfg`` on ``device`` as ``compiled(model)`` returns it to be called, fused AdamW, fixed tokens."""
     from lightning_perf.models import GPT
 
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
-    compile_targets(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
     y = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
-    return model, opt, x, y
+    return compiled(model), opt, x, y
 
 
 def _sync(device) -> None:
@@ -273,6 +272,7 @@ def profile_ops(name, seq_len, batch, steps, warmup, device, args, compile_mode)
         else:
             sets.append((chosen, set(OPS) if base == "all" else set(), fp8))
     cuda = device.type == "cuda"
+    original = dispatch.default_dispatcher()
     rows = []
     for label, enabled, fp8 in sets:
         row = {"set": label, "ops": "+".join(sorted(enabled)) or "torch", "fp8": fp8}
@@ -288,7 +288,7 @@ def profile_ops(name, seq_len, batch, steps, warmup, device, args, compile_mode)
                                       attention=args.attention if "attention" in enabled else "sdpa", fp8=fp8,
                                       fused_qkv=args.fused_qkv)
             model, opt, x, y = _built(cfg, seq_len, batch, device, lambda m: apply_compile(
-                list(m.blocks.values()) if args.scope == "block" else [m], compile_mode))
+                list(m.blocks.values()) if args.scope == "block" else [m], compile_mode) or m)
             step = _fixed_step(model, opt, x, y, device)
             timer = StepTimer(cuda)
             for _ in range(warmup + steps):
@@ -316,7 +316,7 @@ def profile_ops(name, seq_len, batch, steps, warmup, device, args, compile_mode)
         except Exception as err:  # keep the other sets
             row.update(error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc()[-3000:])
         finally:
-            dispatch.set_default_dispatcher(dispatch.KernelDispatcher())
+            dispatch.set_default_dispatcher(original)
             if cuda:
                 torch.cuda.empty_cache()
         rows.append(row)
@@ -339,10 +339,8 @@ def profile_gc(name, seq_len, batch, steps, warmup, device, args, compile_mode) 
     for kernels, extra in (("torch", {}), ("triton", {"fused_qkv": True})):
         torch._dynamo.reset()
         cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa", **extra)
-        compiled = {}
-        model, opt, x, y = _built(cfg, seq_len, batch, device, lambda m: compiled.setdefault(
-            "model", torch.compile(m) if compile_mode else m))
-        step = _fixed_step(compiled["model"], opt, x, y, device, clip=True)
+        model, opt, x, y = _built(cfg, seq_len, batch, device, lambda m: torch.compile(m) if compile_mode else m)
+        step = _fixed_step(model, opt, x, y, device, clip=True)
         for _ in range(warmup):
             step()
         _sync(device)
@@ -380,7 +378,7 @@ def profile_gc(name, seq_len, batch, steps, warmup, device, args, compile_mode) 
                      "functions": funcs.most_common(20), "cell_owners": owners.most_common(10)})
         print(json.dumps({k: rows[-1][k] for k in ("kernels", "per_step", "collect_ms")}), flush=True)
         print(json.dumps(rows[-1]["functions"][:8]), flush=True)
-        model = opt = step = compiled = None
+        model = opt = step = None
     return rows
 
 
@@ -434,10 +432,8 @@ def profile_host(name, seq_len, batch, steps, warmup, device, args, compile_mode
     for fp8 in (False, True):
         torch._dynamo.reset()
         cfg = GPTConfig.from_name(name, block_size=seq_len, fp8=fp8)
-        compiled = {}
-        model, opt, x, y = _built(cfg, seq_len, batch, device, lambda m: compiled.setdefault(
-            "model", torch.compile(m) if compile_mode else m))
-        step = _fixed_step(compiled["model"], opt, x, y, device)
+        model, opt, x, y = _built(cfg, seq_len, batch, device, lambda m: torch.compile(m) if compile_mode else m)
+        step = _fixed_step(model, opt, x, y, device)
         for _ in range(warmup):
             step()
         _sync(device)
@@ -463,7 +459,7 @@ def profile_host(name, seq_len, batch, steps, warmup, device, args, compile_mode
               flush=True)
         for op in top[:15]:
             print(f"   {op['self_cpu_ms']:8.2f} ms {op['calls']:6d}x  {op['name'][:90]}")
-        model = opt = step = compiled = None
+        model = opt = step = None
         if cuda:
             torch.cuda.empty_cache()
     return report
