@@ -1,4 +1,12 @@
-"""The strongest multi-GPU baseline a Lightning user would pick today: ``ModelParallelStrategy`` + FSDP2.
+"""The baselines a user would pick instead of the pack, shared by the benchmarks.
+
+:func:`plain_training_loop` is the single-GPU one: the plain PyTorch loop a user writes around a
+compiled model (``bench_gpt.py`` and ``bench_recipes.py`` time their plain side with it). For a
+step: the batch moved to the device, the loss under bf16 autocast, backward, clipping by norm
+when asked, the optimizer step, ``zero_grad(set_to_none=True)``, the learning-rate schedule when
+given; timed by the same wall-clock window as every headline (``_timing.Window``).
+
+The multi-GPU one is the strongest a Lightning user would pick today: ``ModelParallelStrategy`` + FSDP2.
 
 Lightning's ``ModelParallelStrategy`` leaves the parallelism to the module's ``configure_model``;
 :class:`ModelParallelGPT` does there what torchtitan and Lightning's own FSDP2 examples do: the
@@ -13,12 +21,54 @@ the casting, no autocast.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import lightning as L
 import torch
 
-__all__ = ["ModelParallelGPT", "model_parallel_strategy", "plain_gpt_config"]
+__all__ = ["ModelParallelGPT", "model_parallel_strategy", "plain_gpt_config", "plain_training_loop"]
+
+
+def plain_training_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[Any], *,
+                        steps: int, warmup: int, device: torch.device, tokens_per_step: int, amp: bool = True,
+                        clip: Optional[float] = None, schedule: Any = None, profile_steps: int = 0,
+                        profile_trace: Optional[str] = None) -> dict[str, Any]:
+    """``warmup + steps`` steps of the plain loop over ``model(x, y) -> loss`` on ``(x, y)`` batches from
+    ``batches``; the window (:class:`_timing.Window`) over the last ``steps``. ``amp``: bf16 autocast on
+    the device; ``clip``: ``clip_grad_norm_`` before the step; ``schedule``: stepped after every step;
+    ``profile_steps``: the last N steps under ``torch.profiler``, summarised under ``"profile"``
+    (:class:`_timing.StepProfile`, its trace at ``profile_trace``). Returns the window's result."""
+    from _timing import StepProfile, Window
+
+    if steps < 1 or warmup < 0 or not 0 <= profile_steps <= steps:
+        raise ValueError(f"steps={steps}, warmup={warmup}, profile_steps={profile_steps}: at least one timed "
+                         f"step, and at most that many profiled")
+    total = warmup + steps
+    window = Window(device.type == "cuda", first_step=warmup)
+    profile = StepProfile(profile_steps) if profile_steps else None
+    for i in range(total):
+        if profile is not None and i == total - profile_steps:
+            profile.start()
+        if i == warmup:
+            window.open()
+        if window.is_open:
+            window.step(tokens_per_step)
+        x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = model(x, y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if schedule is not None:
+            schedule.step()
+    result = window.close()
+    if profile is not None:
+        return {"profile": profile.stop(profile_trace), **result}
+    return result
 
 
 def plain_gpt_config(config: Any) -> Any:

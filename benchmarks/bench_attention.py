@@ -1,8 +1,13 @@
-"""Attention benchmark: every available attention backend, forward + backward, and what ``attention="auto"`` picks.
+"""Attention benchmark: every available attention backend, forward + backward, and what ``attention="auto"`` picks;
+with ``--part packed``, the same for packed documents (document-causal attention).
 
-One GPU; no new variant starts after ``--budget-s`` (210 s by default):
+One GPU; no new variant starts after ``--budget-s`` (210 s by default; 300 s for ``packed``):
 
     python benchmarks/bench_attention.py --out benchmarks/results
+    python benchmarks/bench_attention.py --part packed --out benchmarks/results
+    python benchmarks/bench_attention.py --smoke [--part packed]     # CPU, tiny sizes, Triton interpreter
+
+``--part causal`` (the default):
 
 For head dims 64 and 128 and T in 1k, 2k, 4k, 8k, 16k (causal, bf16; batch = ``--tokens`` / T, so
 every call holds the same number of tokens) it times one forward + backward of:
@@ -32,6 +37,25 @@ shape is timed first without the Triton kernel (it autotunes each new shape), th
 kernel over the shapes while the budget lasts. ``--smoke``
 runs the same code at tiny sizes on the CPU (fp32, Triton interpreter; CPU SDPA has no cuDNN or
 efficient backend and FlexAttention no backward there, so those rows hold their errors).
+
+``--part packed``: documents are the Python standard library's source files
+(``lightning_perf.data.builtin``), their byte lengths + 2 (``<bos>`` / ``<eos>``) in the corpus's order,
+packed back to back and cut into rows of T tokens, as ``TokenDataModule(source="builtin",
+pack_documents=True)`` does; ``--doc-len N`` uses documents of N tokens instead. For T in 2k-16k (bf16,
+hd 128, 16 query and 8 key/value heads by default; batch = ``--tokens`` / T) it times, each on the same
+q / k / v and ``doc_ids``:
+
+- ``sdpa_mask``: SDPA's own choice with the (B, 1, T, T) boolean mask (the reference path);
+- ``efficient_mask``: SDPA pinned to its memory-efficient backend with that mask;
+- ``flex``: compiled FlexAttention with the document ``mask_mod`` (the ``BlockMask`` is built per
+  batch: its build time is recorded apart, ``flex_mask_build_ms``);
+- ``triton``: the Triton kernel with per-token document ids (skips block pairs of other documents);
+- ``auto``: what ``attention="auto"`` runs for packed documents (a fresh selector per shape);
+- ``causal_sdpa``: plain causal SDPA over the same rows, what the masking costs or saves against.
+
+Each output is compared with ``sdpa_mask``'s (relative error); also recorded, the share of (query, key)
+pairs the document mask keeps of the causal triangle. The JSON,
+``bench_attention_<device>_<date>_packed.json``, is rewritten after every shape.
 """
 
 from __future__ import annotations
@@ -57,11 +81,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 if __name__ == "__main__" and "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (the script, not the library)
 
+from lightning_perf.data.builtin import stdlib_source_files  # noqa: E402
 from lightning_perf.kernels import dispatch  # noqa: E402
-from lightning_perf.kernels.attention_backends import AttentionBackends, sdpa  # noqa: E402
+from lightning_perf.kernels.attention_backends import AttentionBackends, sdpa, sdpa_documents  # noqa: E402
+from lightning_perf.kernels.document_mask import document_block_mask, document_mask  # noqa: E402
 
 HEAD_DIMS = (64, 128)
 SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
+PACKED_SEQ_LENS = (2048, 4096, 8192, 16384)
 
 
 def device_tag(device: torch.device) -> str:
@@ -315,21 +342,130 @@ def print_table(rows: list[dict]) -> None:
     print("(ms per forward + backward; '-' = unavailable or failed, reason in the JSON)")
 
 
+# ---- packed documents (--part packed) ------------------------------------------------------------
+
+
+def packed_doc_ids(B: int, T: int, lengths: list[int], offset: int = 0) -> torch.Tensor:
+    """(B, T) int32 ids of documents of ``lengths`` (cycled) packed back to back and cut into rows,
+    numbered from 0 in each row, starting ``offset`` tokens into the stream."""
+    rows, stream, i = [], [], 0
+    need = B * T + offset
+    while len(stream) < need:
+        stream.extend([i] * lengths[i % len(lengths)])
+        i += 1
+    ids = torch.tensor(stream[offset:need], dtype=torch.int64).view(B, T)
+    for row in ids:
+        rows.append(torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), (row[1:] != row[:-1]).long()]), 0))
+    return torch.stack(rows).to(torch.int32)
+
+
+def kept_pairs(doc_ids: torch.Tensor) -> float:
+    """Share of the causal triangle's (query, key) pairs that lie inside one document."""
+    T = doc_ids.shape[1]
+    counts = [torch.unique_consecutive(row, return_counts=True)[1].double() for row in doc_ids]
+    inside = sum(float((c * (c + 1) / 2).sum()) for c in counts)
+    return inside / (doc_ids.shape[0] * T * (T + 1) / 2)
+
+
+def packed_variants(backends: AttentionBackends, doc_ids: torch.Tensor) -> dict[str, Callable]:
+    mask = document_mask(doc_ids)
+    disp = dispatch.KernelDispatcher(attention_selector=dispatch.AttentionSelector(backends=AttentionBackends()))
+    return {
+        "sdpa_mask": lambda q, k, v: sdpa_documents(q, k, v, doc_ids, mask=mask),
+        "efficient_mask": lambda q, k, v: sdpa_documents(q, k, v, doc_ids, "efficient", mask=mask),
+        "flex": lambda q, k, v: backends("flex", q, k, v, True, doc_ids=doc_ids),
+        "triton": lambda q, k, v: backends("triton", q, k, v, True, doc_ids=doc_ids),
+        "auto": lambda q, k, v: disp.attention(q, k, v, impl="auto", doc_ids=doc_ids),
+        "causal_sdpa": lambda q, k, v: sdpa(q, k, v, True),
+    }
+
+
+def run_packed_shape(args, device, dtype, T: int, lengths: list[int], deadline: float) -> dict[str, Any]:
+    B = max(1, args.tokens // T)
+    nh, nkv, hd = args.heads, args.kv_heads, args.head_dims[0]
+    gen = torch.Generator().manual_seed(T)
+    doc_ids = packed_doc_ids(B, T, lengths, offset=int(torch.randint(0, 10_000, (1,), generator=gen))).to(device)
+    counts = torch.cat([torch.unique_consecutive(r, return_counts=True)[1] for r in doc_ids.cpu()])
+    row: dict[str, Any] = {"T": T, "B": B, "nh": nh, "nkv": nkv, "hd": hd, "dtype": str(dtype),
+                           "documents_per_row": counts.numel() / B, "mean_document_tokens": float(counts.float().mean()),
+                           "kept_pair_share": kept_pairs(doc_ids.cpu()), "variants": {}}
+    q, k, v = (torch.randn(B, n, T, hd, device=device, dtype=dtype).requires_grad_() for n in (nh, nkv, nkv))
+    backends = AttentionBackends()
+    if device.type == "cuda":
+        t0 = time.perf_counter()
+        for _ in range(3):
+            document_block_mask(doc_ids)
+        torch.cuda.synchronize()
+        row["flex_mask_build_ms"] = 1e3 * (time.perf_counter() - t0) / 3
+    ref = None
+    for name, fn in packed_variants(backends, doc_ids).items():
+        if time.time() > deadline:
+            row["variants"][name] = {"error": "skipped: --budget-s reached"}
+            continue
+        if device.type == "cpu" and name in ("flex", "efficient_mask"):
+            row["variants"][name] = {"error": "not on CPU (FlexAttention has no CPU backward; no efficient backend)"}
+            continue
+        try:
+            with torch.no_grad():
+                out = fn(q.detach(), k.detach(), v.detach())
+            if name == "sdpa_mask":
+                ref = out
+            res = time_fwd_bwd(fn, q, k, v, args.warmup, args.reps, device.type == "cuda")
+            if ref is not None and name != "causal_sdpa":
+                res["rel_err_vs_sdpa_mask"] = rel_err(out, ref)
+            row["variants"][name] = res
+        except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+            row["variants"][name] = {"error": f"{type(err).__name__}: {err}"[:500],
+                                     "trace": traceback.format_exc(limit=3)[-1500:]}
+        print(f"T={T} {name}: {row['variants'][name].get('ms', row['variants'][name].get('error'))}", flush=True)
+    return row
+
+
+def main_packed(args, device, dtype, t_start: float) -> int:
+    lengths = [args.doc_len] if args.doc_len else [size + 2 for _, size in stdlib_source_files()]
+    if args.smoke and not args.doc_len:
+        lengths = [min(n, 50) for n in lengths[:64]]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / (f"bench_attention_{device_tag(device)}_{dt.date.today():%Y%m%d}_packed{args.tag}"
+                      f"{'_smoke' if args.smoke else ''}.json")
+    result: dict[str, Any] = {
+        "benchmark": "bench_attention", "part": "packed", "argv": sys.argv[1:],
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "smoke": args.smoke,
+        "documents": f"{args.doc_len} tokens each" if args.doc_len else "stdlib source files (bytes + 2)",
+        "rows": [],
+    }
+    for T in args.seq_lens:
+        result["rows"].append(run_packed_shape(args, device, dtype, T, lengths, t_start + args.budget_s))
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    p.add_argument("--part", choices=("causal", "packed"), default="causal",
+                   help="causal attention per backend, or document-causal attention on packed documents")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU ok (fp32, Triton interpreter)")
-    p.add_argument("--head-dims", type=int, nargs="*", default=None, help=f"default {HEAD_DIMS}")
-    p.add_argument("--seq-lens", type=int, nargs="*", default=None, help=f"default {SEQ_LENS}")
+    p.add_argument("--head-dims", type=int, nargs="*", default=None,
+                   help=f"default {HEAD_DIMS}; packed: the first, default 128")
+    p.add_argument("--seq-lens", type=int, nargs="*", default=None,
+                   help=f"default {SEQ_LENS}; packed {PACKED_SEQ_LENS}")
     p.add_argument("--tokens", type=int, default=None, help="tokens per call, batch = tokens / T (default 32768)")
     p.add_argument("--heads", type=int, default=None, help="query heads (default 16)")
-    p.add_argument("--kv-heads", type=int, default=None, help="key / value heads (default: --heads; fewer = GQA)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key / value heads (default: --heads, fewer = GQA; packed: 8)")
+    p.add_argument("--doc-len", type=int, default=None,
+                   help="packed: documents of this many tokens instead of the stdlib's files")
     p.add_argument("--backends", nargs="*", default=None,
                    help="variants to time (auto always): sdpa sdpa_flash sdpa_cudnn sdpa_efficient flex fa3 fa4 "
                         "sdpa_flash_FA3 sdpa_flash_FA4 triton")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--budget-s", type=float, default=None, help="stop starting variants after this (default 210)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop starting variants after this (default 210; packed 300)")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
     args = p.parse_args(argv)
@@ -340,6 +476,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
         return 2
     smoke = args.smoke
+    if args.part == "packed":
+        if smoke:
+            args.seq_lens, args.tokens, args.heads, args.kv_heads, args.head_dims = [64, 128], 128, 2, 1, [16]
+        args.seq_lens = args.seq_lens or list(PACKED_SEQ_LENS)
+        args.tokens, args.heads = args.tokens or 32768, args.heads or 16
+        args.kv_heads, args.head_dims = args.kv_heads or 8, args.head_dims or [128]
+        args.reps = args.reps or (2 if smoke else 20)
+        args.warmup = args.warmup if args.warmup is not None else (1 if smoke else 3)
+        args.budget_s = args.budget_s if args.budget_s is not None else 300.0
+        return main_packed(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32, t_start)
     head_dims = args.head_dims or ((16, 32) if smoke else HEAD_DIMS)
     seq_lens = args.seq_lens or ((32, 64) if smoke else SEQ_LENS)
     args.tokens = args.tokens or (256 if smoke else 32768)

@@ -9,16 +9,31 @@ Parts, all written to one JSON:
    (``--step-variants``); tokens / wall time over the timed steps, peak memory, one profiled step.
 3. ``convergence``: the same model trained from the same seed on the built-in corpus (real text, bytes)
    in bf16 and with FP8 linears (``--conv-runs``: tensorwise, delayed, rowwise, ...); loss every step,
-   so the curves can be compared point by point.
+   so the curves can be compared point by point. With several ``--conv-seeds`` (is FP8 within 1% of
+   bf16 over seeds?) each (run, seed) trains in a process of its own, all at once on the one GPU
+   (``--conv-procs``; the runs are small and host-bound, so sharing the GPU changes their wall times,
+   which this part does not report, and no loss); merged per run: the mean loss over the last 10% of
+   steps for each seed, its mean against bf16's (``rel_diff_vs_bf16``, ``within_1pct``), and bf16's
+   own spread over the seeds (a difference inside it is not one the seeds can tell apart); the curves
+   averaged over the seeds (SVG). ``--conv-deadline`` stops processes still running; each process gets
+   an equal share of the host's cores as its intra-op threads (``OMP_NUM_THREADS``, unless set).
 4. ``numerics``: one linear's output and both gradients, eager and compiled, for each FP8 path against
    an fp32 ``F.linear`` of the same operands (relative error), and the pack's tensorwise matmul against
    torchao's directly: a gap between the two tensorwise paths shows here before it shows in a curve.
 5. ``flce_chunks``: ``fused_linear_cross_entropy`` forward + backward at gpt-1.3b's head
    (16384 x 2048, vocabulary 50304) for several chunk sizes against torch.compile of the reference:
    the time each chunking costs and its extra memory.
+6. ``mlp``: the GPT-2 MLP of ``--mlp-preset`` with delayed FP8, GELU and its casts fused
+   (``fp8_gelu_mlp``: one kernel each way) against the two delayed layers around a separate GELU,
+   and the bf16 MLP; forward + backward of one MLP compiled (tokens 8 x 2048; the input in fp32 as
+   the LayerNorm hands it over under bf16 autocast), timed with CUDA events in interleaved rounds
+   after warm-up (the histories filled); each variant's output and gradients against the fp32 MLP
+   of the same weights (relative error).
 
     python benchmarks/bench_fp8.py --out $OUT
     python benchmarks/bench_fp8.py --parts convergence --conv-runs bf16,tensorwise,delayed --out $OUT
+    python benchmarks/bench_fp8.py --parts convergence --conv-runs bf16,delayed --conv-seeds 0,1,2   # over seeds
+    python benchmarks/bench_fp8.py --parts mlp --out $OUT                                        # fused GELU MLP
     python benchmarks/bench_fp8.py --smoke          # CPU, tiny shapes, checks the code paths
 """
 
@@ -31,7 +46,9 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -40,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
@@ -279,6 +297,172 @@ def bench_convergence(device, preset: str, seq_len: int, batch: int, steps: int,
     return out
 
 
+def summarise_seeds(per_seed: dict[str, dict[int, dict]]) -> dict:
+    """Per run: each seed's last-10% mean and validation loss, their means, and the relative difference of
+    the mean against bf16's over the seeds both finished; bf16's spread over its seeds."""
+    out: dict = {}
+    for run, seeds in per_seed.items():
+        tails = {s: last_10pct_mean(r["losses"]) for s, r in seeds.items()}
+        out[run] = {"seeds": sorted(seeds), "last_10pct_mean_by_seed": tails,
+                    "val_loss_by_seed": {s: r.get("val_loss") for s, r in seeds.items()},
+                    "last_10pct_mean": statistics.fmean(tails.values()) if tails else None,
+                    "last_10pct_spread": (max(tails.values()) - min(tails.values())) if tails else None,
+                    "wall_s_by_seed": {s: r.get("wall_s") for s, r in seeds.items()}}
+    ref = out.get("bf16")
+    if ref:
+        for run, row in out.items():
+            common = sorted(set(row["seeds"]) & set(ref["seeds"]))
+            if run == "bf16" or not common:
+                continue
+            got = statistics.fmean(row["last_10pct_mean_by_seed"][s] for s in common)
+            base = statistics.fmean(ref["last_10pct_mean_by_seed"][s] for s in common)
+            row["seeds_compared"] = common
+            row["rel_diff_vs_bf16"] = (got - base) / base
+            row["rel_diff_vs_bf16_by_seed"] = {
+                s: (row["last_10pct_mean_by_seed"][s] - ref["last_10pct_mean_by_seed"][s])
+                / ref["last_10pct_mean_by_seed"][s] for s in common}
+            row["within_1pct"] = abs(row["rel_diff_vs_bf16"]) <= 0.01
+        ref["rel_spread_over_seeds"] = (ref["last_10pct_spread"] / ref["last_10pct_mean"]
+                                        if ref["last_10pct_mean"] else None)
+    return out
+
+
+def mean_curves(per_seed: dict[str, dict[int, dict]]) -> dict[str, list[float]]:
+    """Each run's loss per step averaged over the seeds it finished."""
+    curves = {}
+    for run, seeds in per_seed.items():
+        rows = [r["losses"] for r in seeds.values()]
+        if rows:
+            n = min(len(r) for r in rows)
+            curves[f"{run} ({len(rows)} seeds)"] = [statistics.fmean(r[i] for r in rows) for i in range(n)]
+    return curves
+
+
+def bench_convergence_seeds(runs: list[str], seeds: list[int], child_args: list[str], work: Path, procs: int,
+                            deadline: float) -> dict:
+    """The convergence part once per (run, seed), each in a child process of this script (``procs`` at a
+    time, all by default), merged: :func:`summarise_seeds` and each run's losses per seed."""
+    jobs = [(run, seed) for seed in seeds for run in runs]
+    procs = procs or len(jobs)
+    env = dict(os.environ)  # the host's cores shared out: more intra-op threads than cores stall every child
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
+    start = time.time()
+    pending, active, logs = list(jobs), {}, {}
+    while pending or active:
+        while pending and len(active) < procs:
+            run, seed = pending.pop(0)
+            dest = work / f"{run}-{seed}"
+            dest.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--parts", "convergence", "--conv-runs", run,
+                   "--conv-seeds", str(seed), "--out", str(dest), *child_args]
+            logs[(run, seed)] = open(dest / "log.txt", "w")  # noqa: SIM115 (closed when the process ends)
+            active[(run, seed)] = subprocess.Popen(cmd, stdout=logs[(run, seed)], stderr=subprocess.STDOUT, env=env)
+        for key, proc in list(active.items()):
+            if proc.poll() is not None:
+                logs[key].close()
+                del active[key]
+                print(f"convergence {key} finished rc={proc.returncode} at {time.time() - start:.0f} s", flush=True)
+        if time.time() - start > deadline:
+            for key, proc in active.items():
+                proc.kill()
+                proc.wait()
+                logs[key].close()
+                print(f"convergence {key} stopped at the deadline", flush=True)
+            active.clear()
+            break
+        time.sleep(1.0)
+    per_seed: dict[str, dict[int, dict]] = {r: {} for r in runs}
+    failed, meta = {}, {}
+    for run, seed in jobs:
+        found = sorted((work / f"{run}-{seed}").glob("bench_fp8_*.json"))
+        conv = json.loads(found[-1].read_text()).get("convergence", {}) if found else {}
+        if isinstance(conv.get(run), dict) and "losses" in conv[run]:
+            per_seed[run][seed] = conv[run]
+            meta = {k: conv[k] for k in ("preset", "seq_len", "batch", "steps", "lr", "train_windows") if k in conv}
+        else:
+            log = work / f"{run}-{seed}" / "log.txt"
+            failed[f"{run}-{seed}"] = log.read_text()[-1500:] if log.exists() else "not started"
+    return {**meta, "runs": runs, "seeds": seeds, "concurrent_processes": procs, "wall_s": time.time() - start,
+            "summary": summarise_seeds(per_seed), "failed": failed,
+            "losses": {run: {str(s): r["losses"] for s, r in by_seed.items()} for run, by_seed in per_seed.items()},
+            "_curves": mean_curves(per_seed)}
+
+
+def bench_mlp(device, preset: str, tokens: int, rounds: int, iters: int) -> dict:
+    """The GELU MLP with delayed FP8, fused and as two layers, and in bf16 (module docstring, part 6)."""
+    from _timing import StepTimer
+    from lightning_perf.models.gpt.config import GPTConfig
+    from lightning_perf.models.gpt.model import MLP
+
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    base = GPTConfig.from_name(preset, kernels="triton")
+    ref = MLP(base).to(device)
+    torch.nn.init.normal_(ref.up_proj.weight, std=0.02)
+    torch.nn.init.normal_(ref.down_proj.weight, std=0.02 / (2 * base.n_layer) ** 0.5)
+    torch.nn.init.normal_(ref.up_proj.bias, std=0.02)
+    state = ref.state_dict()
+    fp8 = GPTConfig.from_name(preset, kernels="triton", fp8="delayed")
+
+    def build(cfg, fused: bool):
+        mlp = MLP(cfg).to(device)
+        mlp.load_state_dict(state, strict=False)
+        mlp.delayed_fp8 = fused and cfg.fp8 == "delayed"
+        return mlp
+
+    variants = {"fp8-fused": build(fp8, True), "fp8-layers": build(fp8, False), "bf16": build(base, False)}
+    M, d = tokens, base.n_embd
+    x = torch.randn(M, d, device=device)  # the LayerNorm's output: fp32 under autocast
+    g = torch.randn(M, d, device=device, dtype=torch.bfloat16)
+
+    def step_fn(mlp):
+        run = torch.compile(mlp) if cuda else mlp
+
+        def step(inp):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                y = run(inp)
+            y.backward(g)
+            return y
+        return step
+
+    steps = {k: step_fn(m) for k, m in variants.items()}
+    rows: dict = {k: {"ms": []} for k in variants}
+    for step in steps.values():  # compile, fill the histories
+        for _ in range(5):
+            step(x.detach().requires_grad_())
+    for _ in range(rounds):
+        for name, step in steps.items():
+            inp = x.detach().requires_grad_()
+            timer = StepTimer(cuda)
+            timer.mark()
+            for _ in range(iters):
+                step(inp)
+            timer.mark()
+            rows[name]["ms"].append(1e3 * timer.step_times()[0] / iters)
+    xr = x.detach().requires_grad_()
+    yr = ref(xr)
+    yr.backward(g.float())
+    want = [yr.detach(), xr.grad, ref.up_proj.weight.grad, ref.up_proj.bias.grad, ref.down_proj.weight.grad]
+    for name, mlp in variants.items():
+        mlp.zero_grad()
+        inp = x.detach().requires_grad_()
+        y = steps[name](inp)
+        got = [y.detach(), inp.grad, mlp.up_proj.weight.grad, mlp.up_proj.bias.grad, mlp.down_proj.weight.grad]
+        rows[name]["rel_err"] = {k: float((a.float() - b.float()).norm() / b.float().norm())
+                                 for k, a, b in zip(("y", "dx", "dW_up", "db_up", "dW_down"), got, want)}
+        rows[name]["median_ms"] = statistics.median(rows[name]["ms"])
+    result = {"preset": preset, "tokens": M, "d": d, "F": fp8.intermediate_size, "rounds": rounds, "iters": iters,
+              "compiled": cuda,
+              "bytes_saved_per_call": 2 * 4 * M * fp8.intermediate_size,  # h and dL/du, each written + read in bf16
+              "rows": rows,
+              "fused_vs_layers": rows["fp8-layers"]["median_ms"] / rows["fp8-fused"]["median_ms"],
+              "fused_vs_bf16": rows["bf16"]["median_ms"] / rows["fp8-fused"]["median_ms"],
+              "layers_vs_bf16": rows["bf16"]["median_ms"] / rows["fp8-layers"]["median_ms"]}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}
+                     | {k: (round(r["median_ms"], 3), r["rel_err"]) for k, r in rows.items()}), flush=True)
+    return result
+
+
 def bench_flce_chunks(device, N: int, d: int, V: int, chunks, iters: int) -> list[dict]:
     from lightning_perf.kernels.ops import fused_linear_cross_entropy as flce
 
@@ -402,22 +586,40 @@ def bench_step(device, preset: str, seq_len: int, batch: int, variants, steps: i
     return rows
 
 
-def main() -> None:
+PARTS = ("linears", "step", "numerics", "convergence", "flce_chunks", "mlp")
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    p.add_argument("--parts", default="linears,step,convergence,flce_chunks")
+    p.add_argument("--parts", default="linears,step,convergence,flce_chunks,mlp", help=f"comma list of {PARTS}")
     p.add_argument("--conv-preset", default="gpt2-124m")
     p.add_argument("--conv-steps", type=int, default=2000)
     p.add_argument("--conv-batch", type=int, default=8, help="sequences of 512 bytes per step")
-    p.add_argument("--conv-seed", type=int, default=0, help="model initialisation seed of every convergence run")
+    p.add_argument("--conv-seeds", default="0",
+                   help="model initialisation seeds, comma list; several: one process per (run, seed), merged")
+    p.add_argument("--conv-procs", type=int, default=0, help="with several seeds: processes at once (0: all)")
+    p.add_argument("--conv-deadline", type=float, default=540.0,
+                   help="with several seeds: seconds; processes still running then are stopped")
     p.add_argument("--conv-runs", default="bf16,tensorwise,rowwise", help=f"comma list of {sorted(CONV_RUNS)}")
     p.add_argument("--step-preset", default="gpt-1.3b:2048:8")
     p.add_argument("--step-variants", default="bf16,tensorwise-fused-qkv,torchao-tensorwise-fused-qkv,rowwise-fused-qkv",
                    help=f"comma list of {sorted(STEP_VARIANTS)}")
     p.add_argument("--step-steps", type=int, default=15)
     p.add_argument("--linear-variants", default=",".join(LINEAR_VARIANTS))
+    p.add_argument("--mlp-preset", default="gpt-1.3b")
+    p.add_argument("--mlp-tokens", type=int, default=8 * 2048)
+    p.add_argument("--mlp-rounds", type=int, default=7)
+    p.add_argument("--mlp-iters", type=int, default=20)
+    p.add_argument("--tag", default="", help="suffix of the result's name")
     p.add_argument("--smoke", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    conv_runs = [r for r in args.conv_runs.split(",") if r]
+    seeds = [int(s) for s in args.conv_seeds.split(",") if s]
+    unknown = sorted(set(parts) - set(PARTS)) + sorted(set(conv_runs) - set(CONV_RUNS))
+    if unknown or not seeds:
+        p.error(f"unknown parts or runs {unknown} (parts: {PARTS}; runs: {sorted(CONV_RUNS)}), or no seed")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     result = {"benchmark": "bench_fp8", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
@@ -426,6 +628,7 @@ def main() -> None:
         conv = ("tiny", 64, 4, 30, 1e-3)
         flce_shape, chunks = (64, 32, 320), [16, 32]
         step = ("tiny", 64, 4, 2, 1)
+        mlp = ("tiny", 64, 2, 2)
     else:
         M, iters = 16384, 20
         shapes = [(2048, 2048), (2048, 6144), (2048, 8192), (8192, 2048)]
@@ -433,12 +636,12 @@ def main() -> None:
         flce_shape, chunks = (16384, 2048, 50304), [2048, 4096, 8192, 16384]
         preset, T, B = args.step_preset.split(":")
         step = (preset, int(T), int(B), args.step_steps, 5)
-    parts = args.parts.split(",")
+        mlp = (args.mlp_preset, args.mlp_tokens, args.mlp_rounds, args.mlp_iters)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    fname = out / f"bench_fp8_{stamp}{'_smoke' if args.smoke else ''}.json"
+    fname = out / f"bench_fp8_{stamp}{args.tag}{'_smoke' if args.smoke else ''}.json"
 
     def save() -> None:  # after every part and every step variant: a run cut short keeps what it measured
         fname.write_text(json.dumps(result, indent=2))
@@ -451,9 +654,22 @@ def main() -> None:
         save()
 
     def curves(conv_result) -> None:
-        runs = {k: v["losses"] for k, v in conv_result.items() if isinstance(v, dict) and "losses" in v}
-        svg = out / f"bench_fp8_{stamp}{'_smoke' if args.smoke else ''}_curves.svg"
-        svg.write_text(curves_svg(runs, f"{result['device']}: {conv[0]}, loss per step, same seed"))
+        svg = out / f"{fname.stem}_curves.svg"
+        if "_curves" in conv_result:  # several seeds: each run's curve averaged over them
+            runs, title = conv_result.pop("_curves"), "mean over seeds"
+        else:
+            runs = {k: v["losses"] for k, v in conv_result.items() if isinstance(v, dict) and "losses" in v}
+            title = "same seed"
+        if runs:
+            svg.write_text(curves_svg(runs, f"{result['device']}: {conv[0]}, loss per step, {title}"))
+
+    def convergence():
+        if len(seeds) == 1:
+            return bench_convergence(device, *conv, runs=conv_runs, on_run=partial_convergence, seed=seeds[0])
+        child = ["--conv-preset", args.conv_preset, "--conv-steps", str(args.conv_steps),
+                 "--conv-batch", str(args.conv_batch)] + (["--smoke"] if args.smoke else [])
+        with tempfile.TemporaryDirectory(prefix="bench_fp8_seeds_") as work:
+            return bench_convergence_seeds(conv_runs, seeds, child, Path(work), args.conv_procs, args.conv_deadline)
 
     def partial_convergence(conv_result) -> None:
         result["convergence"] = dict(conv_result)
@@ -464,9 +680,9 @@ def main() -> None:
                      ("step", lambda: bench_step(device, step[0], step[1], step[2], args.step_variants.split(","),
                                                  step[3], step[4], out, partial_step)),
                      ("numerics", lambda: bench_numerics(device, M, shapes + ([] if args.smoke else [(768, 2304), (3072, 768)]))),
-                     ("convergence", lambda: bench_convergence(device, *conv, runs=args.conv_runs.split(","),
-                                                               on_run=partial_convergence, seed=args.conv_seed)),
-                     ("flce_chunks", lambda: bench_flce_chunks(device, *flce_shape, chunks, iters))):
+                     ("convergence", convergence),
+                     ("flce_chunks", lambda: bench_flce_chunks(device, *flce_shape, chunks, iters)),
+                     ("mlp", lambda: bench_mlp(device, *mlp))):
         if part not in parts:
             continue
         try:

@@ -70,7 +70,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from _timing import StepProfile, Window  # noqa: E402
 
 PEAK_BF16 = {"h100": 989e12, "h200": 989e12}  # dense bf16 datasheet, SXM parts
 
@@ -215,8 +214,10 @@ def _torchao_matmuls_only() -> None:
 
 
 def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
-    """Child process: the plain loop over the equivalent GPT (see the module docstring)."""
+    """Child process: the plain loop over the equivalent GPT (see the module docstring), run by
+    ``_baselines.plain_training_loop``."""
     import torch
+    from _baselines import plain_training_loop
 
     from lightning_perf.data import TokenDataModule
     from lightning_perf.models import GPT, GPTConfig
@@ -252,31 +253,12 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
                          num_workers=int(data.get("num_workers", 0)) if not smoke else 0,
                          synthetic_train_samples=batch * (total + 4))
     dm.setup("fit")
-    it = iter(dm.train_dataloader())
     amp = device.type == "cuda" and trainer_args.get("precision", "bf16-mixed") == "bf16-mixed"
-    window = Window(device.type == "cuda", first_step=warmup)
-    profiled = int(os.environ.get("BENCH_PROFILE_STEPS", 0))
-    profile = StepProfile(profiled) if profiled else None
-    for i in range(total):
-        if profile is not None and i == total - profiled:
-            profile.start()
-        if i == warmup:
-            window.open()
-        if window.is_open:
-            window.step(batch * seq_len)
-        x, y = next(it)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            loss = model(x, y)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(clip))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        schedule.step()
-    result = window.close()
+    result = plain_training_loop(model, opt, iter(dm.train_dataloader()), steps=steps, warmup=warmup, device=device,
+                                 tokens_per_step=batch * seq_len, amp=amp, clip=clip, schedule=schedule,
+                                 profile_steps=int(os.environ.get("BENCH_PROFILE_STEPS", 0)),
+                                 profile_trace=str(out.parent / f"profile_{out.name}"))
     out.write_text(json.dumps({
-        **({"profile": profile.stop(str(out.parent / f"profile_{out.name}"))} if profile is not None else {}),
         **result,
         "model": {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "kernels", "attention")},
     }, indent=2))

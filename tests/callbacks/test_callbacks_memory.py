@@ -171,7 +171,6 @@ def test_arguments_are_checked():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_peaks_and_snapshot(tmp_path):
     mon = MemoryMonitor(sample_step=1)
     t = trainer(tmp_path, [mon], max_steps=3, accelerator="gpu")

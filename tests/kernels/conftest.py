@@ -21,13 +21,14 @@ import sys
 
 import pytest
 import torch
+from _gpu import ON_GPU
 
 
 def _is_compiled_jit(fn) -> bool:
     return type(fn).__name__ == "JITFunction"
 
 
-if not torch.cuda.is_available():
+if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     if "triton.language" in sys.modules and _is_compiled_jit(getattr(sys.modules["triton.language"], "sum", None)):
         for _name in ("triton.language.standard", "triton.language.random", "triton.language"):
@@ -73,7 +74,7 @@ def _index_of_one_element_blocks() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if not torch.cuda.is_available():
+if not ON_GPU:
     _index_of_one_element_blocks()
 
 
@@ -113,7 +114,7 @@ def close():
 
 @pytest.fixture
 def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if ON_GPU else "cpu"
 
 
 @pytest.fixture
@@ -121,7 +122,7 @@ def model_dtype() -> tuple[torch.dtype, float]:
     """(dtype, tolerance factor) for whole-model tests: fp32 in the interpreter; on a GPU fp16, which
     every kernel takes there (the attention kernel refuses fp32 on CUDA and would fall back to SDPA),
     with tolerances widened for half precision and a different summation order."""
-    return (torch.float16, 1000.0) if torch.cuda.is_available() else (torch.float32, 1.0)
+    return (torch.float16, 1000.0) if ON_GPU else (torch.float32, 1.0)
 
 
 class _RelaunchingTuner:

@@ -14,6 +14,7 @@ from lightning_perf.kernels.ops.flash_attention import attention_reference
 from lightning_perf.models.gpt import GPT, GPTConfig
 
 
+@pytest.mark.gpu(cpu=True)
 @pytest.mark.parametrize("tuner", ["default", "relaunching"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 def test_gpt_with_triton_kernels_matches_torch(preset, tuner, close, device, model_dtype, request):
@@ -42,6 +43,7 @@ def test_gpt_with_triton_kernels_matches_torch(preset, tuner, close, device, mod
         close(p_tri.grad, p_ref.grad, 2e-5 * f, 1e-4 * min(f, 100.0), f"grad of {name}")
 
 
+@pytest.mark.gpu(cpu=True)
 @pytest.mark.parametrize("elementwise", ["triton", "inductor"])
 def test_compiled_gpt_has_no_graph_break(elementwise, close, device, model_dtype, monkeypatch):
     """The GPT with every kernel compiles as one graph (``fullgraph=True`` raises on a break) and agrees.
@@ -383,6 +385,7 @@ def _block_inputs(device, dtype=torch.float32):
     return [x, w, b, q, k, v, head], targets
 
 
+@pytest.mark.gpu(cpu=True)
 def test_compile_fullgraph_matches_eager(close, device, model_dtype):
     """Custom ops keep Dynamo from breaking the graph: ``fullgraph=True`` would raise on a break."""
     dtype, f = model_dtype
@@ -405,7 +408,6 @@ def test_activation_checkpointing_matches(close, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_attention_auto_picks_and_caches_on_gpu(close):
     selector = dispatch.AttentionSelector(repeat=2)
     d = dispatch.KernelDispatcher(attention_selector=selector)

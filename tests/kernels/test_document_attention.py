@@ -92,7 +92,7 @@ def test_flex_matches_each_document_alone(case, close, device, flex_backward_on_
                              "flex documents")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention backward needs a GPU")
+@pytest.mark.gpu  # compiled FlexAttention backward needs a GPU
 def test_compiled_flex_documents_on_gpu(close):
     backends = AttentionBackends()
     _check_against_documents(lambda q, k, v, d: backends("flex", q, k, v, True, doc_ids=d), CASES[1], "cuda",

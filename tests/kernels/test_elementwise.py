@@ -11,8 +11,6 @@ from lightning_perf.kernels.ops.rotary import rotary_embedding_reference
 from lightning_perf.kernels.ops.swiglu import swiglu_reference
 from lightning_perf.models.gpt.model import apply_rope, rope_cache
 
-ON_GPU = torch.cuda.is_available()
-requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 # (dtype, atol, rtol): interpreter-safe dtypes on CPU; bf16 only on the GPU (silently wrong in the interpreter)
 CPU_DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3)]
@@ -96,7 +94,6 @@ def test_rotary_rejects_bad_tables(device):
 
 
 @pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("dtype,atol,rtol", GPU_DTYPES)
 @pytest.mark.parametrize("name,fn,ref,n", CASES, ids=[c[0] for c in CASES])
 def test_activation_gpu(name, fn, ref, n, dtype, atol, rtol, poison, close):
@@ -104,7 +101,6 @@ def test_activation_gpu(name, fn, ref, n, dtype, atol, rtol, poison, close):
 
 
 @pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("dtype,atol,rtol", GPU_DTYPES)
 def test_rotary_gpu(dtype, atol, rtol, poison, close):
     B, H, T, D = 2, 16, 1031, 128

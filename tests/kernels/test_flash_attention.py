@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
+from _gpu import ON_GPU
 
 from lightning_perf.kernels import flash_attention
 from lightning_perf.kernels.ops.flash_attention import attention_reference, flash_attention_supported
 
-ON_GPU = torch.cuda.is_available()
-requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 CPU_DTYPES = [(torch.float32, 2e-5, 2e-5), (torch.float16, 3e-3, 3e-3)]
 GPU_DTYPES = [(torch.bfloat16, 2e-2, 2e-2), (torch.float16, 4e-3, 4e-3)]
@@ -144,7 +143,6 @@ def test_bad_inputs_raise(device):
 
 
 @pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("dtype,atol,rtol", GPU_DTYPES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("shape", [(2, 8, 8, 1000, 64), (1, 16, 4, 2049, 128), (1, 4, 4, 515, 256),
@@ -157,7 +155,6 @@ def test_flash_attention_gpu(shape, causal, dtype, atol, rtol, poison, close):
 
 
 @pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("impl", ["split", "fused"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_both_backwards_gpu(impl, causal, monkeypatch, poison, close):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _gpu import ON_GPU
 
 from lightning_perf.kernels import fp8_linear
 from lightning_perf.kernels.ops import fp8_amax_history as f8_history
@@ -13,8 +14,6 @@ from lightning_perf.kernels.ops import fp8_gelu_mlp as f8_mlp
 from lightning_perf.kernels.ops import fp8_gelu_operand as f8_gelu
 from lightning_perf.kernels.ops import fp8_linear as f8
 
-ON_GPU = torch.cuda.is_available()
-requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 E4M3, E5M2 = f8_casts.E4M3, f8_casts.E5M2
 
 
@@ -137,7 +136,7 @@ def test_cast_transpose_kernel_writes_both_layouts(M, N, dtype):
     assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("M,N", [(16384, 2048), (1000, 8192), (33, 48)])
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -156,7 +155,7 @@ def test_cast_transpose_kernel_bitwise_on_gpu(M, N, src, dtype):
     assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8)), ("q^T", report(qt, want_t, t.t()))
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_cast_transpose_compiled_bitwise_on_gpu(src, dtype):
@@ -170,7 +169,7 @@ def test_cast_transpose_compiled_bitwise_on_gpu(src, dtype):
     assert torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8))
 
 
-@requires_gpu
+@pytest.mark.gpu
 def test_fp8_linear_on_gpu_close_to_bf16():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
@@ -193,6 +192,7 @@ def _kernel_device() -> str:
     return "cuda" if ON_GPU else "cpu"  # the compiled kernel on a GPU, the interpreted one on CPU
 
 
+@pytest.mark.gpu(cpu=True)
 @pytest.mark.parametrize("n", [1, 7, 4096, 4097, 3 * 4096 + 5, 200_003])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_absmax_kernel_matches_torch(n, dtype):
@@ -224,7 +224,7 @@ def test_absmax_dispatch_and_empty_input():
         f8_casts.absmax(torch.empty(0, 4))
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
 def test_absmax_on_gpu_eager_and_compiled(src):
     """The op in eager mode and launched from torch.compile's generated code: torch.amax's bits."""
@@ -396,7 +396,7 @@ def test_delayed_linear_compiled_equals_eager_without_graph_breaks():
         w_e.grad = w_c.grad = None
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_cast_transpose_amax_bitwise_on_gpu_eager_and_compiled(src, dtype):
@@ -414,7 +414,7 @@ def test_cast_transpose_amax_bitwise_on_gpu_eager_and_compiled(src, dtype):
         assert torch.equal(amax, want_amax) and torch.equal(amax, t.abs().amax().float())
 
 
-@requires_gpu
+@pytest.mark.gpu
 def test_delayed_fp8_linear_on_gpu_compiled_equals_eager():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
@@ -614,7 +614,7 @@ def _fp8_ulps_apart(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -
     return (g - w).abs() > step * 1.001
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("grad", [False, True])
 def test_gelu_cast_transpose_on_gpu_eager_and_compiled(grad):
     """The compiled kernel, called directly and from torch.compile's generated code: both layouts within one
@@ -639,7 +639,7 @@ def test_gelu_cast_transpose_on_gpu_eager_and_compiled(grad):
             torch.testing.assert_close(db, h.double().sum(0).float(), rtol=1e-4, atol=1e-3)
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("M,N", [(4096, 4096), (2048, 8192), (1040, 272)])
 def test_gelu_cast_transpose_every_configuration_writes_the_transpose_on_gpu(M, N):
     """Each configuration the tuner may pick, launched into NaN-filled outputs, several times: q^T is q
@@ -668,7 +668,7 @@ def test_gelu_cast_transpose_every_configuration_writes_the_transpose_on_gpu(M, 
                 assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8)), cfg
 
 
-@requires_gpu
+@pytest.mark.gpu
 def test_fused_gelu_mlp_on_gpu_compiled_equals_eager_and_agrees_with_the_layers():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")

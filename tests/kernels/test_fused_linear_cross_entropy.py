@@ -9,8 +9,6 @@ from lightning_perf.kernels import fused_linear_cross_entropy
 from lightning_perf.kernels.ops import fused_linear_cross_entropy as flce_module
 from lightning_perf.kernels.ops.fused_linear_cross_entropy import linear_cross_entropy_reference
 
-ON_GPU = torch.cuda.is_available()
-requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 CPU_DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 1e-2, 1e-2)]
 # (token shape, hidden, vocab): vocab not a multiple of the block, tiny and wide hidden sizes, 3-D input
@@ -51,6 +49,7 @@ def test_matches_reference(shape, reduction, dtype, atol, rtol, poison, close, d
     _check(x, w, t, close, atol, rtol, reduction=reduction)
 
 
+@pytest.mark.gpu(cpu=True)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_first_call_of_a_key_is_right_when_the_tuner_relaunches(reduction, relaunching_tuner, poison, close, device,
                                                                  monkeypatch):
@@ -89,7 +88,6 @@ def test_bad_arguments_raise(device):
 
 
 @pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("V,d", [(50304, 768), (128256, 2048)])
 def test_bf16_autocast_gpu(V, d, poison, close):
     """Under bf16 autocast the matmuls run in bf16 like the plain path; compare to its fp32 logits."""

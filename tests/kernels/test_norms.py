@@ -9,8 +9,6 @@ from lightning_perf.kernels import LayerNorm, RMSNorm, layer_norm, rms_norm
 from lightning_perf.kernels.ops.layer_norm import layer_norm_reference
 from lightning_perf.kernels.ops.rms_norm import rms_norm_reference
 
-ON_GPU = torch.cuda.is_available()
-requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 CPU_DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 3e-3, 3e-3)]
 GPU_DTYPES = [(torch.bfloat16, 3e-2, 2e-2), (torch.float16, 4e-3, 4e-3)]
@@ -83,7 +81,6 @@ def test_bad_shapes_raise(device):
 
 
 @pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("dtype,atol,rtol", GPU_DTYPES)
 @pytest.mark.parametrize("N", [768, 2048, 4096, 5120])
 def test_norms_gpu(N, dtype, atol, rtol, poison, close):

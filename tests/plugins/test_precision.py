@@ -220,7 +220,6 @@ def test_manual_optimization_clips_in_place(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_clip_fold_on_cuda_equals_clip_then_step(precision, monkeypatch) -> None:
     # torch's CUDA fused AdamW with the clip factor as its divisor, called on CUDA gradients every step
