@@ -264,46 +264,17 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
     }, indent=2))
 
 
-def run_fsdp(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str],
-             compile_scope: str = "block") -> None:
-    """Child process (rank 0; Lightning's launcher re-runs it for the other ranks): the same GPT under
-    Lightning's FSDPStrategy, timed by the recipe side's window callback (see the module docstring)."""
+def _fit_baseline(recipe: dict, module: Any, strategy: Any, precision: str, cfg: Any, seq_len: int, batch: int,
+                  steps: int, warmup: int, out: Path, smoke: bool, **facts: Any) -> None:
+    """Train a multi-GPU baseline side for ``warmup + steps`` steps on synthetic tokens under the recipe's
+    devices and clipping, timed by the recipe side's window callback; rank 0 adds ``facts`` to the result."""
     import lightning as L
-    from lightning.pytorch.strategies import FSDPStrategy
-    from typing_extensions import override
 
     from _timing import WallClockWindow
     from lightning_perf.data import TokenDataModule
-    from lightning_perf.models import GPTConfig, GPTLightningModule
-    from lightning_perf.models.gpt.model import Block
 
-    class FSDPClippedGPT(GPTLightningModule):
-        @override
-        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-            if not isinstance(self.trainer.strategy, FSDPStrategy):
-                return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-            # Lightning's FSDP precision plugin refuses clipping by norm; the FSDP root clips across shards
-            if gradient_clip_val:
-                self.trainer.model.clip_grad_norm_(float(gradient_clip_val))
-
-    recipe = _recipe(name)
     trainer_args, data = recipe.get("trainer") or {}, recipe.get("data") or {}
-    cfg, seq_len, batch = _plain_config(recipe), int(data.get("seq_len", 1024)), _fsdp_batch(recipe)
-    compile_mode = "default"
-    if smoke:
-        cfg, seq_len, compile_mode = GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, None
     total = warmup + steps
-    module = FSDPClippedGPT(
-        cfg, **_schedule(recipe), fused_adam=True,
-        compile=compile_mode, compile_scope=compile_scope,
-    )
-    checkpointing = _activation_checkpointing(recipe) != "none"
-    strategy = FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, state_dict_type="sharded",
-                            activation_checkpointing_policy={Block} if checkpointing else None)
-    precision = trainer_args.get("precision", "bf16-mixed")
-    if smoke:  # Lightning's FSDPStrategy requires a GPU: on the CPU this child runs under DDP (gloo) instead,
-        # in fp32 (Lightning's bf16-mixed plugin refuses to clip beside a fused AdamW)
-        strategy, precision = "ddp", "32-true"
     trainer = L.Trainer(
         accelerator="cpu" if smoke else "gpu", devices=_devices(recipe), num_nodes=1, strategy=strategy,
         precision=precision,
@@ -321,9 +292,52 @@ def run_fsdp(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: 
         result = json.loads(out.read_text())
         result["model"] = {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "kernels",
                                                         "attention")}
-        result.update(batch_per_gpu=batch, devices=_devices(recipe), compile_scope=compile_scope,
-                      activation_checkpointing="full" if checkpointing else "none")
+        result.update(batch_per_gpu=batch, devices=_devices(recipe), **facts)
         out.write_text(json.dumps(result, indent=2))
+
+
+def _baseline_shape(recipe: dict, smoke: bool) -> tuple[Any, int, int, Any]:
+    """(plain GPT config, sequence length, sequences per GPU, compile mode) of a multi-GPU baseline."""
+    from lightning_perf.models import GPTConfig
+
+    data = recipe.get("data") or {}
+    if smoke:
+        return GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, _fsdp_batch(recipe), None
+    return _plain_config(recipe), int(data.get("seq_len", 1024)), _fsdp_batch(recipe), "default"
+
+
+def run_fsdp(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str],
+             compile_scope: str = "block") -> None:
+    """Child process (rank 0; Lightning's launcher re-runs it for the other ranks): the same GPT under
+    Lightning's FSDPStrategy, timed by the recipe side's window callback (see the module docstring)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from typing_extensions import override
+
+    from lightning_perf.models import GPTLightningModule
+    from lightning_perf.models.gpt.model import Block
+
+    class FSDPClippedGPT(GPTLightningModule):
+        @override
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            if not isinstance(self.trainer.strategy, FSDPStrategy):
+                return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            # Lightning's FSDP precision plugin refuses clipping by norm; the FSDP root clips across shards
+            if gradient_clip_val:
+                self.trainer.model.clip_grad_norm_(float(gradient_clip_val))
+
+    recipe = _recipe(name)
+    cfg, seq_len, batch, compile_mode = _baseline_shape(recipe, smoke)
+    module = FSDPClippedGPT(cfg, **_schedule(recipe), fused_adam=True, compile=compile_mode,
+                            compile_scope=compile_scope)
+    checkpointing = _activation_checkpointing(recipe) != "none"
+    strategy = FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, state_dict_type="sharded",
+                            activation_checkpointing_policy={Block} if checkpointing else None)
+    precision = (recipe.get("trainer") or {}).get("precision", "bf16-mixed")
+    if smoke:  # Lightning's FSDPStrategy requires a GPU: on the CPU this child runs under DDP (gloo) instead,
+        # in fp32 (Lightning's bf16-mixed plugin refuses to clip beside a fused AdamW)
+        strategy, precision = "ddp", "32-true"
+    _fit_baseline(recipe, module, strategy, precision, cfg, seq_len, batch, steps, warmup, out, smoke,
+                  compile_scope=compile_scope, activation_checkpointing="full" if checkpointing else "none")
 
 
 def run_model_parallel(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
@@ -331,44 +345,17 @@ def run_model_parallel(name: str, steps: int, warmup: int, out: Path, smoke: boo
     Lightning's ModelParallelStrategy with FSDP2 and per-block compile applied in ``configure_model``
     (``_baselines.ModelParallelGPT``), the recipe's sequences, clipping and learning rate, timed by the
     recipe side's window callback."""
-    import lightning as L
-
     from _baselines import ModelParallelGPT, model_parallel_strategy
-    from _timing import WallClockWindow
-    from lightning_perf.data import TokenDataModule
-    from lightning_perf.models import GPTConfig
 
     recipe = _recipe(name)
-    trainer_args, data = recipe.get("trainer") or {}, recipe.get("data") or {}
-    cfg, seq_len, batch = _plain_config(recipe), int(data.get("seq_len", 1024)), _fsdp_batch(recipe)
-    compile_mode: Any = "default"
-    if smoke:
-        cfg, seq_len, compile_mode = GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, None
-    total = warmup + steps
+    cfg, seq_len, batch, compile_mode = _baseline_shape(recipe, smoke)
     checkpointing = "full" if _activation_checkpointing(recipe) != "none" else "none"
     module = ModelParallelGPT(cfg, compile=compile_mode, activation_checkpointing=checkpointing,
                               learning_rate=float((recipe.get("model") or {}).get("learning_rate", 3e-4)))
-    trainer = L.Trainer(
-        accelerator="cpu" if smoke else "gpu", devices=_devices(recipe), num_nodes=1,
-        strategy=model_parallel_strategy(_devices(recipe)),
-        precision="32-true",  # the MixedPrecisionPolicy casts: bf16 compute, fp32 master weights and reduction
-        gradient_clip_val=trainer_args.get("gradient_clip_val"),
-        max_steps=total, limit_val_batches=0, num_sanity_val_steps=0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[WallClockWindow(warmup=warmup, out=str(out))],
-    )
-    dm = TokenDataModule(source="synthetic", vocab_size=cfg.vocab_size, seq_len=seq_len, batch_size=batch,
-                         num_workers=0 if smoke else int(data.get("num_workers", 0)),
-                         synthetic_train_samples=batch * _devices(recipe) * (total + 4))
-    L.seed_everything(1234, verbose=False)
-    trainer.fit(module, datamodule=dm)
-    if trainer.is_global_zero:
-        result = json.loads(out.read_text())
-        result["model"] = {k: getattr(module.config, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size",
-                                                                  "kernels", "attention")}
-        result.update(batch_per_gpu=batch, devices=_devices(recipe), compile_scope="block",
-                      activation_checkpointing=checkpointing, strategy="ModelParallelStrategy + fully_shard")
-        out.write_text(json.dumps(result, indent=2))
+    # the MixedPrecisionPolicy casts (bf16 compute, fp32 master weights and reduction): no autocast
+    _fit_baseline(recipe, module, model_parallel_strategy(_devices(recipe)), "32-true", module.config, seq_len,
+                  batch, steps, warmup, out, smoke, compile_scope="block", activation_checkpointing=checkpointing,
+                  baseline="ModelParallelStrategy + fully_shard")
 
 
 def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str = "") -> dict:
