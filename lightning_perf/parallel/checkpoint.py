@@ -53,6 +53,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_perf.parallel.checkpoint_io import (
+    CheckpointCorruptError,
     fsync_dir,
     fsync_file,
     read_dcp_metadata,
@@ -86,10 +87,6 @@ __all__ = [
 EXTRA_FILE = "extra.pt"
 _FORMAT = 1
 PathLike = Union[str, os.PathLike]
-
-
-class CheckpointCorruptError(ValueError):
-    """A checkpoint file is missing, truncated or altered since it was saved (the message names it)."""
 
 
 def _dist() -> bool:

@@ -22,20 +22,18 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from lightning_perf.parallel.tied import TiedParameters
-
 __all__ = [
     "SCHEDULES",
     "PipelineConfig",
     "PipelineRunner",
+    "TiedGradients",
     "stage_indices",
     "build_stage_modules",
     "prune_to_stages",
@@ -195,6 +193,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+class TiedGradients(Protocol):
+    """What the runner needs of parameters two stages share (``parallel.tied.TiedParameters``): their
+    gradients set aside before a training step's backward, and summed over both stages after it."""
+
+    def hold_grads(self) -> list[Optional[torch.Tensor]]: ...
+
+    def reduce_grads_(self, held: list[Optional[torch.Tensor]]) -> None: ...
+
+
 class PipelineRunner:
     """Runs one schedule over this rank's stages.
 
@@ -215,7 +222,7 @@ class PipelineRunner:
         pp_group: Any,
         device: torch.device,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_cross_entropy,
-        tied: Optional[TiedParameters] = None,
+        tied: Optional[TiedGradients] = None,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 

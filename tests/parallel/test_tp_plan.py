@@ -17,7 +17,6 @@ from _spawn import spawn
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from lightning_perf.models.gpt import GPT, GPTConfig
-from lightning_perf.models.gpt.parallelize import check_gpt_layout
 from lightning_perf.parallel.tensor_parallel import ReplicatedOutputNorm, find_protocol_module, tp_sequence_check
 
 
@@ -72,13 +71,13 @@ def test_plan_of_a_stage_names_only_its_modules() -> None:
 def test_heads_must_divide_by_tp(overrides, tp, match) -> None:
     cfg = GPTConfig.from_name("tiny-llama", **overrides)
     with pytest.raises(ValueError, match=match):
-        check_gpt_layout(cfg, tp=tp)
+        cfg.check_parallel_layout(tensor_parallel_size=tp)
 
 
 def test_layers_and_sequence_must_divide() -> None:
     cfg = GPTConfig.from_name("tiny-llama")
     with pytest.raises(ValueError, match=r"pp\(2\) \* stages_per_rank\(3\) = 6, 4 / 6"):
-        check_gpt_layout(cfg, pp=2, stages_per_rank=3)
+        cfg.check_parallel_layout(pipeline_parallel_size=2, stages_per_rank=3)
     with pytest.raises(ValueError, match="sequence length 15 is not divisible by tensor_parallel_size 2"):
         tp_sequence_check(15, 2, True)
     tp_sequence_check(15, 2, False)
