@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_perf.parallel.dims import mesh_size
+
 __all__ = [
     "CONTEXT_PARALLEL_MODES",
     "check_context_parallel_mode",
@@ -210,7 +212,7 @@ def apply_context_parallel(model: Any, cp_mesh: Any, mode: str = "allgather") ->
     """Route ``model``'s attention over ``cp_mesh`` (``mode``: ``"allgather"`` or ``"ring"``) and wrap its
     forward (see the module docstring)."""
     check_context_parallel_mode(mode)
-    if cp_mesh.size() == 1:
+    if mesh_size(cp_mesh) == 1:
         return
     group = cp_mesh.get_group()
     if mode == "ring":

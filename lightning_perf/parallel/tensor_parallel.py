@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from lightning_perf.parallel.dims import mesh_size
+
 __all__ = [
     "ReplicatedModule",
     "ReplicatedOutputNorm",
@@ -191,7 +193,7 @@ def apply_tp(
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    require_protocol(model, "tensor_parallel_plan", f"tensor parallelism (tp={tp_mesh.size()})")
+    require_protocol(model, "tensor_parallel_plan", f"tensor parallelism (tp={mesh_size(tp_mesh)})")
     if not callable(getattr(model, "tensor_parallel_plan", None)):
         raise ValueError(f"apply_tp needs the module that defines tensor_parallel_plan, got {type(model).__name__}")
     plan = cast_before_gather(_call_plan(model, tp_mesh, sequence_parallel))
@@ -332,9 +334,10 @@ def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: A
     return changed
 
 
-def tp_sequence_check(seq_len: int, tp: int, sequence_parallel: Any, batch: Optional[int] = None,
+def tp_sequence_check(seq_len: int, tensor_parallel_size: int, sequence_parallel: Any, batch: Optional[int] = None,
                       microbatches: int = 1) -> None:
     """Sequence parallelism splits the sequence (or with ``"batch"`` each microbatch) evenly over the TP ranks."""
+    tp = tensor_parallel_size
     if sequence_parallel == "batch":
         if batch is not None and tp > 1:
             per = batch // max(1, microbatches)
