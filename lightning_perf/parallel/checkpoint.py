@@ -60,6 +60,8 @@ from lightning_perf.parallel.checkpoint_io import (
     torch_load_weights,
     unsafe_error,
 )
+from lightning_perf.parallel.ddp import local_optimizer
+from lightning_perf.parallel.fp8_all_gather import plain_state_dict
 
 __all__ = [
     "CheckpointCorruptError",
@@ -103,8 +105,6 @@ def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
 
 
 def _local_optimizers(optimizers: Sequence[Optimizer]) -> list[Optimizer]:
-    from lightning_perf.parallel.ddp import local_optimizer
-
     return [local_optimizer(o) for o in optimizers]
 
 
@@ -224,8 +224,6 @@ def sharded_state(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What a save writes: the DCP state (this rank's shards) and rank 0's ``extra.pt`` blob, less the manifest."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    from lightning_perf.parallel.fp8_all_gather import plain_state_dict
 
     optims = _local_optimizers(optimizers)
     msd, osd = get_state_dict(model, optims) if optims else (get_model_state_dict(model), {})
@@ -359,7 +357,6 @@ def load_checkpoint(
     )
 
     from lightning_perf.parallel.checkpoint_io import SafeFileSystemReader, SafeLoadPlanner
-    from lightning_perf.parallel.fp8_all_gather import plain_state_dict
 
     path = resolve(path)
     blob = read_extra(path, weights_only=weights_only)

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from lightning_perf.parallel.activation_checkpointing import AC_MODES
 from lightning_perf.parallel.compile import COMPILE_MODES, TP_OVERLAP_MODES
+from lightning_perf.parallel.context_parallel import check_context_parallel_mode
 from lightning_perf.parallel.dims import ParallelDims, check_replicate_size, check_size, replicate_shape
 from lightning_perf.parallel.fsdp import check_blocks_per_unit, find_model
 from lightning_perf.parallel.pipeline import PipelineConfig
@@ -129,8 +130,6 @@ class Parallel3DConfig:
             replicate_shape(dp, r, size_name="data_parallel_size", divides="the data-parallel size")
 
     def _check_context_parallel(self) -> None:
-        from lightning_perf.parallel.context_parallel import check_context_parallel_mode
-
         check_context_parallel_mode(self.context_parallel_mode)  # a typo fails even without cp
         cp = self.context_parallel_size
         if cp == 1:

@@ -48,6 +48,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_perf.parallel.dims import mesh_size
+from lightning_perf.parallel.ring_attention import ring_attention
+from lightning_perf.parallel.tensor_parallel import to_local_output
 
 __all__ = [
     "CONTEXT_PARALLEL_MODES",
@@ -163,8 +165,6 @@ def _local(out: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel model's DTensor output (a replicated loss, vocabulary-sharded logits) as a plain tensor."""
     if type(out) is torch.Tensor:
         return out
-    from lightning_perf.parallel.tensor_parallel import to_local_output
-
     return to_local_output(out)
 
 
@@ -216,8 +216,6 @@ def apply_context_parallel(model: Any, cp_mesh: Any, mode: str = "allgather") ->
         return
     group = cp_mesh.get_group()
     if mode == "ring":
-        from lightning_perf.parallel.ring_attention import ring_attention
-
         model.enable_context_parallel(partial(ring_attention, group=group))
     else:
         model.enable_context_parallel(partial(context_parallel_attention, group=group))

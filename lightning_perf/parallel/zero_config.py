@@ -30,7 +30,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_perf.parallel.ddp import COMPRESSIONS
 from lightning_perf.parallel.dims import check_replicate_size, replicate_shape
-from lightning_perf.parallel.fsdp import WrapPolicy
+from lightning_perf.parallel.fsdp import WrapPolicy, check_blocks_per_unit
 
 __all__ = ["ZeroConfig", "require_deepspeed", "DEEPSPEED_EXTRA"]
 
@@ -111,8 +111,6 @@ class ZeroConfig:
             raise ValueError(
                 "fp8_all_gather changes FSDP2's parameter all-gather: it needs stage 2 or 3 with backend='native', "
                 f"got stage={self.stage}, backend={self.backend!r}")
-        from lightning_perf.parallel.fsdp import check_blocks_per_unit
-
         check_blocks_per_unit(self.blocks_per_unit)
         if self.blocks_per_unit > 1 and not self.uses_fsdp:
             raise ValueError("blocks_per_unit groups FSDP2 units: it needs stage 2 or 3 with backend='native', "
