@@ -42,6 +42,7 @@ from lightning_perf.parallel.tensor_parallel import (
     unfuse_linear_biases,
 )
 from lightning_perf.parallel.tied import TiedParameters, check_tied_layout, tied_parameter_names
+from lightning_perf.perf.run_settings import PerfSettings
 
 __all__ = [
     "Parallelized3D",
@@ -202,6 +203,11 @@ def _compile_mode(model: nn.Module, stages: dict[int, nn.Module], config: Parall
         f"modules) is re-applied to {scope}",
         stacklevel=3,
     )
-    hparams = getattr(model, "hparams", None)
-    module_mode = hparams.get("compile") if hasattr(hparams, "get") else None
-    return config.compile or module_mode or "default"
+    return config.compile or _stated_compile_mode(model) or "default"
+
+
+def _stated_compile_mode(model: nn.Module) -> Optional[str]:
+    """The compile mode the module says it applies (its ``perf_settings()``, see ``perf.run_settings``), if any."""
+    stated = getattr(model, "perf_settings", None)
+    settings = stated() if callable(stated) else None
+    return settings.compile_mode if isinstance(settings, PerfSettings) else None

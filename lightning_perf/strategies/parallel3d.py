@@ -216,19 +216,29 @@ class Parallel3DStrategy(PerfParallelStrategy):
 
     @override
     def perf_settings(self) -> PerfSettings:
-        """The precision, the layout (ZeRO stage, tensor and pipeline sizes, blocks per FSDP2 unit from
-        ZeRO-2 on) and the per-block compile and activation checkpointing the strategy applies."""
+        """The precision, the layout (ZeRO stage, tensor and pipeline sizes, blocks per FSDP2 unit where
+        FSDP2 shards) and the per-block compile and activation checkpointing the strategy applies."""
         c = self.config
         return replace(
             super().perf_settings(),
             zero_stage=c.zero_stage,
             tensor_parallel_size=c.tensor_parallel_size,
             pipeline_parallel_size=c.pipeline_parallel_size,
-            fsdp_blocks_per_unit=c.fsdp_blocks_per_unit if c.zero_stage >= 2 else None,
+            fsdp_blocks_per_unit=c.fsdp_blocks_per_unit if self._fsdp_shards() else None,
             compile_mode=c.compile,
             compile_scope="block" if c.compile is not None else None,
             activation_checkpointing=c.activation_checkpointing,
         )
+
+    def _fsdp_shards(self) -> bool:
+        """Whether FSDP2 shards the model: ZeRO 1-3 over more than one rank of dp x cp (False before the
+        strategy knows its processes)."""
+        if self._parallel is not None:
+            return self._parallel.fsdp
+        if not self.num_processes or self.config.zero_stage == 0:
+            return False
+        dims = self.layout()
+        return dims.data_parallel_size * dims.context_parallel_size > 1  # type: ignore[operator]
 
     @override
     def _check_world_size(self, world_size: int) -> None:

@@ -175,7 +175,8 @@ def test_settings_are_what_the_strategy_and_the_module_state(tmp_path):
     t = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
                   default_root_dir=str(tmp_path), precision="bf16-mixed")
     s = run_settings_of(t, ToyLM())  # a module that states nothing: the strategy's word, then the model's own
-    assert (s.precision, s.zero_stage, s.fsdp_blocks_per_unit, s.tensor_parallel_size) == ("bf16-mixed", 3, 2, 1)
+    # (one process: no data parallelism for FSDP2 to shard over)
+    assert (s.precision, s.zero_stage, s.fsdp_blocks_per_unit, s.tensor_parallel_size) == ("bf16-mixed", 3, None, 1)
     assert (s.compiled, s.compile_scope, s.compile_mode, s.activation_checkpointing) == (True, "block", "default", "full")
     assert not s.gpt and s.kernels is None
 

@@ -128,6 +128,20 @@ def test_compile_scope_under_tensor_parallelism() -> None:
     with pytest.warns(UserWarning, match="re-applied to each pipeline stage's blocks"):
         assert _compile_mode(model, stages, Parallel3DConfig(pipeline_parallel_size=2)) == "default"
     assert model._compiled_call_impl is None and model.blocks["1"]._compiled_call_impl is not None
+    # the mode a module says it compiles with (perf_settings(), as GPTLightningModule(compile=...) does) is kept
+    from lightning_perf.perf import PerfSettings
+
+    class Stating(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = inner
+
+        def perf_settings(self) -> PerfSettings:
+            return PerfSettings(compile_mode="max-autotune", compile_scope="block")
+
+    model.blocks["0"].compile()
+    with pytest.warns(UserWarning, match="re-applied to each block"):
+        assert _compile_mode(Stating(model), {0: model}, Parallel3DConfig(tensor_parallel_size=2)) == "max-autotune"
 
 
 # ---- two ranks: one process group runs the workers of every selected test -----------------------

@@ -132,10 +132,14 @@ def test_strategies_state_their_settings() -> None:
     assert (s.precision, s.zero_stage, s.tensor_parallel_size, s.fsdp_blocks_per_unit) == ("bf16-mixed", 2, 1, 2)
     assert ZeroStrategy(stage=1).perf_settings().fsdp_blocks_per_unit is None  # DDP: no FSDP2 units
     three = Parallel3DStrategy(zero_stage=3, activation_checkpointing="full", compile="default", fsdp_blocks_per_unit=2)
+    assert three.perf_settings().fsdp_blocks_per_unit is None  # no processes yet: nothing known to shard
+    L.Trainer(strategy=three, accelerator="cpu", devices=2, logger=False)  # dp2: FSDP2 shards (nothing launched)
     s = three.perf_settings()
     assert (s.zero_stage, s.pipeline_parallel_size, s.fsdp_blocks_per_unit) == (3, 1, 2)
     assert (s.compile_mode, s.compile_scope, s.activation_checkpointing) == ("default", "block", "full")
-    assert Parallel3DStrategy(zero_stage=0).perf_settings().fsdp_blocks_per_unit is None
+    for alone in (Parallel3DStrategy(zero_stage=0), Parallel3DStrategy(pipeline_parallel_size=2, num_microbatches=2)):
+        L.Trainer(strategy=alone, accelerator="cpu", devices=2, logger=False)  # no dp: nothing for FSDP2 to shard
+        assert alone.perf_settings().fsdp_blocks_per_unit is None
 
 
 # ---- remove_checkpoint and the layout ------------------------------------------------------------
