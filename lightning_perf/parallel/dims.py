@@ -173,6 +173,11 @@ class ParallelDims:
         return self.replicate_size
 
     @property
+    def dp_cp_size(self) -> int:
+        """The ranks that hold the same parameters (dp x cp): FSDP2 shards over them, gradients average over them."""
+        return self._dp * self.context_parallel_size
+
+    @property
     def shard_size(self) -> int:
         """HSDP: the data-parallel ranks of one replica group (``data_parallel_size`` without HSDP)."""
         return self._dp // self._replicas

@@ -53,9 +53,9 @@ import inspect
 import os
 from abc import abstractmethod
 from collections.abc import Mapping
+from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar, Union
 
 import torch

@@ -237,8 +237,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
             return self._parallel.fsdp
         if not self.num_processes or self.config.zero_stage == 0:
             return False
-        dims = self.layout()
-        return dims.data_parallel_size * dims.context_parallel_size > 1  # type: ignore[operator]
+        return self.layout().dp_cp_size > 1
 
     @override
     def _check_world_size(self, world_size: int) -> None:
@@ -259,9 +258,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
         # a module that builds its network later still carries its numbers (GPTLightningModule.config)
         check_model_config(model_config, self.config)
         if tied:
-            dims = self.layout()
-            sharded_over = dims.data_parallel_size * dims.context_parallel_size  # type: ignore[operator]
-            check_tied_layout(self.config.pipeline, zero_sharded=self.config.zero_stage > 0 and sharded_over > 1)
+            check_tied_layout(self.config.pipeline, zero_sharded=self._fsdp_shards())
         self._check_fp8_all_gather(module)
         self._check_delayed_fp8(module, self._dtensor_weights())
         # the data module's numbers too (a batch the pipeline cannot split would fail in a collective)
@@ -281,10 +278,10 @@ class Parallel3DStrategy(PerfParallelStrategy):
         tp, zero = self.config.tensor_parallel_size, self.config.zero_stage
         if tp > 1:
             return f"tensor_parallel_size={tp}"
-        dims = self.layout()
-        dp, cp = dims.data_parallel_size, dims.context_parallel_size
-        if zero > 0 and dp * cp > 1:  # type: ignore[operator]
-            return f"zero_stage={zero} over dp({dp}) * cp({cp}) = {dp * cp} ranks (FSDP2)"  # type: ignore[operator]
+        if self._fsdp_shards():
+            dims = self.layout()
+            return (f"zero_stage={zero} over dp({dims.data_parallel_size}) * cp({dims.context_parallel_size}) = "
+                    f"{dims.dp_cp_size} ranks (FSDP2)")
         return None
 
     @override

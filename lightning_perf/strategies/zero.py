@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_perf.parallel import deepspeed_engine
 from lightning_perf.parallel.ddp import apply_ddp, shard_optimizer
 from lightning_perf.parallel.dims import build_zero_mesh, fsdp_mesh
 from lightning_perf.parallel.fsdp import (
@@ -41,7 +42,6 @@ from lightning_perf.parallel.fsdp import (
     move_unsharded_,
     set_gradient_sync,
 )
-from lightning_perf.parallel import deepspeed_engine
 from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
 from lightning_perf.parallel.init import (
     broadcast_module_,
