@@ -38,6 +38,8 @@ DP_CP = "dp_cp"
 DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
 #: HSDP with context parallelism: FSDP2 shards over the flattened ("dp_shard", "cp") dimension
 DP_SHARD_CP = "dp_shard_cp"
+#: the flattened dimensions build_mesh adds, and what each flattens
+_FLATTENED = {"dp": (DP_REPLICATE, DP_SHARD), DP_CP: ("dp", "cp"), DP_SHARD_CP: (DP_SHARD, "cp")}
 
 
 def check_replicate_size(replicate_size: Any, *, fsdp_needs: Optional[str] = None,
@@ -92,7 +94,9 @@ def check_size(name: str, value: Any) -> int:
 
 def mesh_size(mesh: Any, *dims: str) -> int:
     """The number of ranks of ``mesh`` along ``dims`` together (all of it: none named); a dimension the
-    mesh does not have counts 1. The one way the package reads a size off a built mesh."""
+    mesh does not have counts 1. A flattened dimension of :meth:`ParallelDims.build_mesh` ("dp" under
+    HSDP, "dp_cp", "dp_shard_cp"), which a mesh does not list among its names, counts as the dimensions
+    it flattens. The one way the package reads a size off a built mesh."""
     if not dims:
         return int(mesh.size())
     names = mesh.mesh_dim_names or ()
@@ -100,6 +104,8 @@ def mesh_size(mesh: Any, *dims: str) -> int:
     for dim in dims:
         if dim in names:
             size *= int(mesh[dim].size())
+        elif dim in _FLATTENED:
+            size *= mesh_size(mesh, *_FLATTENED[dim])
     return size
 
 

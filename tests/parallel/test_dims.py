@@ -115,3 +115,7 @@ def test_mesh_size_reads_named_dimensions_and_counts_missing_ones_as_one() -> No
     assert mesh_size(mesh) == 12 and mesh_size(mesh, "tp") == 2
     assert mesh_size(mesh, "dp", "cp") == 3  # no "cp" dimension: one rank along it
     assert mesh_size(mesh, "pp", "dp", "tp") == 12
+    # HSDP: "dp" is flattened from ("dp_replicate", "dp_shard"), which the mesh does not list by name
+    hsdp = _Mesh(pp=1, dp_replicate=2, dp_shard=3, cp=2, tp=1)
+    assert mesh_size(hsdp, "dp") == 6 and mesh_size(hsdp, "dp", "cp") == 12 == mesh_size(hsdp, "dp_cp")
+    assert mesh_size(hsdp, "dp_shard_cp") == 6
