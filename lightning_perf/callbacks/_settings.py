@@ -49,8 +49,10 @@ def compiled_modules(module: nn.Module) -> list[str]:
     return out
 
 
-def _compile(pl_module: nn.Module, stated: tuple[PerfSettings, ...]) -> tuple[Optional[bool], Optional[str], Optional[str]]:
-    """(compiled, scope, mode): the first statement of a compile (module, then strategy), else the model's own."""
+def _compile(pl_module: nn.Module,
+             stated: tuple[PerfSettings, ...]) -> tuple[Optional[bool], Optional[str], Optional[str]]:
+    """(compiled, scope, mode): the first compile stated (the module's, then the strategy's), else what the
+    model's own submodules show."""
     for s in stated:
         if s.compile_mode is not None:
             return True, s.compile_scope or "block", s.compile_mode
@@ -67,7 +69,8 @@ def _compile(pl_module: nn.Module, stated: tuple[PerfSettings, ...]) -> tuple[Op
 
 
 def _checkpointing(pl_module: nn.Module, stated: tuple[PerfSettings, ...]) -> str:
-    """The first checkpointing stated on (module, then strategy: the module's blocks keep theirs), else the blocks'."""
+    """The first activation checkpointing stated (the module's, then the strategy's: blocks the module
+    checkpointed keep their mode), else what the model's blocks show."""
     for s in stated:
         if s.activation_checkpointing not in (None, "none"):
             return s.activation_checkpointing  # type: ignore[return-value]
