@@ -240,7 +240,8 @@ def test_cycle_check_passes_imports_of_submodules_through_their_package(tmp_path
         ("models/gpt/x.py", "from ...strategies import ZeroStrategy\n", "models imports lightning_perf.strategies"),
         ("callbacks/x.py", "def f():\n    from lightning_perf.models.gpt.module import GPTLightningModule\n",
          "callbacks imports lightning_perf.models.gpt.module"),
-        ("callbacks/x.py", "from ..strategies.zero import ZeroStrategy\n", "callbacks imports lightning_perf.strategies.zero"),
+        ("callbacks/x.py", "from ..strategies.zero import ZeroStrategy\n",
+         "callbacks imports lightning_perf.strategies.zero"),
     ],
 )
 def test_layer_check_finds_a_planted_violation(tmp_path: Path, file: str, source: str, expected: str) -> None:

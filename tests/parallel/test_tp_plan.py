@@ -553,7 +553,8 @@ def test_sequence_parallel_values_are_checked() -> None:
     with pytest.raises(ValueError, match=r"batch of 6 in 2 microbatch\(es\) gives 3 sequences"):
         check_data_layout(batch_size=6, seq_len=16, tensor_parallel_size=2, sequence_parallel="batch",
                           pipeline=PipelineConfig(pipeline_parallel_size=2, schedule="1f1b", num_microbatches=2))
-    check_data_layout(batch_size=8, seq_len=15, tensor_parallel_size=2, sequence_parallel="batch")  # the sequence is not split
+    # the sequence is not split
+    check_data_layout(batch_size=8, seq_len=15, tensor_parallel_size=2, sequence_parallel="batch")
     with pytest.raises(ValueError, match="splits seq_len=15 over tp=2"):
         check_data_layout(batch_size=8, seq_len=15, tensor_parallel_size=2, sequence_parallel=True)
 
