@@ -1,7 +1,7 @@
 """What a training run has switched on: the settings the advice reads before suggesting a change.
 
 Collected from the LightningModule, the Trainer and its strategy by the callbacks
-(``lightning_perf.callbacks._settings``) and handed to the pure advice (``perf.advice``,
+(``lightning_perf.callbacks.run_settings_of``) and handed to the pure advice (``perf.advice``,
 ``perf.memory``). ``None`` means "not known": the advice never suggests a setting whose current
 state it does not know, so it cannot suggest what is already on.
 
@@ -15,7 +15,7 @@ and any LightningModule work, and one that knows more can say so by defining the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["RunSettings", "PerfSettings", "CHANGES"]
@@ -29,7 +29,7 @@ class PerfSettings:
         precision: Lightning's precision string the strategy trains in.
         zero_stage: 0 for replicated parameters, 1-3 for ZeRO (3 = parameters sharded).
         tensor_parallel_size, pipeline_parallel_size: the layout's sizes.
-        fsdp_blocks_per_unit: blocks per FSDP2 unit where FSDP2 shards gradients and parameters (ZeRO-2/3).
+        fsdp_blocks_per_unit: blocks per FSDP2 unit, where FSDP2 shards the model.
         compile_mode: the ``torch.compile`` mode it applies (``None``: it compiles nothing itself).
         compile_scope: what that compiles: ``"block"`` (each block) or ``"model"`` (one graph).
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``, as it applies it.
@@ -50,9 +50,6 @@ class PerfSettings:
     attention: Optional[str] = None
     fp8: Optional[str] = None
 
-    def stated(self) -> dict[str, object]:
-        """The fields it states (not ``None``)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 # what a piece of advice may ask to switch on; RunSettings.already_on tells whether it is
 CHANGES = (
