@@ -120,8 +120,10 @@ def _data_parallel_size(recipe: dict) -> int:
     strategy = (recipe.get("trainer") or {}).get("strategy")
     if isinstance(strategy, dict) and strategy.get("class_path", "").endswith("Parallel3DStrategy"):
         args = strategy.get("init_args") or {}
-        return ParallelDims(dp=args.get("data_parallel_size", "auto"), tp=int(args.get("tensor_parallel_size", 1)),
-                            pp=int(args.get("pipeline_parallel_size", 1)), world_size=devices).dp_size
+        return ParallelDims(data_parallel_size=args.get("data_parallel_size", "auto"),
+                            tensor_parallel_size=int(args.get("tensor_parallel_size", 1)),
+                            pipeline_parallel_size=int(args.get("pipeline_parallel_size", 1)),
+                            world_size=devices).data_parallel_size
     return devices
 
 

@@ -3,6 +3,7 @@
 Each one adds no host-device synchronisation on the steps it does not sample.
 """
 
+from lightning_perf.callbacks._settings import run_settings_of
 from lightning_perf.callbacks.comm import CommOverlapMonitor
 from lightning_perf.callbacks.garbage import GarbageCollection
 from lightning_perf.callbacks.memory import MemoryMonitor
@@ -33,4 +34,5 @@ __all__ = [
     "CollectiveTimeoutError",
     "GarbageCollection",
     "MemoryMonitor",
+    "run_settings_of",
 ]

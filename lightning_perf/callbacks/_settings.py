@@ -1,23 +1,41 @@
-"""Read a run's settings (``perf.run_settings.RunSettings``) off the Trainer, its strategy and the module."""
+"""Read a run's settings (``perf.run_settings.RunSettings``) off the Trainer, its strategy and the module.
+
+A strategy or a module that defines ``perf_settings()`` states what it knows of itself (a
+``perf.run_settings.PerfSettings``); what neither states is read from Lightning's public attributes
+and from the model itself (compiled submodules, checkpointed blocks). Nothing here knows a strategy
+or a module class: any of them works, and the pack's own say what they know through the method.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
-from lightning_perf.callbacks._utils import device_of, find_callback, layout_of
-from lightning_perf.models.gpt.module import GPTLightningModule
-from lightning_perf.parallel.config_3d import Parallel3DConfig
-from lightning_perf.parallel.zero_config import ZeroConfig
+from lightning_perf.callbacks._utils import device_of, layout_of
+from lightning_perf.parallel.activation_checkpointing import checkpointing_mode
 from lightning_perf.perf.collection import scheduled_every
-from lightning_perf.perf.run_settings import RunSettings
+from lightning_perf.perf.run_settings import PerfSettings, RunSettings
 
-__all__ = ["run_settings_of", "compiled_modules"]
+__all__ = ["run_settings_of", "perf_settings_of", "compiled_modules"]
 
 _FSDP1_STAGES = {"FULL_SHARD": 3, "HYBRID_SHARD": 3, "_HYBRID_SHARD_ZERO2": 2, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
+
+
+def perf_settings_of(obj: Any) -> PerfSettings:
+    """What ``obj`` (a strategy or a LightningModule) states through ``perf_settings()``; nothing without it."""
+    method = getattr(obj, "perf_settings", None)
+    if not callable(method):
+        return PerfSettings()
+    stated = method()
+    if not isinstance(stated, PerfSettings):  # another meaning of the name: read the public attributes instead
+        warnings.warn(f"{type(obj).__name__}.perf_settings() returned a {type(stated).__name__}, not a "
+                      "lightning_perf.perf.PerfSettings: the performance callbacks ignore it", stacklevel=2)
+        return PerfSettings()
+    return stated
 
 
 def compiled_modules(module: nn.Module) -> list[str]:
@@ -31,14 +49,13 @@ def compiled_modules(module: nn.Module) -> list[str]:
     return out
 
 
-def _compile(pl_module: nn.Module, config: Any) -> tuple[Optional[bool], Optional[str], Optional[str]]:
-    """(compiled, scope, mode)."""
-    if isinstance(pl_module, GPTLightningModule):
-        mode = pl_module.hparams.get("compile")
-        if mode is not None:
-            return True, pl_module.hparams.get("compile_scope", "block"), mode
-    if isinstance(config, Parallel3DConfig) and config.compile is not None:
-        return True, "block", config.compile
+def _compile(pl_module: nn.Module,
+             stated: tuple[PerfSettings, ...]) -> tuple[Optional[bool], Optional[str], Optional[str]]:
+    """(compiled, scope, mode): the first compile stated (the module's, then the strategy's), else what the
+    model's own submodules show."""
+    for s in stated:
+        if s.compile_mode is not None:
+            return True, s.compile_scope or "block", s.compile_mode
     names = compiled_modules(pl_module)
     if not names:
         return False, None, None
@@ -51,13 +68,14 @@ def _compile(pl_module: nn.Module, config: Any) -> tuple[Optional[bool], Optiona
     return True, "submodules", None
 
 
-def _checkpointing(pl_module: nn.Module, config: Any) -> str:
-    if isinstance(pl_module, GPTLightningModule):
-        return pl_module.hparams.get("activation_checkpointing", "none")
-    if isinstance(config, Parallel3DConfig) and config.activation_checkpointing != "none":
-        return config.activation_checkpointing
+def _checkpointing(pl_module: nn.Module, stated: tuple[PerfSettings, ...]) -> str:
+    """The first activation checkpointing stated (the module's, then the strategy's: blocks the module
+    checkpointed keep their mode), else what the model's blocks show."""
+    for s in stated:
+        if s.activation_checkpointing not in (None, "none"):
+            return s.activation_checkpointing  # type: ignore[return-value]
     for m in pl_module.modules():
-        mode = getattr(m, "_lp_checkpointing", None)
+        mode = checkpointing_mode(m)
         if mode is not None:
             return mode
         if type(m).__name__ == "CheckpointWrapper":
@@ -65,16 +83,14 @@ def _checkpointing(pl_module: nn.Module, config: Any) -> str:
     return "none"
 
 
-def _zero_stage(strategy: Any, config: Any) -> Optional[int]:
-    if isinstance(config, ZeroConfig):
-        return config.stage
-    if isinstance(config, Parallel3DConfig):
-        return config.zero_stage
+def _zero_stage(strategy: Any) -> Optional[int]:
+    """Lightning's own strategies, by their public attributes."""
     name = type(strategy).__name__
     if name in ("SingleDeviceStrategy", "DDPStrategy"):
         return 0
     if name == "FSDPStrategy":
         return _FSDP1_STAGES.get(getattr(getattr(strategy, "sharding_strategy", None), "name", ""), None)
+    config = getattr(strategy, "config", None)
     if name == "DeepSpeedStrategy" and isinstance(config, dict):
         stage = config.get("zero_optimization", {}).get("stage")
         return int(stage) if stage is not None else None
@@ -103,37 +119,36 @@ def run_settings_of(trainer: Any, pl_module: Optional[nn.Module] = None) -> RunS
     """What this run has switched on, as far as the Trainer, the strategy and the module tell."""
     pl_module = pl_module if pl_module is not None else getattr(trainer, "lightning_module", None)
     strategy = getattr(trainer, "strategy", None)
-    config = getattr(strategy, "config", None)
+    by_strategy = perf_settings_of(strategy)
+    by_module = perf_settings_of(pl_module)
     device = device_of(trainer, pl_module) if pl_module is not None else torch.device("cpu")
     layout = layout_of(trainer)
-    gpt = isinstance(pl_module, GPTLightningModule)
+    precision = by_strategy.precision or str(getattr(trainer, "precision", None) or "") or None
     out = RunSettings(
         device_type=device.type,
-        precision=str(getattr(trainer, "precision", None) or "") or None,
-        gpt=gpt,
+        precision=precision,
+        gpt=bool(by_module.gpt),
         accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
         strategy=type(strategy).__name__ if strategy is not None else None,
-        zero_stage=_zero_stage(strategy, config),
+        zero_stage=by_strategy.zero_stage if by_strategy.zero_stage is not None else _zero_stage(strategy),
         data_parallel_size=layout.data_parallel_size,
+        tensor_parallel_size=by_strategy.tensor_parallel_size or 1,
+        pipeline_parallel_size=by_strategy.pipeline_parallel_size or 1,
+        fsdp_blocks_per_unit=by_strategy.fsdp_blocks_per_unit,
+        kernels=by_module.kernels,
+        attention=by_module.attention,
+        fp8=by_module.fp8,
         gc_scheduled=scheduled_every() is not None,
     )
     if device.type == "cuda":
         out.device_name = torch.cuda.get_device_name(device)
         out.fp8_capable = torch.cuda.get_device_capability(device) >= (8, 9)
         out.expandable_segments = _expandable_segments()
-    if isinstance(config, Parallel3DConfig):
-        out.tensor_parallel_size = config.tensor_parallel_size
-        out.pipeline_parallel_size = config.pipeline_parallel_size
-        out.fsdp_blocks_per_unit = config.fsdp_blocks_per_unit if config.zero_stage >= 2 else None
-    elif isinstance(config, ZeroConfig) and config.uses_fsdp:
-        out.fsdp_blocks_per_unit = config.blocks_per_unit
     if pl_module is not None:
-        out.compiled, out.compile_scope, out.compile_mode = _compile(pl_module, config)
-        out.activation_checkpointing = _checkpointing(pl_module, config)
+        stated = (by_module, by_strategy)
+        out.compiled, out.compile_scope, out.compile_mode = _compile(pl_module, stated)
+        out.activation_checkpointing = _checkpointing(pl_module, stated)
         out.n_params = sum(p.numel() for p in pl_module.parameters())
-    if gpt:
-        cfg = pl_module.config  # type: ignore[union-attr]
-        out.kernels, out.attention, out.fp8 = cfg.kernels, cfg.attention, (cfg.fp8 or "none")
     loader = getattr(trainer, "train_dataloader", None)
     if loader is not None and hasattr(loader, "num_workers"):
         out.num_workers = int(loader.num_workers)

@@ -66,8 +66,8 @@ class MemoryMonitor(Callback):
 
     Args:
         sample_step: the global step whose tensors are counted and whose snapshot is written.
-        record_history: ``True`` (through ``sample_step``), ``"always"`` (the whole fit: ~2 us per
-            allocation) or ``False``.
+        record_history: ``True`` (through ``sample_step``), ``"always"`` (the whole fit, at the cost of
+            recording a stack on every allocation) or ``False``.
         max_entries: allocation events the recording keeps (the newest).
         top: allocation sites listed.
         log: log the figures as metrics.

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_perf.callbacks._settings import run_settings_of
+from lightning_perf.callbacks._settings import perf_settings_of, run_settings_of
 from lightning_perf.callbacks._utils import (
     batch_size_of,
     device_of,
@@ -199,9 +199,7 @@ class PerfReport(Callback):
             s.gc_max_pause_s = max(pauses) if pauses else 0.0
             s.gc_collections = len(pauses)
             s.gc_scheduled = self._gc_every is not None
-        config = getattr(trainer.strategy, "config", None)  # ZeroStrategy's ZeroConfig
-        if getattr(config, "uses_fsdp", False) and getattr(config, "backend", None) == "native":
-            s.fsdp_blocks_per_unit = config.blocks_per_unit
+        s.fsdp_blocks_per_unit = perf_settings_of(trainer.strategy).fsdp_blocks_per_unit  # where FSDP2 shards
         sync = find_callback(trainer, SyncPointWarner)
         if sync is not None:
             s.user_sync_sites = [x.describe() for x in sync.user_sites()]

@@ -8,13 +8,13 @@ name keep working after it.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["AC_MODES", "apply_activation_checkpointing"]
+__all__ = ["AC_MODES", "apply_activation_checkpointing", "checkpointing_mode"]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -57,8 +57,18 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> None:
     if mode == "none":
         return
     for block in blocks:
-        if getattr(block, "_lp_checkpointing", None) is not None:
+        if checkpointing_mode(block) is not None:  # checkpointed already (by the module, say): kept as it is
             continue
         original = block.forward
         block.forward = partial(_checkpointed_forward, block, original, mode)  # type: ignore[method-assign]
-        block._lp_checkpointing = mode
+
+
+def checkpointing_mode(module: nn.Module) -> Optional[str]:
+    """``"full"`` or ``"selective"`` when :func:`apply_activation_checkpointing` checkpointed ``module``, else None.
+
+    Read off the forward it installed on the instance, so the answer cannot drift from what runs.
+    """
+    forward = vars(module).get("forward")
+    if isinstance(forward, partial) and forward.func is _checkpointed_forward:
+        return forward.args[2]
+    return None

@@ -53,12 +53,15 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_perf.parallel.checkpoint_io import (
+    CheckpointCorruptError,
     fsync_dir,
     fsync_file,
     read_dcp_metadata,
     torch_load_weights,
     unsafe_error,
 )
+from lightning_perf.parallel.ddp import local_optimizer
+from lightning_perf.parallel.fp8_all_gather import plain_state_dict
 
 __all__ = [
     "CheckpointCorruptError",
@@ -88,10 +91,6 @@ _FORMAT = 1
 PathLike = Union[str, os.PathLike]
 
 
-class CheckpointCorruptError(ValueError):
-    """A checkpoint file is missing, truncated or altered since it was saved (the message names it)."""
-
-
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -106,8 +105,6 @@ def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
 
 
 def _local_optimizers(optimizers: Sequence[Optimizer]) -> list[Optimizer]:
-    from lightning_perf.parallel.ddp import local_optimizer
-
     return [local_optimizer(o) for o in optimizers]
 
 
@@ -227,8 +224,6 @@ def sharded_state(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What a save writes: the DCP state (this rank's shards) and rank 0's ``extra.pt`` blob, less the manifest."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    from lightning_perf.parallel.fp8_all_gather import plain_state_dict
 
     optims = _local_optimizers(optimizers)
     msd, osd = get_state_dict(model, optims) if optims else (get_model_state_dict(model), {})
@@ -362,7 +357,6 @@ def load_checkpoint(
     )
 
     from lightning_perf.parallel.checkpoint_io import SafeFileSystemReader, SafeLoadPlanner
-    from lightning_perf.parallel.fp8_all_gather import plain_state_dict
 
     path = resolve(path)
     blob = read_extra(path, weights_only=weights_only)

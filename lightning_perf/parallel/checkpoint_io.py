@@ -37,6 +37,7 @@ from typing import Any, Optional, Union
 import torch
 
 __all__ = [
+    "CheckpointCorruptError",
     "METADATA_GLOBALS",
     "MetadataUnpickler",
     "SafeFileSystemReader",
@@ -75,6 +76,12 @@ METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("pathlib._local", "WindowsPath"),
     }
 )
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint file is missing, truncated or altered since it was saved (the message names it).
+
+    Also ``lightning_perf.parallel.checkpoint.CheckpointCorruptError``, where the checkpoints are read."""
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
@@ -121,11 +128,9 @@ def read_dcp_metadata(ckpt_dir: PathLike, *, rank: Optional[int] = None) -> Any:
 
     ``rank``: a rank-local ``__<rank>.metadata`` instead. Raises :class:`UnsafeCheckpointError` for a
     refused class or a file name leading outside ``ckpt_dir``, and
-    :class:`~lightning_perf.parallel.checkpoint.CheckpointCorruptError` for an unreadable file.
+    :class:`CheckpointCorruptError` for an unreadable file.
     """
     from torch.distributed.checkpoint.metadata import Metadata
-
-    from lightning_perf.parallel.checkpoint import CheckpointCorruptError
 
     file = Path(ckpt_dir) / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
     try:

@@ -16,10 +16,13 @@ Every function here leaves parameter names and the state dict unchanged.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+
+from lightning_perf.parallel.activation_checkpointing import checkpointing_mode
 
 __all__ = [
     "COMPILE_MODES",
@@ -66,7 +69,7 @@ def compile_targets(block: nn.Module, *, tensor_parallel: bool) -> list[nn.Modul
     with the DTensor redistributions inside it fails (AOTAutograd finds DTensors among the tensors
     it saves for the recomputation), while compiled sublayers inside an eager checkpoint are exact.
     """
-    if tensor_parallel and getattr(block, "_lp_checkpointing", None) is not None:
+    if tensor_parallel and checkpointing_mode(block) is not None:
         return tp_sublayers(block)
     return [block]
 
@@ -206,12 +209,16 @@ def compile_head_loss(stage: nn.Module, mode: str, *, backend: str = "inductor")
     fuses the logits' cast into the loss. True if compiled (a stage without the head: False).
     """
     fn = getattr(stage, "lm_head_loss", None)
-    if not callable(fn) or getattr(stage, "norm", None) is None or getattr(fn, "_lp_compiled", False):
+    if not callable(fn) or getattr(stage, "norm", None) is None or stage in _HEAD_LOSS_COMPILED:
         return False
     if backend == "inductor":
         compiled = torch.compile(fn, mode=None if mode == "default" else mode)
     else:
         compiled = torch.compile(fn, backend=backend)
-    compiled._lp_compiled = True
     stage.lm_head_loss = compiled
+    _HEAD_LOSS_COMPILED.add(stage)
     return True
+
+
+# stages whose lm_head_loss compile_head_loss replaced (compiled once, whoever asks again)
+_HEAD_LOSS_COMPILED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()

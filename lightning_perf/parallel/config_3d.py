@@ -19,7 +19,8 @@ import torch.nn as nn
 
 from lightning_perf.parallel.activation_checkpointing import AC_MODES
 from lightning_perf.parallel.compile import COMPILE_MODES, TP_OVERLAP_MODES
-from lightning_perf.parallel.dims import ParallelDims, check_replicate_size, replicate_shape
+from lightning_perf.parallel.context_parallel import check_context_parallel_mode
+from lightning_perf.parallel.dims import ParallelDims, check_replicate_size, check_size, replicate_shape
 from lightning_perf.parallel.fsdp import check_blocks_per_unit, find_model
 from lightning_perf.parallel.pipeline import PipelineConfig
 from lightning_perf.parallel.tensor_parallel import check_sequence_parallel, require_protocol
@@ -32,7 +33,11 @@ SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv_zero_bubble")
 
 @dataclass(kw_only=True)
 class Parallel3DConfig:
-    """Every layout option of the 3D strategy; validated at construction."""
+    """Every layout option of the 3D strategy; validated at construction, with numbers only.
+
+    ``Parallel3DStrategy`` builds it from its own constructor arguments, which carry the same names and
+    defaults (see ``lightning_perf.strategies.Parallel3DStrategy`` for each option's meaning).
+    """
 
     data_parallel_size: Union[int, str] = "auto"
     replicate_size: Union[int, str] = 1  # HSDP over "dp"; "auto": see parallel.dims.replicate_shape
@@ -60,10 +65,16 @@ class Parallel3DConfig:
         dp = self.data_parallel_size
         if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
             raise ValueError(f"data_parallel_size must be 'auto' or a positive integer, got {dp!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "stages_per_rank"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        # the schedule (with the pipeline's sizes) is checked even without pipeline parallelism, so a typo
+        # never waits for a pp run
+        self.pipeline = PipelineConfig(
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            schedule=self.pipeline_schedule,
+            num_microbatches=self.num_microbatches,
+            stages_per_rank=self.stages_per_rank,
+        )
+        for name in ("tensor_parallel_size", "context_parallel_size"):
+            check_size(name, getattr(self, name))
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.activation_checkpointing not in AC_MODES:
@@ -97,13 +108,6 @@ class Parallel3DConfig:
                     f"data_parallel_size={self.data_parallel_size!r}")
         self._check_replicate_size()
         self._check_context_parallel()
-        # the schedule is checked even without pipeline parallelism, so a typo never waits for a pp run
-        self.pipeline = PipelineConfig(
-            pp=self.pipeline_parallel_size,
-            schedule=self.pipeline_schedule,
-            num_microbatches=self.num_microbatches,
-            stages_per_rank=self.stages_per_rank,
-        )
         if self.pipeline_parallel_size == 1 and self.stages_per_rank > 1:
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
         if (self.pipeline_parallel_size > 1 and self.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
@@ -126,8 +130,6 @@ class Parallel3DConfig:
             replicate_shape(dp, r, size_name="data_parallel_size", divides="the data-parallel size")
 
     def _check_context_parallel(self) -> None:
-        from lightning_perf.parallel.context_parallel import check_context_parallel_mode
-
         check_context_parallel_mode(self.context_parallel_mode)  # a typo fails even without cp
         cp = self.context_parallel_size
         if cp == 1:
@@ -144,12 +146,12 @@ class Parallel3DConfig:
     def dims(self, world_size: int, num_nodes: int = 1) -> ParallelDims:
         """The layout on ``world_size`` processes over ``num_nodes`` nodes (raises with the arithmetic)."""
         return ParallelDims(
-            dp=self.data_parallel_size,  # type: ignore[arg-type]
-            tp=self.tensor_parallel_size,
-            pp=self.pipeline_parallel_size,
-            cp=self.context_parallel_size,
+            data_parallel_size=self.data_parallel_size,  # type: ignore[arg-type]
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            context_parallel_size=self.context_parallel_size,
             world_size=world_size,
-            replicate=self.replicate_size,  # type: ignore[arg-type]
+            replicate_size=self.replicate_size,  # type: ignore[arg-type]
             num_nodes=num_nodes,
         )
 

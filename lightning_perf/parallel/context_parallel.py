@@ -47,6 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_perf.parallel.dims import mesh_size
+from lightning_perf.parallel.ring_attention import ring_attention
+from lightning_perf.parallel.tensor_parallel import to_local_output
+
 __all__ = [
     "CONTEXT_PARALLEL_MODES",
     "check_context_parallel_mode",
@@ -161,8 +165,6 @@ def _local(out: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel model's DTensor output (a replicated loss, vocabulary-sharded logits) as a plain tensor."""
     if type(out) is torch.Tensor:
         return out
-    from lightning_perf.parallel.tensor_parallel import to_local_output
-
     return to_local_output(out)
 
 
@@ -210,12 +212,10 @@ def apply_context_parallel(model: Any, cp_mesh: Any, mode: str = "allgather") ->
     """Route ``model``'s attention over ``cp_mesh`` (``mode``: ``"allgather"`` or ``"ring"``) and wrap its
     forward (see the module docstring)."""
     check_context_parallel_mode(mode)
-    if cp_mesh.size() == 1:
+    if mesh_size(cp_mesh) == 1:
         return
     group = cp_mesh.get_group()
     if mode == "ring":
-        from lightning_perf.parallel.ring_attention import ring_attention
-
         model.enable_context_parallel(partial(ring_attention, group=group))
     else:
         model.enable_context_parallel(partial(context_parallel_attention, group=group))

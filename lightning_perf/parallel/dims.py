@@ -29,7 +29,7 @@ from math import gcd
 from typing import Any, Literal, Optional, Union
 
 __all__ = ["ParallelDims", "MESH_DIM_NAMES", "data_parallel_mesh", "build_zero_mesh", "fsdp_mesh",
-           "check_replicate_size", "replicate_shape"]
+           "check_replicate_size", "replicate_shape", "check_size", "mesh_size"]
 
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 #: the flattened ("dp", "cp") dimension: the ranks that hold the same parameters
@@ -38,6 +38,8 @@ DP_CP = "dp_cp"
 DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
 #: HSDP with context parallelism: FSDP2 shards over the flattened ("dp_shard", "cp") dimension
 DP_SHARD_CP = "dp_shard_cp"
+#: the flattened dimensions build_mesh adds, and what each flattens
+_FLATTENED = {"dp": (DP_REPLICATE, DP_SHARD), DP_CP: ("dp", "cp"), DP_SHARD_CP: (DP_SHARD, "cp")}
 
 
 def check_replicate_size(replicate_size: Any, *, fsdp_needs: Optional[str] = None,
@@ -82,100 +84,129 @@ def replicate_shape(size: int, replicate_size: Union[int, Literal["auto"]], *, n
     return (replicate, size // replicate)
 
 
-def _positive_int(name: str, value: Any) -> int:
+def check_size(name: str, value: Any) -> int:
+    """``value`` if it is a positive int, else a ``ValueError`` naming ``name``: the one check of every
+    layout size (the 3D config's, :class:`ParallelDims`', a pipeline schedule's)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
 
 
+def mesh_size(mesh: Any, *dims: str) -> int:
+    """The number of ranks of ``mesh`` along ``dims`` together (all of it: none named); a dimension the
+    mesh does not have counts 1. A flattened dimension of :meth:`ParallelDims.build_mesh` ("dp" under
+    HSDP, "dp_cp", "dp_shard_cp"), which a mesh does not list among its names, counts as the dimensions
+    it flattens. The one way the package reads a size off a built mesh."""
+    if not dims:
+        return int(mesh.size())
+    names = mesh.mesh_dim_names or ()
+    size = 1
+    for dim in dims:
+        if dim in names:
+            size *= int(mesh[dim].size())
+        elif dim in _FLATTENED:
+            size *= mesh_size(mesh, *_FLATTENED[dim])
+    return size
+
+
 @dataclass(kw_only=True)
 class ParallelDims:
-    """Sizes of the four parallel dimensions; ``pp * dp * cp * tp == world_size``.
+    """Sizes of the four parallel dimensions on ``world_size`` processes; their product is the world.
 
     Args:
-        dp: data-parallel replicas (``"auto"``: whatever ``world_size / (pp * cp * tp)`` leaves).
-        tp: tensor-parallel ranks per model replica (innermost mesh dimension).
-        pp: pipeline-parallel ranks per model replica (outermost mesh dimension).
-        cp: context-parallel ranks per model replica, each holding ``1 / cp`` of every sequence.
+        data_parallel_size: data-parallel replicas (``"auto"``: whatever ``world_size / (pp * cp * tp)``
+            leaves; an int once built).
+        tensor_parallel_size: tensor-parallel ranks per model replica (innermost mesh dimension).
+        pipeline_parallel_size: pipeline-parallel ranks per model replica (outermost mesh dimension).
+        context_parallel_size: context-parallel ranks per model replica, each holding ``1 / cp`` of every
+            sequence.
         world_size: the number of processes.
-        replicate: HSDP: the dp ranks as ``replicate`` groups of ``dp / replicate`` shards
-            (``"auto"``: see :func:`replicate_shape`); 1 keeps one flat "dp" dimension.
-        num_nodes: the nodes the world spans (for ``replicate="auto"``).
+        replicate_size: HSDP: the data-parallel ranks as ``replicate_size`` groups of ``shard_size`` shards
+            (``"auto"``: see :func:`replicate_shape`; an int once built); 1 keeps one flat "dp" dimension.
+        num_nodes: the nodes the world spans (for ``replicate_size="auto"``).
     """
 
-    dp: Union[int, Literal["auto"]] = "auto"
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
+    data_parallel_size: Union[int, Literal["auto"]] = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
     world_size: int
-    replicate: Union[int, Literal["auto"]] = 1
+    replicate_size: Union[int, Literal["auto"]] = 1
     num_nodes: int = 1
 
     def __post_init__(self) -> None:
-        _positive_int("world_size", self.world_size)
-        _positive_int("tensor_parallel_size (tp)", self.tp)
-        _positive_int("pipeline_parallel_size (pp)", self.pp)
-        _positive_int("context_parallel_size (cp)", self.cp)
-        model_ranks = self.tp * self.pp * self.cp
-        if self.dp == "auto":
+        check_size("world_size", self.world_size)
+        tp = check_size("tensor_parallel_size", self.tensor_parallel_size)
+        pp = check_size("pipeline_parallel_size", self.pipeline_parallel_size)
+        cp = check_size("context_parallel_size", self.context_parallel_size)
+        model_ranks = tp * pp * cp
+        if self.data_parallel_size == "auto":
             if self.world_size % model_ranks:
-                others = f"tp({self.tp}) * pp({self.pp})" + (f" * cp({self.cp})" if self.cp > 1 else "")
+                others = f"tp({tp}) * pp({pp})" + (f" * cp({cp})" if cp > 1 else "")
                 raise ValueError(
                     f"world size {self.world_size} is not divisible by {others} = "
                     f"{model_ranks}, so the data-parallel size cannot be derived: "
                     f"{self.world_size} / {model_ranks} = {self.world_size / model_ranks:.3g}; run on a multiple of "
                     f"{model_ranks} processes (devices x num_nodes) or change the layout"
                 )
-            self.dp = self.world_size // model_ranks
-        _positive_int("data_parallel_size (dp)", self.dp)
-        product = self.dp * model_ranks
+            self.data_parallel_size = self.world_size // model_ranks
+        dp = check_size("data_parallel_size", self.data_parallel_size)
+        product = dp * model_ranks
         if product != self.world_size:
             raise ValueError(
                 f"{self._arithmetic()} = {product} != world size {self.world_size}; "
-                f"choose sizes whose product is the number of processes (or dp='auto')"
+                f"choose sizes whose product is the number of processes (or data_parallel_size='auto')"
             )
-        _positive_int("num_nodes", self.num_nodes)
-        self.replicate, _ = replicate_shape(self.dp, self.replicate, num_nodes=self.num_nodes, stages=self.pp,
-                                            size_name="data-parallel size", divides="the data-parallel size")
+        check_size("num_nodes", self.num_nodes)
+        self.replicate_size, _ = replicate_shape(dp, self.replicate_size, num_nodes=self.num_nodes, stages=pp,
+                                                 size_name="data-parallel size", divides="the data-parallel size")
 
     def _arithmetic(self) -> str:
-        if self.cp == 1:  # the three-dimensional layout reads as it always has
-            return f"dp({self.dp}) * tp({self.tp}) * pp({self.pp})"
-        return f"pp({self.pp}) * dp({self.dp}) * cp({self.cp}) * tp({self.tp})"
+        dp, tp, pp, cp = (self.data_parallel_size, self.tensor_parallel_size, self.pipeline_parallel_size,
+                          self.context_parallel_size)
+        if cp == 1:  # the three-dimensional layout reads as it always has
+            return f"dp({dp}) * tp({tp}) * pp({pp})"
+        return f"pp({pp}) * dp({dp}) * cp({cp}) * tp({tp})"
 
     @property
-    def dp_size(self) -> int:
-        assert isinstance(self.dp, int)
-        return self.dp
+    def _dp(self) -> int:
+        assert isinstance(self.data_parallel_size, int)
+        return self.data_parallel_size
 
     @property
-    def dp_replicate(self) -> int:
-        assert isinstance(self.replicate, int)
-        return self.replicate
+    def _replicas(self) -> int:
+        assert isinstance(self.replicate_size, int)
+        return self.replicate_size
 
     @property
-    def dp_shard(self) -> int:
-        return self.dp_size // self.dp_replicate
+    def dp_cp_size(self) -> int:
+        """The ranks that hold the same parameters (dp x cp): FSDP2 shards over them, gradients average over them."""
+        return self._dp * self.context_parallel_size
+
+    @property
+    def shard_size(self) -> int:
+        """HSDP: the data-parallel ranks of one replica group (``data_parallel_size`` without HSDP)."""
+        return self._dp // self._replicas
 
     @property
     def hsdp(self) -> bool:
-        return self.dp_replicate > 1
+        return self._replicas > 1
 
     @property
     def dp_enabled(self) -> bool:
-        return self.dp_size > 1
+        return self._dp > 1
 
     @property
     def tp_enabled(self) -> bool:
-        return self.tp > 1
+        return self.tensor_parallel_size > 1
 
     @property
     def pp_enabled(self) -> bool:
-        return self.pp > 1
+        return self.pipeline_parallel_size > 1
 
     @property
     def cp_enabled(self) -> bool:
-        return self.cp > 1
+        return self.context_parallel_size > 1
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -188,22 +219,24 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         """The mesh shape in ``mesh_dim_names`` order: (pp, dp, cp, tp), or (pp, dp_replicate, dp_shard,
         cp, tp) under HSDP."""
+        pp, cp, tp = self.pipeline_parallel_size, self.context_parallel_size, self.tensor_parallel_size
         if self.hsdp:
-            return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        return (self.pp, self.dp_size, self.cp, self.tp)
+            return (pp, self._replicas, self.shard_size, cp, tp)
+        return (pp, self._dp, cp, tp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's (pp, dp, cp, tp) coordinates (and under HSDP its dp_replicate and dp_shard ones,
-        ``dp = dp_replicate * dp_shard_size + dp_shard``), computed without a process group."""
+        ``dp = dp_replicate * shard_size + dp_shard``), computed without a process group."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
-        tp_rank = rank % self.tp
-        cp_rank = (rank // self.tp) % self.cp
-        dp_rank = (rank // (self.tp * self.cp)) % self.dp_size
-        pp_rank = rank // (self.tp * self.cp * self.dp_size)
+        tp, cp = self.tensor_parallel_size, self.context_parallel_size
+        tp_rank = rank % tp
+        cp_rank = (rank // tp) % cp
+        dp_rank = (rank // (tp * cp)) % self._dp
+        pp_rank = rank // (tp * cp * self._dp)
         coords = {"pp": pp_rank, "dp": dp_rank, "cp": cp_rank, "tp": tp_rank}
         if self.hsdp:
-            coords[DP_REPLICATE], coords[DP_SHARD] = divmod(dp_rank, self.dp_shard)
+            coords[DP_REPLICATE], coords[DP_SHARD] = divmod(dp_rank, self.shard_size)
         return coords
 
     def build_mesh(self, device_type: str) -> Any:
@@ -231,16 +264,18 @@ class ParallelDims:
         return mesh
 
     def __str__(self) -> str:
-        cp = f" x cp{self.cp}" if self.cp_enabled else ""
-        dp = f"dp{self.dp}" if not self.hsdp else f"dp{self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"
-        return f"{dp}{cp} x tp{self.tp} x pp{self.pp} (world size {self.world_size})"
+        dp = self.data_parallel_size
+        cp = f" x cp{self.context_parallel_size}" if self.cp_enabled else ""
+        dp_text = f"dp{dp}" if not self.hsdp else f"dp{dp} (replicate {self._replicas} x shard {self.shard_size})"
+        return (f"{dp_text}{cp} x tp{self.tensor_parallel_size} x pp{self.pipeline_parallel_size} "
+                f"(world size {self.world_size})")
 
 
 def data_parallel_mesh(mesh: Any) -> Any:
     """The ranks that hold the same parameters and average their gradients: ``mesh["dp"]``, or
     the flattened ("dp", "cp") dimension when the mesh has context parallelism (a ("pp", "dp", "tp")
     mesh built without a "cp" dimension has none)."""
-    if "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
+    if mesh_size(mesh, "cp") > 1:
         return mesh[DP_CP]
     return mesh["dp"]
 
@@ -265,7 +300,7 @@ def fsdp_mesh(mesh: Any) -> Any:
     mesh. With context parallelism (a 3D mesh) parameters are sharded over "cp" too: the shard
     dimension is "dp_shard_cp" under HSDP, else the whole "dp_cp"."""
     names = mesh.mesh_dim_names or ()
-    cp = "cp" in names and mesh["cp"].size() > 1
+    cp = mesh_size(mesh, "cp") > 1
     if DP_SHARD in names:
         return mesh[DP_REPLICATE, DP_SHARD_CP if cp else DP_SHARD]
     if "dp" in names and mesh.ndim > 1:

@@ -36,6 +36,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
+from lightning_perf.parallel.fp8_all_gather import enable_fp8_all_gather, require_fp8_linears
+
 __all__ = ["apply_fsdp", "find_blocks", "find_model", "WrapPolicy", "set_gradient_sync", "is_fsdp_module",
            "cpu_offload_policy", "move_unsharded_"]
 
@@ -153,8 +155,6 @@ def apply_fsdp(
     if not any(True for _ in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no parameters: nothing to shard")
     if fp8_all_gather:
-        from lightning_perf.parallel.fp8_all_gather import enable_fp8_all_gather, require_fp8_linears
-
         if offload_policy is not None:
             raise ValueError("fp8_all_gather with CPU offload is not supported: the FP8 shards are made on the GPU")
         require_fp8_linears(module)

@@ -3,8 +3,7 @@
 Adam / AdamW over FSDP2 or tensor-parallel parameters send every list they build (parameters,
 gradients, both moments) through DTensor's dispatch, which plans the sharding of the fused
 ``_fused_adamw_`` / ``_foreach_*`` ops again on every step. With hundreds of parameters that
-host work takes longer than the kernels themselves, so the GPU waits for the host
-(``benchmarks/bench_optimizer.py`` times both paths).
+host work takes longer than the kernels themselves, so the GPU waits for the host.
 
 Adam's update is elementwise, so when a parameter, its gradient and its state share one
 placement on one mesh (no pending ``Partial`` reduction), updating the local shards is the same
@@ -56,14 +55,15 @@ def _local_lists(lists: list[list[Any]]) -> bool:
 class _LocalShardStep:
     """Mixin placed before an Adam-family optimizer class (see :func:`localize_optimizer`)."""
 
+    #: parameter groups stepped through their local shards so far (a group that did not qualify is not counted)
+    local_groups: int = 0
+
     def _init_group(self, group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps):
         out = super()._init_group(  # type: ignore[misc]
             group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
         )
         if params_with_grad:
-            self._lp_local_groups = getattr(self, "_lp_local_groups", 0) + int(
-                _local_lists([params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs])
-            )
+            self.local_groups += int(_local_lists([params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs]))
         return out
 
 

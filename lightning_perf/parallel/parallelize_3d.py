@@ -31,12 +31,18 @@ from lightning_perf.parallel.activation_checkpointing import apply_activation_ch
 from lightning_perf.parallel.compile import compile_blocks, compile_head_loss
 from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model
 from lightning_perf.parallel.context_parallel import apply_context_parallel
-from lightning_perf.parallel.dims import data_parallel_mesh, fsdp_mesh
-from lightning_perf.parallel.fsdp import find_blocks
+from lightning_perf.parallel.dims import fsdp_mesh, mesh_size
+from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks
 from lightning_perf.parallel.init import has_meta_tensors, materialize_local
 from lightning_perf.parallel.pipeline import PipelineRunner, build_stage_modules, lm_cross_entropy, prune_to_stages
-from lightning_perf.parallel.tensor_parallel import apply_tp, enable_async_tp, register_batch_padding
+from lightning_perf.parallel.tensor_parallel import (
+    apply_tp,
+    enable_async_tp,
+    register_batch_padding,
+    unfuse_linear_biases,
+)
 from lightning_perf.parallel.tied import TiedParameters, check_tied_layout, tied_parameter_names
+from lightning_perf.perf.run_settings import PerfSettings
 
 __all__ = [
     "Parallelized3D",
@@ -76,10 +82,9 @@ def parallelize_3d(
     target = check_model(model, config)
     pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
     # parameters are replicated over "cp" as over "dp": FSDP2 shards over both
-    dp_mesh = data_parallel_mesh(mesh)
-    use_fsdp = dp_mesh.size() > 1 and config.zero_stage > 0
+    use_fsdp = mesh_size(mesh, "dp", "cp") > 1 and config.zero_stage > 0
     if config.fp8_all_gather and not use_fsdp:  # "auto" resolved to one replica (every rank alike)
-        raise ValueError(f"fp8_all_gather needs data parallelism with ZeRO; this layout has dp={mesh['dp'].size()}")
+        raise ValueError(f"fp8_all_gather needs data parallelism with ZeRO; this layout has dp={mesh_size(mesh, 'dp')}")
     tied_names = tied_parameter_names(target, config.pipeline.num_stages) if pp > 1 else []
     if tied_names:  # every rank alike, before any collective here
         check_tied_layout(config.pipeline, zero_sharded=use_fsdp)
@@ -136,11 +141,9 @@ def apply_tensor_parallel(stages: dict[int, nn.Module], tp_mesh: Any, config: Pa
         apply_tp(stage, tp_mesh, sequence_parallel=config.sequence_parallel, local_output=whole_model)
         if config.sequence_parallel == "batch" and whole_model:
             # under pp the pipeline's forward checks each microbatch instead
-            register_batch_padding(stage, tp_mesh.size())
+            register_batch_padding(stage, config.tensor_parallel_size)
         if config.async_tensor_parallel:
             # async TP fuses collectives into bias-free matmuls only
-            from lightning_perf.parallel.tensor_parallel import unfuse_linear_biases
-
             unfuse_linear_biases(stage, tp_mesh, sequence_parallel=config.sequence_parallel)
 
 
@@ -159,8 +162,6 @@ def apply_data_parallel(stages: dict[int, nn.Module], dp_mesh: Any, config: Para
     """FSDP2 over ``dp_mesh`` (``"dp"``, or ``"dp_cp"`` with context parallelism; for HSDP the 2-D
     ("dp_replicate", "dp_shard") mesh, see ``parallel.dims.fsdp_mesh``) on every stage, one unit per
     ``fsdp_blocks_per_unit`` blocks."""
-    from lightning_perf.parallel.fsdp import apply_fsdp
-
     # under pp every microbatch would re-gather a resharded stage: keep it gathered (ZeRO-2 memory)
     reshard = config.zero_stage == 3 and config.pipeline_parallel_size == 1
     for stage in stages.values():
@@ -202,6 +203,11 @@ def _compile_mode(model: nn.Module, stages: dict[int, nn.Module], config: Parall
         f"modules) is re-applied to {scope}",
         stacklevel=3,
     )
-    hparams = getattr(model, "hparams", None)
-    module_mode = hparams.get("compile") if hasattr(hparams, "get") else None
-    return config.compile or module_mode or "default"
+    return config.compile or _stated_compile_mode(model) or "default"
+
+
+def _stated_compile_mode(model: nn.Module) -> Optional[str]:
+    """The compile mode the module says it applies (its ``perf_settings()``, see ``perf.run_settings``), if any."""
+    stated = getattr(model, "perf_settings", None)
+    settings = stated() if callable(stated) else None
+    return settings.compile_mode if isinstance(settings, PerfSettings) else None

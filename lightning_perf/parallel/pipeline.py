@@ -22,20 +22,20 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from lightning_perf.parallel.tied import TiedParameters
+from lightning_perf.parallel.dims import check_size
 
 __all__ = [
     "SCHEDULES",
     "PipelineConfig",
     "PipelineRunner",
+    "TiedGradients",
     "stage_indices",
     "build_stage_modules",
     "prune_to_stages",
@@ -66,13 +66,13 @@ class PipelineConfig:
     """A pipeline schedule, checked with numbers only.
 
     Args:
-        pp: pipeline-parallel ranks.
+        pipeline_parallel_size: pipeline-parallel ranks.
         schedule: one of :data:`SCHEDULES`.
         num_microbatches: microbatches per step (``None``: the number of stages, at least ``pp``).
         stages_per_rank: model stages each rank runs (interleaved schedules use more than one).
     """
 
-    pp: int
+    pipeline_parallel_size: int
     schedule: str = "1f1b"
     num_microbatches: Optional[int] = None
     stages_per_rank: int = 1
@@ -80,10 +80,9 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline_schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}")
-        for name in ("pp", "stages_per_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("pipeline_parallel_size", "stages_per_rank"):
+            check_size(name, getattr(self, name))
+        pp = self.pipeline_parallel_size
         _, placement, fixed = SCHEDULES[self.schedule]
         if fixed is not None and self.stages_per_rank != fixed:
             raise ValueError(
@@ -92,33 +91,33 @@ class PipelineConfig:
                 + ("; use 'interleaved_1f1b' or 'zero_bubble' for several" if fixed == 1 else "")
             )
         if self.num_microbatches is None:
-            self.num_microbatches = max(self.pp, self.num_stages)
+            self.num_microbatches = max(pp, self.num_stages)
         m = self.num_microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"num_microbatches must be a positive integer, got {m!r}")
-        if self.pp > 1 and m < self.pp and self.schedule != "gpipe":
+        if pp > 1 and m < pp and self.schedule != "gpipe":
             raise ValueError(
-                f"pipeline_schedule={self.schedule!r} needs num_microbatches >= pp: {m} < {self.pp} "
-                f"(each of the {self.pp} ranks must have a microbatch in flight)"
+                f"pipeline_schedule={self.schedule!r} needs num_microbatches >= pp: {m} < {pp} "
+                f"(each of the {pp} ranks must have a microbatch in flight)"
             )
-        if placement != "single" and self.pp > 1:
-            rounds = max(1, m // self.pp)
+        if placement != "single" and pp > 1:
+            rounds = max(1, m // pp)
             if m % rounds:
                 raise ValueError(
-                    f"pipeline_schedule={self.schedule!r} runs microbatches in rounds of pp={self.pp}: "
-                    f"num_microbatches {m} is not a multiple of {rounds} rounds (m // pp = {m} // {self.pp})"
+                    f"pipeline_schedule={self.schedule!r} runs microbatches in rounds of pp={pp}: "
+                    f"num_microbatches {m} is not a multiple of {rounds} rounds (m // pp = {m} // {pp})"
                 )
-        if self.pp > 1 and m < self.num_stages:
+        if pp > 1 and m < self.num_stages:
             warnings.warn(
-                f"num_microbatches ({m}) < total pipeline stages (pp {self.pp} * stages_per_rank "
+                f"num_microbatches ({m}) < total pipeline stages (pp {pp} * stages_per_rank "
                 f"{self.stages_per_rank} = {self.num_stages}): the bubble is "
-                f"{bubble_fraction(self.pp, m, self.stages_per_rank):.0%} of the step",
+                f"{bubble_fraction(pp, m, self.stages_per_rank):.0%} of the step",
                 stacklevel=2,
             )
 
     @property
     def num_stages(self) -> int:
-        return self.pp * self.stages_per_rank
+        return self.pipeline_parallel_size * self.stages_per_rank
 
     @property
     def placement(self) -> str:
@@ -136,7 +135,7 @@ class PipelineConfig:
 
     def last_stage_rank(self) -> int:
         """The pipeline rank that holds the last stage."""
-        return stage_owner(self.num_stages - 1, self.pp, self.placement)
+        return stage_owner(self.num_stages - 1, self.pipeline_parallel_size, self.placement)
 
 
 def stage_indices(pp_rank: int, pp: int, stages_per_rank: int, placement: str) -> list[int]:
@@ -156,7 +155,7 @@ def stage_owner(stage: int, pp: int, placement: str) -> int:
 
 def build_stage_modules(model: nn.Module, pp_rank: int, config: PipelineConfig) -> dict[int, nn.Module]:
     """``{stage_index: model.pipeline_stage(stage_index, num_stages)}`` for this rank's stages."""
-    ids = stage_indices(pp_rank, config.pp, config.stages_per_rank, config.placement)
+    ids = stage_indices(pp_rank, config.pipeline_parallel_size, config.stages_per_rank, config.placement)
     return {i: model.pipeline_stage(i, config.num_stages) for i in ids}  # type: ignore[operator]
 
 
@@ -195,6 +194,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+class TiedGradients(Protocol):
+    """What the runner needs of parameters two stages share (``parallel.tied.TiedParameters``): their
+    gradients set aside before a training step's backward, and summed over both stages after it."""
+
+    def hold_grads(self) -> list[Optional[torch.Tensor]]: ...
+
+    def reduce_grads_(self, held: list[Optional[torch.Tensor]]) -> None: ...
+
+
 class PipelineRunner:
     """Runs one schedule over this rank's stages.
 
@@ -215,7 +223,7 @@ class PipelineRunner:
         pp_group: Any,
         device: torch.device,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_cross_entropy,
-        tied: Optional[TiedParameters] = None,
+        tied: Optional[TiedGradients] = None,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 

@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from lightning_perf.parallel.dims import mesh_size
+
 __all__ = [
     "ReplicatedModule",
     "ReplicatedOutputNorm",
@@ -191,7 +193,7 @@ def apply_tp(
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    require_protocol(model, "tensor_parallel_plan", f"tensor parallelism (tp={tp_mesh.size()})")
+    require_protocol(model, "tensor_parallel_plan", f"tensor parallelism (tp={mesh_size(tp_mesh)})")
     if not callable(getattr(model, "tensor_parallel_plan", None)):
         raise ValueError(f"apply_tp needs the module that defines tensor_parallel_plan, got {type(model).__name__}")
     plan = cast_before_gather(_call_plan(model, tp_mesh, sequence_parallel))
@@ -274,9 +276,13 @@ def cast_before_gather(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 class _ColumnParallelBiasAfterMatmul(nn.Linear):
-    """A column-parallel ``Linear`` computing ``mm`` then ``+ bias`` (not ``addmm``)."""
+    """A column-parallel ``Linear`` computing ``mm`` then ``+ bias`` (not ``addmm``).
 
-    _lp_bias_after_matmul = True  # read by code that computes with the weights directly (fused q/k/v)
+    ``bias_after_matmul`` says so to code that computes with the weights directly (the GPT's fused
+    q/k/v matmul), which then adds the bias the same way.
+    """
+
+    bias_after_matmul = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight) + self.bias
@@ -328,9 +334,10 @@ def unfuse_linear_biases(model: nn.Module, tp_mesh: Any, *, sequence_parallel: A
     return changed
 
 
-def tp_sequence_check(seq_len: int, tp: int, sequence_parallel: Any, batch: Optional[int] = None,
+def tp_sequence_check(seq_len: int, tensor_parallel_size: int, sequence_parallel: Any, batch: Optional[int] = None,
                       microbatches: int = 1) -> None:
     """Sequence parallelism splits the sequence (or with ``"batch"`` each microbatch) evenly over the TP ranks."""
+    tp = tensor_parallel_size
     if sequence_parallel == "batch":
         if batch is not None and tp > 1:
             per = batch // max(1, microbatches)
@@ -356,56 +363,67 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _pad_batch_for_tp(tp: int, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-    """Forward pre-hook of a batch-sharded TP model: a batch that does not divide by ``tp`` (the last,
-    ragged batch of a validation set, say) is padded to the next multiple, when the model says how
-    its loss ignores a target (``batch_padding_target``, e.g. the GPT's -100): the padding repeats
-    the last sequence and its targets are ignored, so the loss is the unpadded batch's; outputs
-    with a batch dimension are cut back (:func:`_strip_batch_padding`). Otherwise a ValueError."""
-    module._lp_unpadded_batch = None
-    x = args[0] if args else kwargs.get("idx")
-    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] % tp == 0:
-        return None
-    fill = getattr(module, "batch_padding_target", None)
-    if fill is None:
-        tp_sequence_check(x.shape[1], tp, "batch", batch=x.shape[0])
-    batch = x.shape[0]
-    pad = -batch % tp
-    x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
-    args, kwargs = list(args), dict(kwargs)
-    if args:
-        args[0] = x
-    else:
-        kwargs["idx"] = x
-    in_args = len(args) > 1
-    targets = args[1] if in_args else kwargs.get("targets")
-    if isinstance(targets, torch.Tensor) and targets.dim() >= 1 and targets.shape[0] == batch:
-        targets = torch.cat([targets, targets.new_full((pad, *targets.shape[1:]), fill)])
-        if in_args:
-            args[1] = targets
+class _BatchPadding:
+    """The forward hooks of a batch-sharded TP model that pad a ragged batch and cut the outputs back.
+
+    A batch that does not divide by ``tensor_parallel_size`` (the last, ragged batch of a validation
+    set, say) is padded to the next multiple when the model says how its loss ignores a target
+    (``batch_padding_target``, e.g. the GPT's -100): the padding repeats the last sequence and its
+    targets are ignored, so the loss is the unpadded batch's; outputs with a batch dimension are cut
+    back. Otherwise a ValueError, before the first collective.
+    """
+
+    def __init__(self, tensor_parallel_size: int) -> None:
+        self.tensor_parallel_size = tensor_parallel_size
+        self.unpadded: Optional[int] = None  # the batch before padding, between the two hooks of one call
+
+    def pad(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        tp = self.tensor_parallel_size
+        self.unpadded = None
+        x = args[0] if args else kwargs.get("idx")
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] % tp == 0:
+            return None
+        fill = getattr(module, "batch_padding_target", None)
+        if fill is None:
+            tp_sequence_check(x.shape[1], tp, "batch", batch=x.shape[0])
+        batch = x.shape[0]
+        pad = -batch % tp
+        x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
+        args, kwargs = list(args), dict(kwargs)
+        if args:
+            args[0] = x
         else:
-            kwargs["targets"] = targets
-    module._lp_unpadded_batch = batch
-    return tuple(args), kwargs
+            kwargs["idx"] = x
+        in_args = len(args) > 1
+        targets = args[1] if in_args else kwargs.get("targets")
+        if isinstance(targets, torch.Tensor) and targets.dim() >= 1 and targets.shape[0] == batch:
+            targets = torch.cat([targets, targets.new_full((pad, *targets.shape[1:]), fill)])
+            if in_args:
+                args[1] = targets
+            else:
+                kwargs["targets"] = targets
+        self.unpadded = batch
+        return tuple(args), kwargs
 
-
-def _strip_batch_padding(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    batch = getattr(module, "_lp_unpadded_batch", None)
-    if batch is None:
+    def strip(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        batch, self.unpadded = self.unpadded, None
+        if batch is None:
+            return output
+        if isinstance(output, torch.Tensor) and output.dim() >= 1 and output.shape[0] > batch:
+            return output[:batch]
         return output
-    module._lp_unpadded_batch = None
-    if isinstance(output, torch.Tensor) and output.dim() >= 1 and output.shape[0] > batch:
-        return output[:batch]
-    return output
 
-def register_batch_padding(module: nn.Module, tp: int) -> None:
-    """Let a batch-sharded TP model (``sequence_parallel="batch"``) take a batch that does not divide by ``tp``.
+
+def register_batch_padding(module: nn.Module, tensor_parallel_size: int) -> None:
+    """Let a batch-sharded TP model (``sequence_parallel="batch"``) take a batch that does not divide by
+    ``tensor_parallel_size``.
 
     An uneven batch would give the ranks shards of different sizes: it is padded (a model whose
-    loss ignores padded targets) or refused, before the first collective (see :func:`_pad_batch_for_tp`).
+    loss ignores padded targets) or refused, before the first collective (see :class:`_BatchPadding`).
     """
-    module.register_forward_pre_hook(functools.partial(_pad_batch_for_tp, tp), with_kwargs=True)
-    module.register_forward_hook(_strip_batch_padding, with_kwargs=True)
+    hooks = _BatchPadding(tensor_parallel_size)
+    module.register_forward_pre_hook(hooks.pad, with_kwargs=True)
+    module.register_forward_hook(hooks.strip, with_kwargs=True)
 
 
 def enable_async_tp(tp_mesh: Any, device: torch.device) -> None:

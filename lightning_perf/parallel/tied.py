@@ -76,7 +76,7 @@ def check_tied_layout(pipeline: PipelineConfig, *, zero_sharded: bool) -> None:
     Under V placement the first and the last stage run on one rank and share one parameter, which
     two stages' FSDP2 units cannot both shard.
     """
-    if pipeline.pp > 1 and pipeline.placement == "v" and zero_sharded:
+    if pipeline.pipeline_parallel_size > 1 and pipeline.placement == "v" and zero_sharded:
         raise ValueError(
             f"pipeline_schedule={pipeline.schedule!r} runs the first and the last stage on one rank, where a tied "
             "LM head and the token embedding are one parameter that two stages' ZeRO units cannot both shard: "
@@ -132,7 +132,7 @@ class TiedParameters:
         Every rank must call it (it creates every embedding group). ``None`` on a rank that holds
         neither the first nor the last stage, where the two share a rank, or when nothing is tied.
         """
-        first = stage_owner(0, pipeline.pp, pipeline.placement)
+        first = stage_owner(0, pipeline.pipeline_parallel_size, pipeline.placement)
         last = pipeline.last_stage_rank()
         if not names or first == last:
             return None

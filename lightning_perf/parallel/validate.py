@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning_perf.parallel.context_parallel import check_context_parallel_seq_len
+from lightning_perf.parallel.pipeline import PipelineConfig
+from lightning_perf.parallel.tensor_parallel import tp_sequence_check
+
 __all__ = ["check_data_layout", "data_shape"]
 
 
@@ -33,10 +37,10 @@ def check_data_layout(
     batch_size: Optional[int] = None,
     seq_len: Optional[int] = None,
     model_config: Any = None,
-    tp: int = 1,
+    tensor_parallel_size: int = 1,
     sequence_parallel: Any = False,
-    pipeline: Any = None,
-    cp: int = 1,
+    pipeline: Optional[PipelineConfig] = None,
+    context_parallel_size: int = 1,
 ) -> None:
     """Raise ``ValueError`` (with the numbers) if batches of this shape cannot train.
 
@@ -44,11 +48,13 @@ def check_data_layout(
         batch_size: samples per batch on one data-parallel rank.
         seq_len: tokens per sample.
         model_config: anything with ``block_size`` (a ``GPTConfig``).
-        tp, sequence_parallel: tensor parallelism and whether it shards the sequence (True) or
-            the batch (``"batch"``).
+        tensor_parallel_size, sequence_parallel: tensor parallelism and whether it shards the sequence
+            (True) or the batch (``"batch"``).
         pipeline: a ``PipelineConfig`` (its microbatches must divide the batch) or ``None``.
-        cp: context-parallel ranks (the sequence is cut into ``2 * cp`` chunks).
+        context_parallel_size: context-parallel ranks (the sequence is cut into ``2 * cp`` chunks).
     """
+    tp, cp = tensor_parallel_size, context_parallel_size
+    pp = pipeline.pipeline_parallel_size if pipeline is not None else 1
     block_size = getattr(model_config, "block_size", None)
     if seq_len is not None and isinstance(block_size, int) and seq_len > block_size:
         raise ValueError(
@@ -56,8 +62,6 @@ def check_data_layout(
             f"module's seq_len or build the model with block_size >= {seq_len}"
         )
     if seq_len is not None and cp > 1:
-        from lightning_perf.parallel.context_parallel import check_context_parallel_seq_len
-
         check_context_parallel_seq_len(seq_len, cp)
         if sequence_parallel is True and tp > 1 and (seq_len // cp) % tp:
             raise ValueError(
@@ -67,14 +71,12 @@ def check_data_layout(
             )
     if sequence_parallel == "batch":
         if batch_size is not None and tp > 1:
-            from lightning_perf.parallel.tensor_parallel import tp_sequence_check
-
-            m = getattr(pipeline, "num_microbatches", None) if getattr(pipeline, "pp", 1) > 1 else 1
+            m = pipeline.num_microbatches if pipeline is not None and pp > 1 else 1
             tp_sequence_check(seq_len or 0, tp, "batch", batch=batch_size, microbatches=m or 1)
     elif seq_len is not None and sequence_parallel and tp > 1 and seq_len % tp:
         raise ValueError(
             f"sequence parallelism splits seq_len={seq_len} over tp={tp} ranks: {seq_len} / {tp} = "
             f"{seq_len / tp:.3g}; use a seq_len divisible by {tp} or sequence_parallel=False"
         )
-    if batch_size is not None and pipeline is not None and getattr(pipeline, "pp", 1) > 1:
+    if batch_size is not None and pipeline is not None and pp > 1:
         pipeline.check_batch(batch_size)

@@ -25,12 +25,12 @@ gathered within a node and only the gradients cross nodes, in an all-reduce of e
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from lightning_perf.parallel.ddp import COMPRESSIONS
 from lightning_perf.parallel.dims import check_replicate_size, replicate_shape
-from lightning_perf.parallel.fsdp import WrapPolicy
+from lightning_perf.parallel.fsdp import WrapPolicy, check_blocks_per_unit
 
 __all__ = ["ZeroConfig", "require_deepspeed", "DEEPSPEED_EXTRA"]
 
@@ -46,7 +46,10 @@ def require_deepspeed(reason: str) -> None:
 
 @dataclass(kw_only=True)
 class ZeroConfig:
-    """Validated ZeRO options (see ``lightning_perf.strategies.ZeroStrategy`` for their meaning)."""
+    """Validated ZeRO options (see ``lightning_perf.strategies.ZeroStrategy`` for their meaning).
+
+    ``ZeroStrategy`` builds it from its own constructor arguments, which carry the same names and defaults.
+    """
 
     stage: int = 3
     backend: Optional[Literal["native", "deepspeed"]] = None  # None: native, deepspeed to offload at stage 1
@@ -59,12 +62,13 @@ class ZeroConfig:
     gradient_compression: Optional[Literal["fp16", "bf16", "powersgd"]] = None
     powersgd_rank: int = 4
     init: Literal["rank0", "meta"] = "rank0"
-    deepspeed_config: dict[str, Any] = field(default_factory=dict)
+    deepspeed_config: Optional[dict[str, Any]] = None  # entries merged over the generated config (a copy)
     fp8_all_gather: bool = False
     blocks_per_unit: int = 1
     replicate_size: Union[int, Literal["auto"]] = 1  # "auto": the number of nodes
 
     def __post_init__(self) -> None:
+        self.deepspeed_config = dict(self.deepspeed_config or {})
         if self.stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got stage={self.stage!r}")
         if self.backend is None:
@@ -107,8 +111,6 @@ class ZeroConfig:
             raise ValueError(
                 "fp8_all_gather changes FSDP2's parameter all-gather: it needs stage 2 or 3 with backend='native', "
                 f"got stage={self.stage}, backend={self.backend!r}")
-        from lightning_perf.parallel.fsdp import check_blocks_per_unit
-
         check_blocks_per_unit(self.blocks_per_unit)
         if self.blocks_per_unit > 1 and not self.uses_fsdp:
             raise ValueError("blocks_per_unit groups FSDP2 units: it needs stage 2 or 3 with backend='native', "

@@ -24,7 +24,7 @@ from lightning_perf.perf.memory_snapshot import top_sites
 from lightning_perf.perf.peaks import DTYPES, PEAKS, DevicePeak, compute_dtype_name, device_peak, lookup_peak
 from lightning_perf.perf.report import PerfSummary, breakdown, recommendations, render_markdown
 from lightning_perf.perf.roofline import RooflineGroup, build_groups, classify, plot_roofline, profiler_op_times
-from lightning_perf.perf.run_settings import RunSettings
+from lightning_perf.perf.run_settings import PerfSettings, RunSettings
 from lightning_perf.perf.saved_activations import SavedTensorCounter
 from lightning_perf.perf.sync import (
     SYNC_KINDS,
@@ -62,7 +62,7 @@ __all__ = [
     "DTYPES", "PEAKS", "DevicePeak", "compute_dtype_name", "device_peak", "lookup_peak",
     "PerfSummary", "breakdown", "recommendations", "render_markdown",
     "RooflineGroup", "build_groups", "classify", "plot_roofline", "profiler_op_times",
-    "RunSettings", "SavedTensorCounter",
+    "PerfSettings", "RunSettings", "SavedTensorCounter",
     "SYNC_KINDS", "CudaSyncCatcher", "DispatchSyncDetector", "SyncCallCatcher", "SyncPointError", "SyncRecorder",
     "SyncSite", "SyncWatch", "classify_op", "detector_plan",
     "EventPool", "StepLedger", "StepRecord", "StepRow", "StepTimer", "StepWindow", "host_clock",

@@ -1,38 +1,48 @@
 """Advice that knows the run: concrete changes ranked by the step time they would save.
 
-Inputs: the measured summary (``perf.report.PerfSummary``) and its step breakdown (compute,
-exposed communication, data wait, host overhead), the roofline op groups, garbage-collection
-pauses, the run's settings (``RunSettings``) and, when measured, its memory (``MemoryReport``).
+Inputs: the measured summary (``perf.report.PerfSummary``, or anything with the fields of
+:class:`MeasuredRun`) and its step breakdown (compute, exposed communication, data wait, host
+overhead), the roofline op groups, garbage-collection pauses, the run's settings (``RunSettings``)
+and, when measured, its memory (``MemoryReport``).
 
-Each piece of advice carries the share of the step it would save, an upper bound read off the
-breakdown (all of the data wait, all of the exposed communication, half of the time of the op
-groups a fusion or a compiler addresses), or a ratio measured in ``benchmarks/results`` where one
-exists. Advice that cannot be sized from the run ranks after all that can. A change is suggested
+Each piece of advice carries the share of the step it would save, an upper bound read off this
+run's own measurements: all of the data wait, all of the exposed communication, half of the time
+of the op groups a fusion or a compiler addresses, the recomputed share of the FLOPs (HFU against
+MFU). Advice that cannot be sized from the run ranks after all that can. A change is suggested
 only when the settings say it is off: unknown settings suggest nothing.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Protocol
 
 from lightning_perf.perf.memory import GB, MemoryReport
 from lightning_perf.perf.run_settings import RunSettings
 
-if TYPE_CHECKING:
-    from lightning_perf.perf.report import PerfSummary
+__all__ = ["Advice", "MeasuredRun", "advise"]
 
-__all__ = ["Advice", "advise", "WHOLE_MODEL_COMPILE", "FP8_SPEEDUP", "whole_model_compile_speedup"]
-
-# (parameters, per-block / whole-model compiled step time, result): the plain compiled GPT loop, one H200
-WHOLE_MODEL_COMPILE = (
-    (124_475_904, 41.45 / 33.06, "benchmarks/results/bench_gpt_h200_20261122_124m-kernels.json"),
-    (1_315_819_520, 273.63 / 264.79, "benchmarks/results/bench_gpt_h200_20261122_1.3b-kernels.json"),
-)
-# (parameters, bf16 / FP8 step time, result): whole-model compile, FP8 linears with fused q/k/v, one H200
-FP8_SPEEDUP = (1_315_819_520, 266.53 / 228.38, "benchmarks/results/bench_gpt_h200_20261122_1.3b-fp8.json")
 _ADAM = ("Adam", "AdamW")
+# a forward pass is a third of a training step's FLOPs (backward: two matmuls per forward matmul), so
+# recomputing it in backward adds a quarter to the step's work; the run's HFU / MFU says so when known
+_FULL_RECOMPUTE_SHARE = 0.25
+
+
+class MeasuredRun(Protocol):
+    """The measurements the advice reads (``perf.report.PerfSummary`` has them all)."""
+
+    step_time_s: float
+    mfu: Optional[float]
+    hfu: Optional[float]
+    roofline: list[dict[str, Any]]
+    dataloader_advice: list[str]
+    user_sync_sites: list[str]
+    exposed_comm_per_rank: list[Optional[float]]
+    gc_pause_s: Optional[float]
+    gc_max_pause_s: Optional[float]
+    gc_collections: int
+    gc_scheduled: bool
+    fsdp_blocks_per_unit: Optional[int]
 
 
 @dataclass(kw_only=True)
@@ -45,19 +55,8 @@ class Advice:
         return None if self.fraction is None else self.fraction * step_time_s
 
 
-def whole_model_compile_speedup(n_params: int) -> float:
-    """Per-block over whole-model compiled step time at ``n_params``: the measured ratios of
-    :data:`WHOLE_MODEL_COMPILE`, linear in log(parameters) between them, held beyond."""
-    (n0, r0, _), (n1, r1, _) = WHOLE_MODEL_COMPILE
-    if n_params <= n0:
-        return r0
-    if n_params >= n1:
-        return r1
-    t = (math.log(n_params) - math.log(n0)) / (math.log(n1) - math.log(n0))
-    return r0 + t * (r1 - r0)
-
-
-def _share(summary: Any, bound: Optional[str] = None, names: tuple[str, ...] = ()) -> float:
+def _share(summary: MeasuredRun, bound: Optional[str] = None, names: tuple[str, ...] = ()) -> float:
+    """The share of kernel time of the roofline groups of this ``bound`` (any: None) and these ``names`` (any: ())."""
     return sum(g.get("time_share", 0.0) for g in summary.roofline
                if (bound is None or g.get("bound") == bound) and (not names or g.get("name") in names))
 
@@ -71,7 +70,7 @@ def _headroom(memory: Optional[MemoryReport], below: float) -> Optional[str]:
     return f"peak {memory.peak_allocated / GB:.3g} of {memory.device_total / GB:.3g} GB"
 
 
-def _loader_tips(summary: Any, s: RunSettings) -> list[str]:
+def _loader_tips(summary: MeasuredRun, s: RunSettings) -> list[str]:
     tips = list(summary.dataloader_advice)
     if s.state("dataloader_workers"):
         tips = [t for t in tips if not t.startswith("num_workers=0")]
@@ -80,7 +79,7 @@ def _loader_tips(summary: Any, s: RunSettings) -> list[str]:
     return tips
 
 
-def advise(summary: "PerfSummary", parts: Mapping[str, Mapping[str, float]], settings: Optional[RunSettings] = None,
+def advise(summary: MeasuredRun, parts: Mapping[str, Mapping[str, float]], settings: Optional[RunSettings] = None,
            memory: Optional[MemoryReport] = None) -> list[Advice]:
     """Every applicable change, ranked by the share of the step it would save (unsized ones last)."""
     s = settings or RunSettings()
@@ -192,23 +191,23 @@ def advise(summary: "PerfSummary", parts: Mapping[str, Mapping[str, float]], set
                      "fixed steps on every rank.",
                 fraction=max(frac, 0.1 * longest), changes=("gc_schedule",)))
 
-    if s.gpt and s.state("compile") and s.compile_scope == "block" and not s.sharded_per_block and s.n_params:
-        ratio = whole_model_compile_speedup(s.n_params)
-        if ratio > 1.05:
-            (n0, r0, f0), (_, r1, f1) = WHOLE_MODEL_COMPILE
-            tips.append(Advice(
-                text=f"Compile scope: the blocks are compiled one by one; whole-model compile "
-                     f"(GPTLightningModule(compile_scope='model')) measured {r0:.2f}x faster at gpt2-124m "
-                     f"({f0}) and {r1:.2f}x at gpt-1.3b ({f1}): ~{ratio:.2f}x expected at {s.n_params / 1e6:.0f}M "
-                     "parameters.",
-                fraction=compute * (1 - 1 / ratio), changes=("compile_model_scope",)))
-
-    if s.gpt and cuda and s.fp8_capable and s.off("fp8") and s.n_params and s.n_params >= 0.5 * FP8_SPEEDUP[0]:
-        n, ratio, where = FP8_SPEEDUP
+    if s.gpt and s.state("compile") and s.compile_scope == "block" and not s.sharded_per_block and over > 0.05:
+        # one graph per block leaves a launch and a guard check per block, and the code between the
+        # blocks (embedding, head, loss) eager: what the overhead-bound groups measure
         tips.append(Advice(
-            text=f"FP8 linears: config_overrides={{'fp8': 'tensorwise', 'fused_qkv': True}} measured {ratio:.2f}x "
-                 f"at gpt-1.3b ({where}); smaller models gain less.",
-            fraction=compute * (1 - 1 / ratio), changes=("fp8",)))
+            text=f"Compile scope: the blocks are compiled one by one and overhead-bound ops take {100 * over:.0f}% "
+                 "of kernel time (launch latency); whole-model compile (GPTLightningModule(compile_scope='model')) "
+                 "runs the model as one graph: fewer launches and guard checks per step.",
+            fraction=0.5 * over * compute, changes=("compile_model_scope",)))
+
+    matmuls = _share(summary, "compute", ("matmul",))
+    if s.gpt and cuda and s.fp8_capable and s.off("fp8") and matmuls > 0.2:
+        # FP8 tensor cores run at twice the 16-bit rate: at most half of the compute-bound matmuls' time
+        tips.append(Advice(
+            text=f"FP8 linears: compute-bound matmuls take {100 * matmuls:.0f}% of kernel time; "
+                 "config_overrides={'fp8': 'tensorwise', 'fused_qkv': True} runs the linear layers' matmuls on "
+                 "the FP8 tensor cores (twice the 16-bit rate; the larger the matmuls, the closer the gain to it).",
+            fraction=0.5 * matmuls * compute, changes=("fp8",)))
 
     if cuda and s.off("bf16"):
         mm = _share(summary, None, ("matmul", "attention"))
@@ -226,10 +225,14 @@ def advise(summary: "PerfSummary", parts: Mapping[str, Mapping[str, float]], set
     if s.activation_checkpointing == "full":
         room = _headroom(memory, 0.5)
         if room:
+            recomputed = _FULL_RECOMPUTE_SHARE
+            if summary.mfu and summary.hfu and summary.hfu > summary.mfu:
+                recomputed = 1 - summary.mfu / summary.hfu  # the executed FLOPs the model FLOPs do not count
             tips.append(Advice(
-                text=f"Activation checkpointing 'full' recomputes the whole forward (~1/4 of the step's compute) "
-                     f"with the {room}: mode 'selective' recomputes only norms and elementwise ops, 'none' nothing.",
-                fraction=0.25 * compute))
+                text=f"Activation checkpointing 'full' recomputes the whole forward (~{100 * recomputed:.0f}% of "
+                     f"the step's compute) with the {room}: mode 'selective' recomputes only norms and elementwise "
+                     "ops, 'none' nothing.",
+                fraction=recomputed * compute))
 
     if summary.mfu is not None and summary.mfu < 0.3:
         room = _headroom(memory, 0.7)

@@ -50,7 +50,7 @@ class PerfSummary:
     gc_max_pause_s: Optional[float] = None  # the longest single collection in the measured steps
     gc_collections: int = 0
     gc_scheduled: bool = False  # collections run on a fixed schedule (GarbageCollection) rather than automatically
-    fsdp_blocks_per_unit: Optional[int] = None  # blocks per FSDP2 unit when a native ZeRO-2/3 strategy shards the model
+    fsdp_blocks_per_unit: Optional[int] = None  # blocks per FSDP2 unit where the strategy shards with FSDP2 (ZeRO-2/3)
     exposed_comm_per_rank: list[Optional[float]] = field(default_factory=list)  # exposed share of the step, per rank
     settings: Optional[RunSettings] = None  # what the run has switched on (the advice never repeats it)
     memory: Optional[MemoryReport] = None  # from MemoryMonitor

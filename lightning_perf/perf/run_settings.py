@@ -1,9 +1,16 @@
 """What a training run has switched on: the settings the advice reads before suggesting a change.
 
 Collected from the LightningModule, the Trainer and its strategy by the callbacks
-(``lightning_perf.callbacks._settings``) and handed to the pure advice (``perf.advice``,
+(``lightning_perf.callbacks.run_settings_of``) and handed to the pure advice (``perf.advice``,
 ``perf.memory``). ``None`` means "not known": the advice never suggests a setting whose current
 state it does not know, so it cannot suggest what is already on.
+
+A strategy or a LightningModule tells the callbacks what it knows of itself through one method,
+``perf_settings() -> PerfSettings``: the pack's strategies state their precision and layout (ZeRO
+stage, tensor and pipeline sizes, blocks per FSDP2 unit) and what they apply to the model (compile,
+activation checkpointing); ``GPTLightningModule`` states what it builds. The callbacks call it where
+it exists and otherwise read Lightning's public attributes and the model itself, so any strategy
+and any LightningModule work, and one that knows more can say so by defining the method.
 """
 
 from __future__ import annotations
@@ -11,7 +18,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["RunSettings", "CHANGES"]
+__all__ = ["RunSettings", "PerfSettings", "CHANGES"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerfSettings:
+    """What a strategy or a LightningModule states about itself (``None``: it does not say).
+
+    Attributes:
+        precision: Lightning's precision string the strategy trains in.
+        zero_stage: 0 for replicated parameters, 1-3 for ZeRO (3 = parameters sharded).
+        tensor_parallel_size, pipeline_parallel_size: the layout's sizes.
+        fsdp_blocks_per_unit: blocks per FSDP2 unit, where FSDP2 shards the model.
+        compile_mode: the ``torch.compile`` mode it applies (``None``: it compiles nothing itself).
+        compile_scope: what that compiles: ``"block"`` (each block) or ``"model"`` (one graph).
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``, as it applies it.
+        gpt: the module is the pack's GPT (its kernels, FP8 and compile scope are arguments of it).
+        kernels, attention, fp8: the GPT's ``GPTConfig`` fields (``fp8``: its recipe or ``"none"``).
+    """
+
+    precision: Optional[str] = None
+    zero_stage: Optional[int] = None
+    tensor_parallel_size: Optional[int] = None
+    pipeline_parallel_size: Optional[int] = None
+    fsdp_blocks_per_unit: Optional[int] = None
+    compile_mode: Optional[str] = None
+    compile_scope: Optional[str] = None
+    activation_checkpointing: Optional[str] = None
+    gpt: Optional[bool] = None
+    kernels: Optional[str] = None
+    attention: Optional[str] = None
+    fp8: Optional[str] = None
+
 
 # what a piece of advice may ask to switch on; RunSettings.already_on tells whether it is
 CHANGES = (

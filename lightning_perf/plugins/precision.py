@@ -33,6 +33,7 @@ pipeline parallel, whose strategy clips itself, or a loss scaler) they are clipp
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Optional
@@ -102,15 +103,19 @@ def fold_clip_into_fused_step(optimizer: Any, max_norm: float) -> bool:
         total = total.full_tensor()
     # clip_grad_norm_ multiplies by clamp(max_norm / (total + 1e-6), max=1); the kernel divides by this
     optimizer.grad_scale = 1.0 / torch.clamp(float(max_norm) / (total.float() + 1e-6), max=1.0)
-    optimizer._lp_folded_clip = True
+    _FOLDED_CLIP.add(optimizer)
     return True
 
 
 def clear_folded_clip(optimizer: Any) -> None:
     """Remove the clip factor that :func:`fold_clip_into_fused_step` left on ``optimizer``."""
-    if getattr(optimizer, "_lp_folded_clip", False):
+    if optimizer in _FOLDED_CLIP:
         optimizer.grad_scale = None
-        optimizer._lp_folded_clip = False
+        _FOLDED_CLIP.discard(optimizer)
+
+
+# optimizers whose grad_scale holds a clip factor of fold_clip_into_fused_step (not a grad scaler's)
+_FOLDED_CLIP: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class _DefaultDtype:

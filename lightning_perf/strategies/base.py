@@ -32,7 +32,14 @@ keep only what differs:
 A strategy names where it differs by overriding the small methods below:
 ``_build_device_mesh`` (required), ``_check_world_size``, ``_check_before_launch``,
 ``_check_before_process_group``, ``_check_precision``, ``_fp8_gather_module``,
-``_write_checkpoint`` / ``_read_checkpoint``.
+``_write_checkpoint`` / ``_read_checkpoint``, and ``perf_settings`` (what it tells the
+performance callbacks).
+
+Options: each strategy's constructor takes its options as typed parameters (what LightningCLI and
+the recipes instantiate) and hands them to the base as one validated dataclass, ``config``
+(``ZeroConfig``, ``Parallel3DConfig``), built by :func:`config_from_arguments` from the
+constructor's own arguments: the dataclass's fields are the parameters of the same names, so no
+option is copied by hand, and every other method reads ``self.config``.
 
 Checkpoint layout: the checkpoint's ``extra`` is Lightning's checkpoint dict itself (loop
 state, callbacks, schedulers, the precision plugin's loss scaler, ...) without
@@ -46,9 +53,10 @@ import inspect
 import os
 from abc import abstractmethod
 from collections.abc import Mapping
+from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -63,6 +71,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -76,20 +85,47 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_perf.callbacks.garbage import DefaultCollection, GarbageCollection
+from lightning_perf.kernels.torchao_fp8 import uses_delayed_fp8
 from lightning_perf.parallel import checkpoint as ckpt
-from lightning_perf.runtime import resume
 from lightning_perf.parallel.async_checkpoint import AsyncCheckpointer, async_save_supported
+from lightning_perf.parallel.fp8_all_gather import precompute_fp8_scales, require_fp8_config, require_fp8_linears
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, check_every_n_steps
+from lightning_perf.perf.run_settings import PerfSettings
 from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
+from lightning_perf.runtime import resume
+from lightning_perf.runtime.preemption import attach_preemption
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["PerfParallelStrategy"]
+__all__ = ["PerfParallelStrategy", "StrategyConfig", "config_from_arguments"]
 
 # Lightning's checkpoint entries that the DCP shards hold instead
 _SHARDED_KEYS = ("state_dict", "optimizer_states")
+
+C = TypeVar("C")
+
+
+class StrategyConfig(Protocol):
+    """What the base reads of every strategy's options (``ZeroConfig``, ``Parallel3DConfig``)."""
+
+    fp8_all_gather: bool
+
+
+def config_from_arguments(config_cls: type[C], arguments: dict[str, Any]) -> C:
+    """``config_cls`` (a dataclass of options) built from a constructor's own arguments (its ``locals()``).
+
+    Every field of the dataclass is taken from the argument of the same name, so an option is written
+    once in the constructor's signature (typed, for LightningCLI) and once in the dataclass (where it is
+    validated), and never copied field by field. A field without an argument of its name is an error
+    of the strategy's code, raised at once.
+    """
+    names = [f.name for f in fields(config_cls) if f.init]  # type: ignore[arg-type]
+    missing = [n for n in names if n not in arguments]
+    if missing:
+        raise TypeError(f"{config_cls.__name__} fields {missing} are not arguments of the strategy's constructor")
+    return config_cls(**{n: arguments[n] for n in names})
 
 
 def _as_perf_precision(plugin: Precision, strategy: str) -> PerfPrecision:
@@ -112,8 +148,6 @@ def builds_in_configure_model(module: Any) -> bool:
     Such a module is not yet the network it trains when the processes start: checks that look
     at its submodules wait for ``setup``, checks of its numbers (``module.config``) need not.
     """
-    from lightning.pytorch import LightningModule
-
     if not isinstance(module, LightningModule):
         return False
     # Lightning still calls the deprecated configure_sharded_model in its place
@@ -139,8 +173,6 @@ class _CheckingLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
-        from lightning.pytorch import LightningDataModule, LightningModule
-
         # fit/validate/test/predict set the module before launching; the data module is an argument
         module = self._strategy.lightning_module or _find_instance(LightningModule, args, kwargs)
         datamodule = _find_instance(LightningDataModule, args, kwargs)
@@ -194,17 +226,22 @@ class PerfParallelStrategy(ParallelStrategy):
             fail instead of hanging; pair it with ``RankWatchdog`` to name the rank at fault.
         async_checkpoint: write checkpoints in the background (``True``) or in the save call
             (``False``); ``None``: in the background on CUDA devices, where a save's state is
-            staged to host memory and the write overlaps training (gpt2-124m on an H100: 0.9 s
-            lost per save in place of 5.1 s), in the save call on the CPU, where the staging copy
-            is the write's own cost.
+            staged to host memory and training goes on while it is written (only the staging
+            copy holds the step up), in the save call on the CPU, where the staging copy is the
+            write's own cost.
         gc_every_n_steps: Python's garbage collector runs every this many global steps on every
             rank, with its automatic collections off during ``fit`` (so no rank pauses at its own
             moment while the others wait in the next collective; see
             ``lightning_perf.callbacks.GarbageCollection``); ``None``: Python's automatic collector,
             as the program has it. A ``GarbageCollection`` callback attached to the Trainer decides
             instead.
+        config: the strategy's validated options (see :func:`config_from_arguments`), set before
+            anything else reads them (Lightning's constructor already checks the precision with them).
         The others are Lightning's ``ParallelStrategy`` arguments.
     """
+
+    #: the strategy's options, one validated dataclass (``ZeroConfig``, ``Parallel3DConfig``)
+    config: StrategyConfig
 
     def __init__(
         self,
@@ -217,7 +254,10 @@ class PerfParallelStrategy(ParallelStrategy):
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         async_checkpoint: Optional[bool] = None,
         gc_every_n_steps: Optional[int] = DEFAULT_EVERY_N_STEPS,
+        *,
+        config: StrategyConfig,
     ) -> None:
+        self.config = config
         check_every_n_steps(gc_every_n_steps, allow_none=True, name="gc_every_n_steps")
         if async_checkpoint and not async_save_supported():
             raise ValueError(
@@ -260,10 +300,8 @@ class PerfParallelStrategy(ParallelStrategy):
 
     def _check_fp8_all_gather(self, module: "pl.LightningModule") -> None:
         """With ``fp8_all_gather``, the model must have FP8 linears (or, built later, an FP8 config)."""
-        if not getattr(self.config, "fp8_all_gather", False):
+        if not self.config.fp8_all_gather:
             return
-        from lightning_perf.parallel.fp8_all_gather import require_fp8_config, require_fp8_linears
-
         require_fp8_config(module) if builds_in_configure_model(module) else require_fp8_linears(module)
 
     def _check_delayed_fp8(self, module: Optional["pl.LightningModule"], dtensors: Optional[str]) -> None:
@@ -273,8 +311,6 @@ class PerfParallelStrategy(ParallelStrategy):
         """
         if module is None or dtensors is None:
             return
-        from lightning_perf.kernels.torchao_fp8 import uses_delayed_fp8
-
         if uses_delayed_fp8(module):
             raise ValueError(
                 f"fp8='delayed' keeps an amax history in each FP8 linear for plain weights, but {dtensors} "
@@ -325,6 +361,13 @@ class PerfParallelStrategy(ParallelStrategy):
     def wait_for_checkpoint(self) -> Optional[Path]:
         """Block until the checkpoint being written in the background is final; its path (None: none was)."""
         return self._checkpointer.wait() if self._checkpointer is not None else None
+
+    # ---- what the performance callbacks are told ------------------------------------------------
+
+    def perf_settings(self) -> PerfSettings:
+        """What this strategy tells the performance callbacks (``lightning_perf.perf.PerfSettings``):
+        here its precision; each strategy adds its layout and what it applies to the model."""
+        return PerfSettings(precision=self.precision_plugin.precision)
 
     # ---- precision: one rule for every strategy of the pack ------------------------------------
 
@@ -446,8 +489,6 @@ class PerfParallelStrategy(ParallelStrategy):
 
     def _attach_collection(self) -> None:
         """The strategy's collection schedule joins the fit's callbacks, unless the user attached one."""
-        from lightning.pytorch import Trainer
-
         trainer = getattr(self.lightning_module, "_trainer", None)
         if not isinstance(trainer, Trainer):
             return
@@ -459,12 +500,8 @@ class PerfParallelStrategy(ParallelStrategy):
 
     def _join_trainer(self, trainer: Optional["pl.Trainer"]) -> None:
         """A ``PreemptionCheckpoint`` for the fit unless it has one; ``last`` links moved by ``link_checkpoint``."""
-        from lightning.pytorch import Trainer
-
         if not isinstance(trainer, Trainer):
             return
-        from lightning_perf.runtime.preemption import attach_preemption
-
         attach_preemption(trainer)
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):  # an instance attribute in place of the static method
@@ -503,8 +540,6 @@ class PerfParallelStrategy(ParallelStrategy):
     def _refresh_fp8_scales(self) -> None:
         module = self._fp8_gather_module()
         if module is not None:
-            from lightning_perf.parallel.fp8_all_gather import precompute_fp8_scales
-
             precompute_fp8_scales(module)
 
     # ---- collectives ---------------------------------------------------------------------------

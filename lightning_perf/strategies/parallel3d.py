@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -39,7 +40,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model, check_model_config
-from lightning_perf.parallel.dims import data_parallel_mesh
+from lightning_perf.parallel.dims import ParallelDims, data_parallel_mesh
+from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
 from lightning_perf.parallel.gradients import allreduce_gradients, clip_grad_norm_3d
 from lightning_perf.parallel.parallelize_3d import Parallelized3D, parallelize_3d
 from lightning_perf.parallel.optim import localize_optimizers
@@ -47,7 +49,8 @@ from lightning_perf.parallel.tensor_parallel import tp_sequence_check
 from lightning_perf.parallel.tied import check_tied_layout, tied_parameter_names
 from lightning_perf.parallel.validate import check_data_layout, data_shape
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS
-from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model
+from lightning_perf.perf.run_settings import PerfSettings
+from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model, config_from_arguments
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -148,6 +151,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
     """
 
     strategy_name = "parallel3d"
+    config: Parallel3DConfig
 
     def __init__(
         self,
@@ -178,32 +182,11 @@ class Parallel3DStrategy(PerfParallelStrategy):
         gc_every_n_steps: Optional[int] = DEFAULT_EVERY_N_STEPS,
         **kwargs: Any,
     ) -> None:
-        # numbers only: a bad layout fails here, long before any process group exists
-        self.config = Parallel3DConfig(
-            data_parallel_size=data_parallel_size,
-            replicate_size=replicate_size,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            context_parallel_size=context_parallel_size,
-            context_parallel_mode=context_parallel_mode,
-            zero_stage=zero_stage,
-            pipeline_schedule=pipeline_schedule,
-            num_microbatches=num_microbatches,
-            stages_per_rank=stages_per_rank,
-            sequence_parallel=sequence_parallel,
-            async_tensor_parallel=async_tensor_parallel,
-            tp_overlap=tp_overlap,
-            tp_split=tp_split,
-            activation_checkpointing=activation_checkpointing,
-            fsdp_prefetch=fsdp_prefetch,
-            fsdp_blocks_per_unit=fsdp_blocks_per_unit,
-            fp8_all_gather=fp8_all_gather,
-            compile=compile,
-            compile_backend=compile_backend,
-        )
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, async_checkpoint=async_checkpoint,
-            gc_every_n_steps=gc_every_n_steps, **kwargs
+            gc_every_n_steps=gc_every_n_steps,
+            # numbers only: a bad layout fails here, long before any process group exists
+            config=config_from_arguments(Parallel3DConfig, locals()), **kwargs
         )
         self.meta_init = meta_init
         self._parallel: Optional[Parallelized3D] = None
@@ -223,9 +206,38 @@ class Parallel3DStrategy(PerfParallelStrategy):
         """Each dp replica loads its own part of the data; tp, pp and cp ranks of a replica load the same.
 
         Under HSDP "dp" is the flattened (dp_replicate, dp_shard) dimension: every dp rank, whichever
-        group, loads its own part."""
-        dp_mesh = self.device_mesh["dp"]
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        group, loads its own part. Read off the layout, whose coordinates are the mesh's (no mesh needed)."""
+        dims = self.layout()
+        return {"num_replicas": dims.data_parallel_size, "rank": dims.coordinates(self.global_rank)["dp"]}
+
+    def layout(self) -> ParallelDims:
+        """The layout on this strategy's processes (``num_nodes`` x ``num_processes``), from the config's numbers."""
+        return self.config.dims(self.num_nodes * self.num_processes, self.num_nodes)
+
+    @override
+    def perf_settings(self) -> PerfSettings:
+        """The precision, the layout (ZeRO stage, tensor and pipeline sizes, blocks per FSDP2 unit where
+        FSDP2 shards) and the per-block compile and activation checkpointing the strategy applies."""
+        c = self.config
+        return replace(
+            super().perf_settings(),
+            zero_stage=c.zero_stage,
+            tensor_parallel_size=c.tensor_parallel_size,
+            pipeline_parallel_size=c.pipeline_parallel_size,
+            fsdp_blocks_per_unit=c.fsdp_blocks_per_unit if self._fsdp_shards() else None,
+            compile_mode=c.compile,
+            compile_scope="block" if c.compile is not None else None,
+            activation_checkpointing=c.activation_checkpointing,
+        )
+
+    def _fsdp_shards(self) -> bool:
+        """Whether FSDP2 shards the model: ZeRO 1-3 over more than one rank of dp x cp (False before the
+        strategy knows its processes)."""
+        if self._parallel is not None:
+            return self._parallel.fsdp
+        if not self.num_processes or self.config.zero_stage == 0:
+            return False
+        return self.layout().dp_cp_size > 1
 
     @override
     def _check_world_size(self, world_size: int) -> None:
@@ -246,8 +258,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
         # a module that builds its network later still carries its numbers (GPTLightningModule.config)
         check_model_config(model_config, self.config)
         if tied:
-            dims = self.config.dims(self.num_nodes * self.num_processes, self.num_nodes)
-            check_tied_layout(self.config.pipeline, zero_sharded=self.config.zero_stage > 0 and dims.dp * dims.cp > 1)
+            check_tied_layout(self.config.pipeline, zero_sharded=self._fsdp_shards())
         self._check_fp8_all_gather(module)
         self._check_delayed_fp8(module, self._dtensor_weights())
         # the data module's numbers too (a batch the pipeline cannot split would fail in a collective)
@@ -256,10 +267,10 @@ class Parallel3DStrategy(PerfParallelStrategy):
             batch_size=batch_size,
             seq_len=seq_len,
             model_config=getattr(module, "config", None),
-            tp=self.config.tensor_parallel_size,
+            tensor_parallel_size=self.config.tensor_parallel_size,
             sequence_parallel=self.config.sequence_parallel,
             pipeline=self.config.pipeline,
-            cp=self.config.context_parallel_size,
+            context_parallel_size=self.config.context_parallel_size,
         )
 
     def _dtensor_weights(self) -> Optional[str]:
@@ -267,15 +278,16 @@ class Parallel3DStrategy(PerfParallelStrategy):
         tp, zero = self.config.tensor_parallel_size, self.config.zero_stage
         if tp > 1:
             return f"tensor_parallel_size={tp}"
-        dims = self.config.dims(self.num_nodes * self.num_processes)
-        if zero > 0 and dims.dp * dims.cp > 1:
-            return f"zero_stage={zero} over dp({dims.dp}) * cp({dims.cp}) = {dims.dp * dims.cp} ranks (FSDP2)"
+        if self._fsdp_shards():
+            dims = self.layout()
+            return (f"zero_stage={zero} over dp({dims.data_parallel_size}) * cp({dims.context_parallel_size}) = "
+                    f"{dims.dp_cp_size} ranks (FSDP2)")
         return None
 
     @override
     def _check_before_process_group(self) -> None:
         super()._check_before_process_group()
-        dims = self.config.dims(self.world_size, self.num_nodes)
+        dims = self.layout()
         if (
             self.root_device.type == "cuda"
             and (dims.dp_enabled or dims.pp_enabled)
@@ -290,7 +302,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
 
     @override
     def _build_device_mesh(self) -> Any:
-        return self.config.dims(self.world_size, self.num_nodes).build_mesh(self.root_device.type)
+        return self.layout().build_mesh(self.root_device.type)
 
     @override
     def _fp8_gather_module(self) -> Optional[nn.Module]:
@@ -315,8 +327,6 @@ class Parallel3DStrategy(PerfParallelStrategy):
         module = self.lightning_module
         precision = self.precision_plugin
         if self.config.fp8_all_gather and self._parallel is None:  # before any collective
-            from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
-
             require_fp8_linears(module)
         if self._parallel is None:  # once per strategy: fit then validate/test reuse the split model
             self._parallel = parallelize_3d(
@@ -357,9 +367,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
                     "under pipeline parallelism the model is called as model(inputs, targets) and returns the "
                     "loss; logits of the last stage never reach the other ranks"
                 )
-            tp = strategy.config.tensor_parallel_size
-            tp_sequence_check(inputs.shape[-1], tp, strategy.config.sequence_parallel, batch=inputs.shape[0],
-                              microbatches=strategy.config.pipeline.num_microbatches or 1)
+            tp_sequence_check(inputs.shape[-1], strategy.config.tensor_parallel_size, strategy.config.sequence_parallel,
+                              batch=inputs.shape[0], microbatches=strategy.config.pipeline.num_microbatches or 1)
             with strategy._tp_loss_context():
                 if torch.is_grad_enabled():
                     scale = strategy.precision_plugin.scale_loss

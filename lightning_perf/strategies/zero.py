@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -30,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_perf.parallel import deepspeed_engine
 from lightning_perf.parallel.ddp import apply_ddp, shard_optimizer
 from lightning_perf.parallel.dims import build_zero_mesh, fsdp_mesh
 from lightning_perf.parallel.fsdp import (
@@ -40,12 +42,20 @@ from lightning_perf.parallel.fsdp import (
     move_unsharded_,
     set_gradient_sync,
 )
-from lightning_perf.parallel.init import has_meta_tensors, materialize_from_rank0, materialize_local, take_full_state
+from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
+from lightning_perf.parallel.init import (
+    broadcast_module_,
+    has_meta_tensors,
+    materialize_from_rank0,
+    materialize_local,
+    take_full_state,
+)
 from lightning_perf.parallel.optim import localize_optimizers
 from lightning_perf.parallel.validate import check_data_layout, data_shape
 from lightning_perf.parallel.zero_config import ZeroConfig
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS
-from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model
+from lightning_perf.perf.run_settings import PerfSettings
+from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model, config_from_arguments
 
 __all__ = ["ZeroStrategy"]
 
@@ -101,6 +111,7 @@ class ZeroStrategy(PerfParallelStrategy):
     """
 
     strategy_name = "zero"
+    config: ZeroConfig
 
     def __init__(
         self,
@@ -130,23 +141,6 @@ class ZeroStrategy(PerfParallelStrategy):
         async_checkpoint: Optional[bool] = None,
         gc_every_n_steps: Optional[int] = DEFAULT_EVERY_N_STEPS,
     ) -> None:
-        self.config = ZeroConfig(
-            stage=stage,
-            backend=backend,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            bucket_size_mb=bucket_size_mb,
-            prefetch=prefetch,
-            reshard_after_forward=reshard_after_forward,
-            wrap_policy=wrap_policy,
-            gradient_compression=gradient_compression,
-            powersgd_rank=powersgd_rank,
-            init=init,
-            deepspeed_config=dict(deepspeed_config or {}),
-            fp8_all_gather=fp8_all_gather,
-            blocks_per_unit=blocks_per_unit,
-            replicate_size=replicate_size,
-        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -157,6 +151,7 @@ class ZeroStrategy(PerfParallelStrategy):
             timeout=timeout,
             async_checkpoint=async_checkpoint,
             gc_every_n_steps=gc_every_n_steps,
+            config=config_from_arguments(ZeroConfig, locals()),  # validated before Lightning checks the precision
         )
         if async_checkpoint and self.config.backend == "deepspeed":
             raise ValueError(
@@ -167,7 +162,7 @@ class ZeroStrategy(PerfParallelStrategy):
         self._engine: Optional[Any] = None  # the DeepSpeed engine
         self._prepared: Optional[nn.Module] = None  # the LightningModule already sharded
         self._ddp: Optional[nn.parallel.DistributedDataParallel] = None
-        self._init_mode = init
+        self._init_mode = self.config.init  # "rank0" may turn "meta" in setup (see _gather_init_state)
 
     # ---- where ZeRO differs from the base ---------------------------------------------------------
 
@@ -204,7 +199,19 @@ class ZeroStrategy(PerfParallelStrategy):
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:
+        """The DeepSpeed backend's engine accumulates (and owns) the gradients between its steps."""
         return self.config.backend == "deepspeed"
+
+    @override
+    def perf_settings(self) -> PerfSettings:
+        """The precision, the ZeRO stage and, where FSDP2 shards, the blocks per unit (no tensor or pipeline split)."""
+        return replace(
+            super().perf_settings(),
+            zero_stage=self.config.stage,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            fsdp_blocks_per_unit=self.config.blocks_per_unit if self.config.uses_fsdp else None,
+        )
 
     # ---- model construction and sharding ------------------------------------------------------
 
@@ -224,8 +231,6 @@ class ZeroStrategy(PerfParallelStrategy):
         assert module is not None
         _require_parameters(module)  # configure_model() has run now
         if self.config.fp8_all_gather:  # before the first collective (the init broadcast)
-            from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
-
             require_fp8_linears(module)
         if self._prepared is not module:
             self._shard_and_materialize(module)
@@ -290,8 +295,6 @@ class ZeroStrategy(PerfParallelStrategy):
         elif has_meta_tensors(target):
             materialize_local(target, device)
             if not self.config.uses_fsdp:
-                from lightning_perf.parallel.init import broadcast_module_
-
                 broadcast_module_(target)  # replicas start equal
 
     def _setup_fsdp(self, target: nn.Module, full: Optional[dict[str, Any]]) -> None:
@@ -321,8 +324,6 @@ class ZeroStrategy(PerfParallelStrategy):
         self.optimizers = sharded
 
     def _setup_deepspeed(self, trainer: "pl.Trainer") -> None:
-        from lightning_perf.parallel import deepspeed_engine
-
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"backend='deepspeed' takes one optimizer, configure_optimizers returned {len(self.optimizers)}"
@@ -398,14 +399,10 @@ class ZeroStrategy(PerfParallelStrategy):
     def _write_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         if self._engine is None:
             return super()._write_checkpoint(path, extra)
-        from lightning_perf.parallel import deepspeed_engine
-
         deepspeed_engine.save(self._engine, path, extra, rank=self.global_rank)
 
     @override
     def _read_checkpoint(self, path: Path, weights_only: bool) -> dict[str, Any]:
         if self._engine is None:
             return super()._read_checkpoint(path, weights_only)
-        from lightning_perf.parallel import deepspeed_engine
-
         return deepspeed_engine.load(self._engine, path, weights_only=weights_only)

@@ -163,6 +163,43 @@ def test_settings_read_compile_and_checkpointing(tmp_path):
     assert run_settings_of(t, w).activation_checkpointing == "full"
 
 
+def test_settings_are_what_the_strategy_and_the_module_state(tmp_path):
+    """Any module or strategy may state its settings (perf_settings()); a foreign one is read by its attributes."""
+    import lightning as L
+
+    from lightning_perf.perf.run_settings import PerfSettings
+    from lightning_perf.strategies import Parallel3DStrategy
+
+    strategy = Parallel3DStrategy(zero_stage=3, activation_checkpointing="full", compile="default",
+                                  fsdp_blocks_per_unit=2)
+    t = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+                  default_root_dir=str(tmp_path), precision="bf16-mixed")
+    s = run_settings_of(t, ToyLM())  # a module that states nothing: the strategy's word, then the model's own
+    # (one process: no data parallelism for FSDP2 to shard over)
+    assert (s.precision, s.zero_stage, s.fsdp_blocks_per_unit, s.tensor_parallel_size) == ("bf16-mixed", 3, None, 1)
+    assert (s.compiled, s.compile_scope, s.compile_mode) == (True, "block", "default")
+    assert s.activation_checkpointing == "full"
+    assert not s.gpt and s.kernels is None
+
+    class Stating(ToyLM):  # a user's module that knows what it does
+        def perf_settings(self) -> PerfSettings:
+            return PerfSettings(compile_mode="max-autotune", compile_scope="model",
+                                activation_checkpointing="selective")
+
+    s = run_settings_of(t, Stating())
+    assert (s.compile_scope, s.compile_mode, s.activation_checkpointing) == ("model", "max-autotune", "selective")
+
+    class Unrelated(ToyLM):  # another meaning of the name: ignored, with a warning
+        def perf_settings(self) -> dict:
+            return {"compile": True}
+
+    plain = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      default_root_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="ignore it"):
+        s = run_settings_of(plain, Unrelated())
+    assert (s.compiled, s.zero_stage, s.precision, s.activation_checkpointing) == (False, 0, "32-true", "none")
+
+
 def test_arguments_are_checked():
     for kwargs in ({"sample_step": -1}, {"sample_step": True}, {"record_history": "sometimes"}, {"top": 0},
                    {"max_entries": 0}):

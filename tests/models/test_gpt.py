@@ -420,15 +420,13 @@ def test_delayed_fp8_gpt_checkpoints_are_the_tensorwise_ones_and_a_load_rewarms(
 
 
 def test_fp8_config_errors():
-    from lightning_perf.models.gpt.parallelize import check_gpt_layout
-
     with pytest.raises(ValueError, match="fp8 must be False, True"):
         GPTConfig.from_name("tiny", fp8="e4m3")
     assert GPTConfig.from_name("tiny", fp8=True).fp8 == "tensorwise"
     assert GPTConfig.from_name("tiny", fp8="rowwise").fp8 == "rowwise"
     assert GPTConfig.from_name("tiny", fp8="delayed").fp8 == "delayed"
-    check_gpt_layout(GPTConfig.from_name("tiny", fp8=True), tp=2)  # FP8 tensor-parallel styles
-    check_gpt_layout(GPTConfig.from_name("tiny", fp8=True, tie_embeddings=False), pp=2)  # fine
+    GPTConfig.from_name("tiny", fp8=True).check_parallel_layout(tensor_parallel_size=2)  # FP8 tensor-parallel styles
+    GPTConfig.from_name("tiny", fp8=True, tie_embeddings=False).check_parallel_layout(pipeline_parallel_size=2)
 
 
 def test_module_config_overrides():

@@ -41,7 +41,7 @@ def _local_step_worker(rank: int, world: int, out_dir) -> dict:
             params = [p.full_tensor() for p in model.parameters()]
             states = [v.full_tensor() if isinstance(v, DTensor) else v
                       for s in opt.state.values() for k, v in sorted(s.items())]
-            runs[local] = {"params": params, "states": states, "local_groups": getattr(opt, "_lp_local_groups", 0),
+            runs[local] = {"params": params, "states": states, "local_groups": getattr(opt, "local_groups", 0),
                            "state_is_dtensor": all(isinstance(s["exp_avg"], DTensor) for s in opt.state.values())}
         out[f"{cls_name} fused={fused}"] = runs
     # a Partial gradient (a pending reduction) keeps the DTensor path, which reduces it
@@ -52,7 +52,7 @@ def _local_step_worker(rank: int, world: int, out_dir) -> dict:
     opt = torch.optim.Adam([w], lr=0.1)
     localize_optimizer(opt)
     opt.step()
-    out["partial"] = {"w": w.full_tensor(), "local_groups": getattr(opt, "_lp_local_groups", 0)}
+    out["partial"] = {"w": w.full_tensor(), "local_groups": getattr(opt, "local_groups", 0)}
     return out
 
 

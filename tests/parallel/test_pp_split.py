@@ -26,18 +26,20 @@ def _cfg(**kw) -> GPTConfig:
 
 def test_schedule_errors_show_the_numbers() -> None:
     with pytest.raises(ValueError, match="unknown pipeline_schedule 'zb'"):
-        PipelineConfig(pp=2, schedule="zb")
+        PipelineConfig(pipeline_parallel_size=2, schedule="zb")
     with pytest.raises(ValueError, match=r"needs num_microbatches >= pp: 2 < 4"):
-        PipelineConfig(pp=4, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=2)
+        PipelineConfig(pipeline_parallel_size=4, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=2)
     with pytest.raises(ValueError, match="not a multiple of 2 rounds"):
-        PipelineConfig(pp=4, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=10 - 1)
+        PipelineConfig(pipeline_parallel_size=4, schedule="interleaved_1f1b", stages_per_rank=2,
+                       num_microbatches=10 - 1)
     with pytest.raises(ValueError, match="runs exactly 1 stage"):
-        PipelineConfig(pp=2, schedule="1f1b", stages_per_rank=2)
+        PipelineConfig(pipeline_parallel_size=2, schedule="1f1b", stages_per_rank=2)
     with pytest.raises(ValueError, match=r"batch size 6 is not divisible by num_microbatches 4"):
-        PipelineConfig(pp=2, num_microbatches=4).check_batch(6)
+        PipelineConfig(pipeline_parallel_size=2, num_microbatches=4).check_batch(6)
     with pytest.warns(UserWarning, match=r"num_microbatches \(2\) < total pipeline stages"):
-        PipelineConfig(pp=2, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=2)
-    assert PipelineConfig(pp=2, schedule="interleaved_1f1b", stages_per_rank=2).num_microbatches == 4
+        PipelineConfig(pipeline_parallel_size=2, schedule="interleaved_1f1b", stages_per_rank=2, num_microbatches=2)
+    interleaved = PipelineConfig(pipeline_parallel_size=2, schedule="interleaved_1f1b", stages_per_rank=2)
+    assert interleaved.num_microbatches == 4
 
 
 def test_placement_loop_and_v() -> None:
@@ -46,7 +48,8 @@ def test_placement_loop_and_v() -> None:
     assert stage_indices(0, 4, 2, "v") == [0, 7]  # the V puts first and last stage on rank 0
     assert [stage_owner(s, 4, "loop") for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [stage_owner(s, 4, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
-    assert PipelineConfig(pp=2, schedule="zbv_zero_bubble", stages_per_rank=2).last_stage_rank() == 0
+    zbv = PipelineConfig(pipeline_parallel_size=2, schedule="zbv_zero_bubble", stages_per_rank=2)
+    assert zbv.last_stage_rank() == 0
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
 
@@ -65,7 +68,8 @@ def test_stages_chain_to_the_full_model_and_keep_names() -> None:
     assert stages[3].lm_head is model.lm_head
     # rank 1 of pp=2 with two stages per rank (loop placement) runs stages 1 and 3
     names = set(model.state_dict())
-    local = build_stage_modules(model, 1, PipelineConfig(pp=2, schedule="interleaved_1f1b", stages_per_rank=2))
+    interleaved = PipelineConfig(pipeline_parallel_size=2, schedule="interleaved_1f1b", stages_per_rank=2)
+    local = build_stage_modules(model, 1, interleaved)
     assert sorted(local) == [1, 3]
     prune_to_stages(model, local)
     kept = set(model.state_dict())

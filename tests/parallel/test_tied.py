@@ -50,11 +50,11 @@ def test_embedding_groups_pair_first_and_last_stage_ranks() -> None:
 
 
 def test_tied_layouts_refused_before_any_process_group() -> None:
-    zbv = PipelineConfig(pp=2, schedule="zbv_zero_bubble", stages_per_rank=2, num_microbatches=4)
+    zbv = PipelineConfig(pipeline_parallel_size=2, schedule="zbv_zero_bubble", stages_per_rank=2, num_microbatches=4)
     with pytest.raises(ValueError, match=r"runs the first and the last stage on one rank.*use zero_stage=0"):
         check_tied_layout(zbv, zero_sharded=True)
     check_tied_layout(zbv, zero_sharded=False)  # one parameter on rank 0: autograd sums both uses
-    check_tied_layout(PipelineConfig(pp=2), zero_sharded=True)  # copies on two ranks, sharded alike
+    check_tied_layout(PipelineConfig(pipeline_parallel_size=2), zero_sharded=True)  # copies on two ranks, sharded alike
 
 
 def test_clipping_counts_a_copy_held_elsewhere_once() -> None:

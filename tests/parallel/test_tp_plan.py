@@ -17,7 +17,6 @@ from _spawn import spawn
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from lightning_perf.models.gpt import GPT, GPTConfig
-from lightning_perf.models.gpt.parallelize import check_gpt_layout
 from lightning_perf.parallel.tensor_parallel import ReplicatedOutputNorm, find_protocol_module, tp_sequence_check
 
 
@@ -72,13 +71,13 @@ def test_plan_of_a_stage_names_only_its_modules() -> None:
 def test_heads_must_divide_by_tp(overrides, tp, match) -> None:
     cfg = GPTConfig.from_name("tiny-llama", **overrides)
     with pytest.raises(ValueError, match=match):
-        check_gpt_layout(cfg, tp=tp)
+        cfg.check_parallel_layout(tensor_parallel_size=tp)
 
 
 def test_layers_and_sequence_must_divide() -> None:
     cfg = GPTConfig.from_name("tiny-llama")
     with pytest.raises(ValueError, match=r"pp\(2\) \* stages_per_rank\(3\) = 6, 4 / 6"):
-        check_gpt_layout(cfg, pp=2, stages_per_rank=3)
+        cfg.check_parallel_layout(pipeline_parallel_size=2, stages_per_rank=3)
     with pytest.raises(ValueError, match="sequence length 15 is not divisible by tensor_parallel_size 2"):
         tp_sequence_check(15, 2, True)
     tp_sequence_check(15, 2, False)
@@ -129,6 +128,20 @@ def test_compile_scope_under_tensor_parallelism() -> None:
     with pytest.warns(UserWarning, match="re-applied to each pipeline stage's blocks"):
         assert _compile_mode(model, stages, Parallel3DConfig(pipeline_parallel_size=2)) == "default"
     assert model._compiled_call_impl is None and model.blocks["1"]._compiled_call_impl is not None
+    # the mode a module says it compiles with (perf_settings(), as GPTLightningModule(compile=...) does) is kept
+    from lightning_perf.perf import PerfSettings
+
+    class Stating(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = inner
+
+        def perf_settings(self) -> PerfSettings:
+            return PerfSettings(compile_mode="max-autotune", compile_scope="block")
+
+    model.blocks["0"].compile()
+    with pytest.warns(UserWarning, match="re-applied to each block"):
+        assert _compile_mode(Stating(model), {0: model}, Parallel3DConfig(tensor_parallel_size=2)) == "max-autotune"
 
 
 # ---- two ranks: one process group runs the workers of every selected test -----------------------
@@ -538,11 +551,12 @@ def test_sequence_parallel_values_are_checked() -> None:
     from lightning_perf.parallel.pipeline import PipelineConfig
 
     with pytest.raises(ValueError, match=r"batch of 6 in 2 microbatch\(es\) gives 3 sequences"):
-        check_data_layout(batch_size=6, seq_len=16, tp=2, sequence_parallel="batch",
-                          pipeline=PipelineConfig(pp=2, schedule="1f1b", num_microbatches=2))
-    check_data_layout(batch_size=8, seq_len=15, tp=2, sequence_parallel="batch")  # the sequence is not split
+        check_data_layout(batch_size=6, seq_len=16, tensor_parallel_size=2, sequence_parallel="batch",
+                          pipeline=PipelineConfig(pipeline_parallel_size=2, schedule="1f1b", num_microbatches=2))
+    # the sequence is not split
+    check_data_layout(batch_size=8, seq_len=15, tensor_parallel_size=2, sequence_parallel="batch")
     with pytest.raises(ValueError, match="splits seq_len=15 over tp=2"):
-        check_data_layout(batch_size=8, seq_len=15, tp=2, sequence_parallel=True)
+        check_data_layout(batch_size=8, seq_len=15, tensor_parallel_size=2, sequence_parallel=True)
 
 
 def test_compile_head_loss_only_where_the_head_lives() -> None:

@@ -343,7 +343,7 @@ def test_eight_rank_pp2_tp2_dp2(references, tmp_path) -> None:
     _check_run(results, "pp2_tp2_dp2", references["clip"])
     from lightning_perf.parallel.dims import ParallelDims
 
-    dims = ParallelDims(tp=2, pp=2, world_size=8)
+    dims = ParallelDims(tensor_parallel_size=2, pipeline_parallel_size=2, world_size=8)
     for rank, r in enumerate(results):
         assert r["coords"] == dims.coordinates(rank)
         assert r["sampler"] == {"num_replicas": 2, "rank": dims.coordinates(rank)["dp"]}

@@ -104,7 +104,7 @@ def test_dp2_cp2_and_cp2_tp2(references, tmp_path) -> None:
     _check_run(results, "cp2_tp2_ring", ref)
     from lightning_perf.parallel.dims import ParallelDims
 
-    dims = ParallelDims(cp=2, world_size=4)
+    dims = ParallelDims(context_parallel_size=2, world_size=4)
     for rank, r in enumerate(results):
         assert r["coords"] == dims.coordinates(rank)
         # cp ranks of one replica load the same batches; the two replicas differ

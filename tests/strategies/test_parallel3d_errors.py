@@ -85,7 +85,7 @@ def test_hsdp_replicate_size_must_divide_the_data_parallel_size() -> None:
     auto = Parallel3DStrategy(replicate_size="auto")
     L.Trainer(accelerator="cpu", devices=2, num_nodes=3, strategy=auto, logger=False)
     dims = auto.config.dims(6, num_nodes=3)
-    assert (dims.dp_replicate, dims.dp_shard) == (3, 2)
+    assert (dims.replicate_size, dims.shard_size) == (3, 2)
     tp3 = Parallel3DStrategy(replicate_size="auto", tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"data-parallel size 2 is not divisible by replicate_size='auto' = "
                                          r"num_nodes \(3\)"):

@@ -77,7 +77,7 @@ def test_replicate2_shard2_equals_one_process_and_resumes_without_hsdp(reference
     _check_run(results, "hsdp_to_dp4", reference["full"], first=PER_EPOCH)
     from lightning_perf.parallel.dims import ParallelDims
 
-    dims = ParallelDims(replicate=2, world_size=4)
+    dims = ParallelDims(replicate_size=2, world_size=4)
     for rank, r in enumerate(results):
         assert r["names"] == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
         assert r["coords"] == {"pp": 0, "cp": 0, "tp": 0, "dp_replicate": rank // 2, "dp_shard": rank % 2,
@@ -119,7 +119,7 @@ def test_auto_replicates_across_nodes_and_shards_within_one(two_nodes) -> None:
         names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
         # dp4: a replica per node, each node's two processes sharding it
         assert hsdp["names"] == names and hsdp["shape"] == (1, 2, 2, 1, 1)
-        dims = ParallelDims(replicate="auto", num_nodes=2, world_size=4)
+        dims = ParallelDims(replicate_size="auto", num_nodes=2, world_size=4)
         assert hsdp["coords"] == {"pp": 0, "dp_replicate": node, "dp_shard": local, "dp": rank, "cp": 0, "tp": 0} \
             == dims.coordinates(rank)
         assert hsdp["groups"]["dp_shard"] == [2 * node, 2 * node + 1]  # the node's processes
@@ -128,7 +128,7 @@ def test_auto_replicates_across_nodes_and_shards_within_one(two_nodes) -> None:
         assert hsdp["params"] == {(("dp_replicate", "dp_shard"), ("R", "S(0)"))}
         # tp2 x dp2: the tp ranks are a node's processes, the dp replicas one per node
         assert tp2["names"] == names and tp2["shape"] == (1, 2, 1, 1, 2)
-        dims = ParallelDims(tp=2, replicate="auto", num_nodes=2, world_size=4)
+        dims = ParallelDims(tensor_parallel_size=2, replicate_size="auto", num_nodes=2, world_size=4)
         assert tp2["coords"] == {"pp": 0, "dp_replicate": node, "dp_shard": 0, "dp": node, "cp": 0, "tp": local} \
             == dims.coordinates(rank)
         assert tp2["groups"]["tp"] == [2 * node, 2 * node + 1] and tp2["groups"]["dp_shard"] == [rank]

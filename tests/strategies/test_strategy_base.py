@@ -5,11 +5,15 @@
 - one checkpoint layout: a checkpoint saved by ``ZeroStrategy(stage=3)`` on 2 gloo ranks loads
   into ``Parallel3DStrategy`` (dp2) and the other way round, parameters and optimizer state
   equal; checkpoints that nest Lightning's dict under ``"lightning"`` load in both;
-- one ``remove_checkpoint``: a sharded directory as a whole, a file, a link.
+- one ``remove_checkpoint``: a sharded directory as a whole, a file, a link;
+- one source of options: each strategy's config dataclass is built from its constructor's arguments,
+  the fields being parameters of the same names and defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -21,9 +25,11 @@ import torch.distributed as dist
 from _spawn import spawn
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 
+from lightning_perf.parallel.config_3d import Parallel3DConfig
+from lightning_perf.parallel.zero_config import ZeroConfig
 from lightning_perf.plugins import PerfPrecision
 from lightning_perf.strategies import Parallel3DStrategy, PerfParallelStrategy, ZeroStrategy
-from lightning_perf.strategies.base import _lightning_checkpoint
+from lightning_perf.strategies.base import _lightning_checkpoint, config_from_arguments
 
 B, T, STEPS, VOCAB = 2, 16, 3, 100  # per-rank batch, sequence, steps before the save
 
@@ -89,6 +95,51 @@ def test_both_strategies_share_one_base() -> None:
     for name in ("barrier", "broadcast", "reduce", "teardown", "save_checkpoint", "load_checkpoint",
                  "remove_checkpoint", "setup_environment", "_configure_launcher", "precision_plugin"):
         assert name not in vars(ZeroStrategy) and name not in vars(Parallel3DStrategy), name
+
+
+# ---- options: one dataclass, built from the constructor's own arguments --------------------------
+
+OPTIONS = [(ZeroStrategy, ZeroConfig, {"stage": 2, "prefetch": 2, "blocks_per_unit": 2, "deepspeed_config": {"a": 1}}),
+           (Parallel3DStrategy, Parallel3DConfig, {"zero_stage": 3, "pipeline_schedule": "gpipe", "tp_overlap": "none",
+                                                   "activation_checkpointing": "selective", "compile": "default"})]
+
+
+@pytest.mark.parametrize(("strategy_cls", "config_cls", "given"), OPTIONS, ids=lambda x: getattr(x, "__name__", ""))
+def test_options_are_the_constructors_arguments(strategy_cls: type, config_cls: type, given: dict) -> None:
+    params = inspect.signature(strategy_cls.__init__).parameters
+    base = inspect.signature(PerfParallelStrategy.__init__).parameters
+    fields = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
+    for name, f in fields.items():  # every option is a typed parameter (LightningCLI), with the same default
+        assert name in params, name
+        assert params[name].annotation is not inspect.Parameter.empty, name
+        assert params[name].default == f.default, name
+    # and every parameter is an option, Lightning's, or the base's
+    own = set(params) - set(fields) - set(base) - {"self", "kwargs"}
+    assert own <= {"meta_init"}, own
+    strategy = strategy_cls(**given)
+    assert isinstance(strategy.config, config_cls)
+    assert {k: getattr(strategy.config, k) for k in given} == given
+    assert strategy.config == config_cls(**given)  # nothing else changed on the way
+    with pytest.raises(TypeError, match=r"fields \['stage'\] are not arguments"):
+        config_from_arguments(ZeroConfig, {n: getattr(ZeroConfig(), n) for n in dataclasses.asdict(ZeroConfig())
+                                           if n != "stage"})
+
+
+def test_strategies_state_their_settings() -> None:
+    zero = ZeroStrategy(stage=2, blocks_per_unit=2)
+    _trainer(zero, precision="bf16-mixed")
+    s = zero.perf_settings()
+    assert (s.precision, s.zero_stage, s.tensor_parallel_size, s.fsdp_blocks_per_unit) == ("bf16-mixed", 2, 1, 2)
+    assert ZeroStrategy(stage=1).perf_settings().fsdp_blocks_per_unit is None  # DDP: no FSDP2 units
+    three = Parallel3DStrategy(zero_stage=3, activation_checkpointing="full", compile="default", fsdp_blocks_per_unit=2)
+    assert three.perf_settings().fsdp_blocks_per_unit is None  # no processes yet: nothing known to shard
+    L.Trainer(strategy=three, accelerator="cpu", devices=2, logger=False)  # dp2: FSDP2 shards (nothing launched)
+    s = three.perf_settings()
+    assert (s.zero_stage, s.pipeline_parallel_size, s.fsdp_blocks_per_unit) == (3, 1, 2)
+    assert (s.compile_mode, s.compile_scope, s.activation_checkpointing) == ("default", "block", "full")
+    for alone in (Parallel3DStrategy(zero_stage=0), Parallel3DStrategy(pipeline_parallel_size=2, num_microbatches=2)):
+        L.Trainer(strategy=alone, accelerator="cpu", devices=2, logger=False)  # no dp: nothing for FSDP2 to shard
+        assert alone.perf_settings().fsdp_blocks_per_unit is None
 
 
 # ---- remove_checkpoint and the layout ------------------------------------------------------------

@@ -17,19 +17,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import lightning
 import torch
 
 from lightning_perf.models.gpt.config import GPTConfig
+from lightning_perf.models.gpt.hf import save_hf
+from lightning_perf.models.gpt.module import GPTLightningModule
+from lightning_perf.parallel.checkpoint import consolidated_state_dict, read_consolidated_hparams, read_extra
+from lightning_perf.parallel.checkpoint_io import torch_load_weights
 
 __all__ = ["checkpoint_to_hf", "hf_to_checkpoint", "main", "pack_state_and_config"]
 
 
 def hf_to_checkpoint(hf_dir: Union[str, Path], out_file: Union[str, Path], **module_kwargs: Any) -> Path:
     """A Lightning checkpoint file (``state_dict`` + ``hyper_parameters``) of the Hugging Face folder."""
-    import lightning
-
-    from lightning_perf.models.gpt.module import GPTLightningModule
-
     module = GPTLightningModule.from_hf(hf_dir, **module_kwargs)
     module.configure_model()
     hparams = dict(module.hparams)
@@ -58,9 +59,6 @@ def pack_state_and_config(
     """The GPT's whole state dict and config from a Lightning ``.ckpt``, a sharded checkpoint directory
     (consolidated in memory) or a consolidated ``.pt`` (its config from the ``.pt.json`` that ``consolidate``
     writes beside it; without one, give ``config``)."""
-    from lightning_perf.parallel.checkpoint import consolidated_state_dict, read_consolidated_hparams, read_extra
-    from lightning_perf.parallel.checkpoint_io import torch_load_weights
-
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {p}")
@@ -89,8 +87,6 @@ def checkpoint_to_hf(
     dtype: Optional[torch.dtype] = None,
 ) -> Path:
     """A Hugging Face folder (``config.json`` + ``model.safetensors``) of a pack checkpoint."""
-    from lightning_perf.models.gpt.hf import save_hf
-
     state, cfg = pack_state_and_config(path, config)
     return save_hf(state, cfg, out_dir, dtype=dtype)
 

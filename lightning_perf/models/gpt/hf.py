@@ -21,14 +21,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
+import torch.nn as nn
 
+from lightning_perf.kernels.dtensor import is_dtensor
 from lightning_perf.models.gpt.config import GPTConfig
-
-if TYPE_CHECKING:
-    from lightning_perf.models.gpt.model import GPT
+from lightning_perf.parallel.checkpoint_io import torch_load_weights
 
 __all__ = [
     "ARCHITECTURES",
@@ -323,8 +323,6 @@ class HFWeights:
                 self._handles[file] = safetensors.safe_open(str(file), framework="pt")
             return self._handles[file]
         if file not in self._torch_state:
-            from lightning_perf.parallel.checkpoint_io import torch_load_weights
-
             self._torch_state[file] = torch_load_weights(file, map_location="cpu", mmap=True)
         return self._torch_state[file]
 
@@ -411,8 +409,6 @@ def _read_box(weights: HFWeights, src: WeightSource, config: GPTConfig, index: t
 @torch.no_grad()
 def _fill(param: torch.Tensor, weights: HFWeights, src: WeightSource, config: GPTConfig) -> None:
     """Fill ``param``, or its local shard when ``param`` is a DTensor, with only the elements it holds."""
-    from lightning_perf.kernels.dtensor import is_dtensor
-
     if is_dtensor(param):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -448,18 +444,17 @@ def _source(table: dict[str, WeightSource], name: str) -> WeightSource:
     return table[clean]
 
 
-def check_hf_weights(config: GPTConfig, path: Union[str, Path]) -> None:
-    """Raise, naming the keys, unless the checkpoint at ``path`` fills a GPT of ``config`` exactly.
+def check_hf_weights(model: nn.Module, path: Union[str, Path]) -> None:
+    """Raise, naming the keys, unless the checkpoint at ``path`` fills ``model`` (a GPT, on ``meta`` or
+    not, whose ``config`` is its :class:`GPTConfig`) exactly.
 
     Reads the files' headers only (no tensor data) and needs no process group: a mismatched vocabulary or
     shape, a missing tensor or one the GPT would leave unused fails before any process starts.
     """
-    from lightning_perf.models.gpt.model import GPT
-
+    config = model.config
     weights = HFWeights(path)
     table = _table_for(weights, path, config)
-    with torch.device("meta"):
-        shapes = {name: p.shape for name, p in GPT(config).named_parameters()}
+    shapes = {name: p.shape for name, p in model.named_parameters()}
     for name, shape in shapes.items():
         src = _source(table, name)
         if src.key not in weights:
@@ -467,7 +462,7 @@ def check_hf_weights(config: GPTConfig, path: Union[str, Path]) -> None:
         _source_shape(weights, name, src, shape, config)
 
 
-def load_hf_weights(model: "GPT", path: Union[str, Path]) -> None:
+def load_hf_weights(model: nn.Module, path: Union[str, Path]) -> None:
     """Fill ``model``'s materialised parameters (whole, a pipeline stage's subset, or sharded DTensors)
     from the checkpoint folder ``path``; every rank reads only the elements of the shards it holds.
 
@@ -535,8 +530,6 @@ def save_hf(
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with DTensor shards gathered into whole tensors (a collective when sharded)."""
-    from lightning_perf.kernels.dtensor import is_dtensor
-
     return {k: (v.full_tensor() if is_dtensor(v) else v) for k, v in model.state_dict().items()}
 
 

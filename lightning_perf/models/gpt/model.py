@@ -19,8 +19,16 @@ import torch.nn.functional as F
 
 from lightning_perf.kernels.document_mask import document_positions
 from lightning_perf.kernels.dtensor import is_dtensor
-from lightning_perf.models.gpt import ops
+from lightning_perf.kernels.torchao_fp8 import (
+    convert_to_fp8,
+    delayed_gelu_mlp,
+    fp8_matmul,
+    is_fp8_linear,
+    reset_amax_history,
+)
+from lightning_perf.models.gpt import hf, ops
 from lightning_perf.models.gpt.config import GPTConfig
+from lightning_perf.models.gpt.parallelize import gpt_pipeline_stage, gpt_tensor_parallel_plan
 
 __all__ = ["GPT", "Block", "Attention", "MLP", "Norm", "rope_cache", "apply_rope"]
 
@@ -79,8 +87,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def _to_fp8(module: nn.Module, config: GPTConfig) -> None:
     """With ``config.fp8``, the module's projections become torchao FP8 linears (same parameters)."""
     if config.fp8:
-        from lightning_perf.kernels.torchao_fp8 import convert_to_fp8
-
         convert_to_fp8(module, config.fp8)
 
 
@@ -106,8 +112,6 @@ class Attention(nn.Module):
     def _fused_qkv_ok(self) -> bool:
         """One q/k/v matmul, unless the projections are FP8 and their weights tensor-parallel or
         already gathered in FP8 (each with its own scale): then each projection runs as it is."""
-        from lightning_perf.kernels.torchao_fp8 import is_fp8_linear
-
         if not is_fp8_linear(self.q_proj):
             return True
         from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
@@ -122,11 +126,12 @@ class Attention(nn.Module):
         concatenated into one local weight (this rank's q, k and v rows, a row-permuted shard of a
         global [Wq; Wk; Wv]), so the matmul's local output columns are this rank's q, k and v, and
         each weight's gradient flows back to its own shard. The projections' own forward (and any
-        TP hooks on them) is bypassed; the attention input's layout hooks still apply.
+        TP hooks on them) is bypassed; the attention input's layout hooks still apply. A projection whose
+        ``bias_after_matmul`` is true (its forward adds the bias after a bias-free matmul) is computed so here too.
         """
         projs = (self.q_proj, self.k_proj, self.v_proj)
         weight = self.q_proj.weight
-        bias_after = getattr(type(self.q_proj), "_lp_bias_after_matmul", False)  # async TP: mm, then + bias
+        bias_after = getattr(self.q_proj, "bias_after_matmul", False)
         if is_dtensor(weight):
             from torch.distributed.tensor import DTensor, Replicate
 
@@ -145,8 +150,6 @@ class Attention(nn.Module):
         else:
             w = torch.cat([p.weight for p in projs])
             b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-            from lightning_perf.kernels.torchao_fp8 import fp8_matmul, is_fp8_linear
-
             if is_fp8_linear(self.q_proj):
                 y = fp8_matmul(x, w, self.q_proj)
                 y = y + b.to(y.dtype) if b is not None else y
@@ -199,8 +202,6 @@ class MLP(nn.Module):
             h = ops.mlp_activation(self.gate_proj(x), self.up_proj(x), kind="swiglu", impl=self.impl)
         else:
             if self.delayed_fp8:  # GELU and its FP8 casts fused (kernels.torchao_fp8.delayed_gelu_mlp)
-                from lightning_perf.kernels.torchao_fp8 import delayed_gelu_mlp
-
                 y = delayed_gelu_mlp(x, self.up_proj, self.down_proj)
                 if y is not None:
                     return y
@@ -279,13 +280,9 @@ class GPT(nn.Module):
         ``init_from_hf`` set, every parameter (or its local shard) is read from that checkpoint instead.
         """
         if self.config.fp8 == "delayed":  # after to_empty the histories hold whatever memory held
-            from lightning_perf.kernels.torchao_fp8 import reset_amax_history
-
             reset_amax_history(self)
         if self.init_from_hf is not None:
-            from lightning_perf.models.gpt.hf import load_hf_weights
-
-            load_hf_weights(self, self.init_from_hf)
+            hf.load_hf_weights(self, self.init_from_hf)
             return
         std = self.config.init_std
         resid_std = std / math.sqrt(2 * self.config.n_layer)
@@ -320,9 +317,7 @@ class GPT(nn.Module):
         """The GPT of a Hugging Face checkpoint folder (``config.json`` + safetensors or ``pytorch_model.bin``):
         Llama, Mistral, Qwen2 or GPT-2. ``config_overrides`` change :class:`GPTConfig` fields that leave the
         shapes alone (``block_size``, ``kernels``, ``attention``, ``pad_vocab_multiple``, ``fp8``, ...)."""
-        from lightning_perf.models.gpt.hf import config_from_hf, read_hf_config
-
-        config = config_from_hf(read_hf_config(path), **config_overrides)
+        config = hf.config_from_hf(hf.read_hf_config(path), **config_overrides)
         with torch.device("meta"):
             model = cls(config, init_from_hf=str(path))
         model.to_empty(device=device)
@@ -334,12 +329,10 @@ class GPT(nn.Module):
         """Write ``config.json`` and ``model.safetensors`` that Hugging Face ``transformers`` loads
         (``AutoModelForCausalLM.from_pretrained(path)``). Sharded parameters are gathered first, a
         collective every rank joins; then only global rank 0 writes."""
-        from lightning_perf.models.gpt.hf import full_state_dict, save_hf
-
-        state = full_state_dict(self)
+        state = hf.full_state_dict(self)
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return Path(path)
-        return save_hf(state, self.config, path, dtype=dtype)
+        return hf.save_hf(state, self.config, path, dtype=dtype)
 
     # ---- forward -------------------------------------------------------------------------
 
@@ -421,8 +414,6 @@ class GPT(nn.Module):
 
     def tensor_parallel_plan(self, tp_mesh, *, sequence_parallel: Any = True) -> dict:
         """The ``parallelize_module`` plan for tensor (and sequence) parallelism over ``tp_mesh``."""
-        from lightning_perf.models.gpt.parallelize import gpt_tensor_parallel_plan
-
         return gpt_tensor_parallel_plan(self, tp_mesh, sequence_parallel=sequence_parallel)
 
     def enable_context_parallel(self, attention: Optional[Callable[..., torch.Tensor]]) -> None:
@@ -432,8 +423,6 @@ class GPT(nn.Module):
 
     def pipeline_stage(self, stage_idx: int, num_stages: int) -> "GPT":
         """Stage ``stage_idx`` of ``num_stages``: a GPT sharing this one's modules under their names."""
-        from lightning_perf.models.gpt.parallelize import gpt_pipeline_stage
-
         return gpt_pipeline_stage(self, stage_idx, num_stages)
 
     # ---- sizes ---------------------------------------------------------------------------

@@ -13,6 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lightning_perf.data.hf_tokenizer import tokenizer_hash
+from lightning_perf.kernels.torchao_fp8 import check_fp8_device, require_fp8
+from lightning_perf.models.gpt import hf
 from lightning_perf.models.gpt.config import GPTConfig
 from lightning_perf.models.gpt.generate import generate
 from lightning_perf.models.gpt.model import GPT
@@ -20,6 +23,7 @@ from lightning_perf.parallel.activation_checkpointing import AC_MODES, apply_act
 from lightning_perf.parallel.compile import COMPILE_MODES, COMPILE_SCOPES, apply_compile
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, Priority, ScheduledCollection, check_every_n_steps
 from lightning_perf.perf.documents import document_work, packed_batch_flops
+from lightning_perf.perf.run_settings import PerfSettings
 from lightning_perf.runtime.preemption import PreemptionCheckpoint
 
 __all__ = ["GPTLightningModule", "cosine_with_warmup"]
@@ -119,9 +123,7 @@ class GPTLightningModule(L.LightningModule):
         super().__init__()
         check_every_n_steps(gc_every_n_steps, allow_none=True, name="gc_every_n_steps")
         if init_from_hf is not None and config is None:
-            from lightning_perf.models.gpt.hf import config_from_hf, read_hf_config
-
-            config = config_from_hf(read_hf_config(init_from_hf))
+            config = hf.config_from_hf(hf.read_hf_config(init_from_hf))
         elif init_from_hf is not None and isinstance(config, str):
             raise ValueError(
                 f"give either config={config!r} or init_from_hf={init_from_hf!r}: a Hugging Face checkpoint "
@@ -146,13 +148,10 @@ class GPTLightningModule(L.LightningModule):
         if overrides:
             cfg = cfg.replace(**overrides)
         if init_from_hf is not None and not isinstance(config, dict):  # a dict: hyper-parameters of a saved run
-            from lightning_perf.models.gpt.hf import check_hf_weights
-
             # headers only: a vocabulary or shape mismatch fails here, before any process or process group
-            check_hf_weights(cfg, init_from_hf)
+            with torch.device("meta"):
+                hf.check_hf_weights(GPT(cfg), init_from_hf)
         if cfg.fp8:
-            from lightning_perf.kernels.torchao_fp8 import require_fp8
-
             require_fp8(cfg.fp8)  # a missing extra fails here, before any process or process group
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile={compile!r} is not one of {COMPILE_MODES}")
@@ -192,8 +191,6 @@ class GPTLightningModule(L.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         if self.config.fp8 and self._trainer is not None:
-            from lightning_perf.kernels.torchao_fp8 import check_fp8_device
-
             check_fp8_device(self.trainer.strategy.root_device)
 
     @classmethod
@@ -209,8 +206,6 @@ class GPTLightningModule(L.LightningModule):
         folder = self.hparams.get("init_from_hf")
         if folder is None or not (Path(folder) / "tokenizer.json").is_file():
             return None
-        from lightning_perf.data.hf_tokenizer import tokenizer_hash
-
         return tokenizer_hash(folder)
 
     def save_hf(self, path: Union[str, Path], *, dtype: Optional[torch.dtype] = None) -> Path:
@@ -371,12 +366,11 @@ class GPTLightningModule(L.LightningModule):
         ]
 
     def _zeroes_after_step(self) -> bool:
-        """Whether gradients are freed right after the optimizer step (not under a DeepSpeed engine,
-        which owns its gradients and zeroes them itself)."""
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
+        """Whether gradients are freed right after the optimizer step: not where the strategy handles
+        gradient accumulation itself (Lightning's ``Strategy.handles_gradient_accumulation``: a DeepSpeed
+        engine, which owns the gradients between its steps and zeroes them itself)."""
         strategy = self._trainer.strategy if self._trainer is not None else None
-        return getattr(strategy, "_engine", None) is None and not isinstance(strategy, DeepSpeedStrategy)
+        return not (strategy is not None and strategy.handles_gradient_accumulation)
 
     @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
@@ -423,8 +417,9 @@ class GPTLightningModule(L.LightningModule):
 
     def _fused_adam_default(self, params: list[torch.Tensor]) -> bool:
         """The fused AdamW kernel for CUDA parameters, and for parameters a strategy keeps in host memory
-        beside a GPU (CPU offload: torch's fused CPU kernel steps a 5.4B model 3.8x faster than the
-        per-tensor loop on an H100 host); the per-tensor loop for plain CPU training."""
+        beside a GPU (CPU offload: the optimizer step then runs on the host, where torch's fused CPU
+        kernel makes one pass over each group instead of a loop of small per-tensor ops, and the GPU
+        waits for that step); the per-tensor loop for plain CPU training."""
         devices = {p.device.type for p in params}
         if devices == {"cuda"}:
             return True
@@ -455,6 +450,21 @@ class GPTLightningModule(L.LightningModule):
         """Sample ``max_new_tokens`` after the prompt ``idx`` (B, T); returns (B, T + new)."""
         return generate(
             self._gpt(), idx, max_new_tokens, temperature=temperature, top_k=top_k, eos_id=eos_id, seed=seed
+        )
+
+    def perf_settings(self) -> PerfSettings:
+        """What this module tells the performance callbacks about itself (``lightning_perf.perf.run_settings``):
+        the pack's GPT with its kernels, attention and FP8 recipe, and the compile and activation checkpointing
+        it applies to its blocks in ``configure_model``."""
+        mode = self.hparams.get("compile")
+        return PerfSettings(
+            gpt=True,
+            kernels=self.config.kernels,
+            attention=self.config.attention,
+            fp8=self.config.fp8 or "none",
+            compile_mode=mode,
+            compile_scope=self.hparams.get("compile_scope", "block") if mode is not None else None,
+            activation_checkpointing=self.hparams.get("activation_checkpointing", "none"),
         )
 
     @override

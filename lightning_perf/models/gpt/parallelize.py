@@ -33,25 +33,17 @@ itself, so each of the two pipeline ranks holds a copy of the one ``tok_emb.weig
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from lightning_perf.kernels.dtensor import is_dtensor
 from lightning_perf.kernels.torchao_fp8 import fp8_recipe_of
+from lightning_perf.models.gpt.config import GPTConfig
+from lightning_perf.parallel.tensor_parallel import ReplicatedModule, ReplicatedOutputNorm, residual_layout
 
-if TYPE_CHECKING:
-    from lightning_perf.models.gpt.config import GPTConfig
-    from lightning_perf.models.gpt.model import GPT
-
-__all__ = ["gpt_tensor_parallel_plan", "gpt_pipeline_stage", "gpt_stage_layers", "check_gpt_layout"]
-
-
-def check_gpt_layout(config: "GPTConfig", *, tp: int = 1, pp: int = 1, stages_per_rank: int = 1) -> None:
-    """Raise ``ValueError`` with the numbers when the GPT cannot be split this way
-    (:meth:`GPTConfig.check_parallel_layout`)."""
-    config.check_parallel_layout(tensor_parallel_size=tp, pipeline_parallel_size=pp, stages_per_rank=stages_per_rank)
+__all__ = ["gpt_tensor_parallel_plan", "gpt_pipeline_stage", "gpt_stage_layers"]
 
 
 def _fp8_collectives(tp_mesh: Any) -> bool:
@@ -59,12 +51,14 @@ def _fp8_collectives(tp_mesh: Any) -> bool:
     return tp_mesh.device_type != "cpu"
 
 
-def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: Any = True) -> dict[str, Any]:
+def gpt_tensor_parallel_plan(model: nn.Module, tp_mesh: Any, *, sequence_parallel: Any = True) -> dict[str, Any]:
     """The ``parallelize_module`` plan for ``model`` (a whole GPT or one pipeline stage of it).
 
     ``sequence_parallel``: True shards the residual stream (and the norms) along the sequence,
     ``"batch"`` along the batch (whole sequences per rank; collectives on the leading dimension,
     see :func:`lightning_perf.parallel.tensor_parallel.residual_layout`), False replicates it.
+    Whether the GPT splits over ``tp_mesh`` at all (heads divisible by its size, ...) is its
+    config's ``check_parallel_layout``, which the strategy asks before any process group exists.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -74,9 +68,6 @@ def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: A
         SequenceParallel,
     )
 
-    from lightning_perf.parallel.tensor_parallel import ReplicatedModule, ReplicatedOutputNorm, residual_layout
-
-    check_gpt_layout(model.config, tp=tp_mesh.size())
     # the residual stream between modules: sharded local tensors, or replicated ones
     resid = residual_layout(sequence_parallel)
     sharded = sequence_parallel is not False
@@ -145,7 +136,7 @@ def gpt_tensor_parallel_plan(model: "GPT", tp_mesh: Any, *, sequence_parallel: A
     return plan
 
 
-def _head_in_blocks(config: "GPTConfig") -> float:
+def _head_in_blocks(config: GPTConfig) -> float:
     """The last stage's extra matmul work (LM head) in units of one block's, per token."""
     d, hd = config.n_embd, config.head_dim
     attn = 2 * d * config.n_head * hd + 2 * d * config.n_kv_head * hd
@@ -154,7 +145,7 @@ def _head_in_blocks(config: "GPTConfig") -> float:
     return config.padded_vocab_size * d / block
 
 
-def gpt_stage_layers(config: "GPTConfig", num_stages: int) -> list[int]:
+def gpt_stage_layers(config: GPTConfig, num_stages: int) -> list[int]:
     """Blocks per pipeline stage, balancing matmul FLOPs with the LM head on the last stage.
 
     The last stage gets ``round((L + h) / n - h)`` blocks (``h``: the head in block units,
@@ -172,16 +163,15 @@ def gpt_stage_layers(config: "GPTConfig", num_stages: int) -> list[int]:
     return [rest + (1 if i < extra else 0) for i in range(n - 1)] + [last]
 
 
-def gpt_pipeline_stage(model: "GPT", stage_idx: int, num_stages: int) -> "GPT":
+def gpt_pipeline_stage(model: nn.Module, stage_idx: int, num_stages: int) -> nn.Module:
     """A GPT holding stage ``stage_idx`` of ``num_stages``: the same module objects, original names.
 
     The returned stage shares its submodules (and so its parameters) with ``model``.
     Its ``forward(x)`` takes token ids on the first stage and hidden states (B, T, d)
     elsewhere, and returns hidden states, or logits (B, T, V) on the last stage. With a tied
-    head the first and the last stage share ``model.tok_emb`` (the last as its ``lm_head``).
+    head the first and the last stage share ``model.tok_emb`` (the last as its ``lm_head``). The stage is
+    an instance of ``model``'s class, built without running its ``__init__``.
     """
-    from lightning_perf.models.gpt.model import GPT
-
     if not 0 <= stage_idx < num_stages:
         raise ValueError(f"stage_idx {stage_idx} is outside 0..{num_stages - 1}")
     keys = list(model.blocks.keys())
@@ -197,7 +187,8 @@ def gpt_pipeline_stage(model: "GPT", stage_idx: int, num_stages: int) -> "GPT":
     start = sum(sizes[:stage_idx])
     kept = keys[start : start + sizes[stage_idx]]
 
-    stage = GPT.__new__(GPT)
+    cls = type(model)
+    stage = cls.__new__(cls)
     nn.Module.__init__(stage)
     stage.config = model.config
     stage.init_from_hf = model.init_from_hf
