@@ -30,13 +30,24 @@ def pytest_terminal_summary(terminalreporter):
 # itself (it does so for one device too): left behind, the next in-process fit takes its processes for
 # externally started ones and a later subprocess inherits a port that is already bound
 # (restored to what the session started with: a module-scoped fixture that fits runs before a test's own)
-_LAUNCH_ENV = ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")
+# (and its OMP_NUM_THREADS / torch thread count: a later warm start would differ from the fork server's
+# environment and start a fresh interpreter, and in-process tests would run on one thread)
+_LAUNCH_ENV = ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK",
+               "OMP_NUM_THREADS")
 _SESSION_LAUNCH_ENV = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+_SESSION_THREADS = None  # torch's intra-op threads when the first test started
 
 
 @pytest.fixture(autouse=True)
 def _in_process_launch_state():
+    import torch
+
+    global _SESSION_THREADS
+    if _SESSION_THREADS is None:
+        _SESSION_THREADS = torch.get_num_threads()
     yield
+    if torch.get_num_threads() != _SESSION_THREADS:
+        torch.set_num_threads(_SESSION_THREADS)
     for key, value in _SESSION_LAUNCH_ENV.items():
         if value is None:
             os.environ.pop(key, None)
