@@ -121,6 +121,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
                      "fp8": "tensorwise", "fused_qkv": True},
     "zero3_recipe_fp8_gather": {"zero": {"stage": 3, "blocks_per_unit": 2, "fp8_all_gather": True},
                                 "kernels": "triton", "compile": "default", "fp8": "tensorwise", "fused_qkv": True},
+    **{f"zero3_recipe_ctas{n}": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton",
+                                 "compile": "default", "fp8": "tensorwise", "fused_qkv": True,
+                                 "env": {"NCCL_MAX_CTAS": str(n)}} for n in (4, 8, 16)},
     "zero3_recipe_no_gc_schedule": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton",
                                     "compile": "default", "fp8": "tensorwise", "fused_qkv": True, "gc_every": None},
     # llama-8b at T=8192, 2 sequences per GPU, ZeRO-3 built on meta: FP8 tensorwise + the pack's kernels +
@@ -140,6 +143,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                     "zero": {"fp8_all_gather": True, "prefetch": 2}},
            "fp8_prefetch2": {"fp8": "tensorwise", "fused_qkv": True, "ac": "selective", "zero": {"prefetch": 2}},
            "bf16_no_ac": {"ac": "none", "fused_qkv": True},
+           # NCCL's kernels limited to a few CTAs (thread blocks, one SM each): the overlapped all-gathers
+           # and reduce-scatters take fewer SMs from the matmuls beside them, at a lower bandwidth
+           **{f"fp8_no_ac_gather_ctas{n}": {"fp8": "tensorwise", "fused_qkv": True, "ac": "none",
+                                            "zero": {"fp8_all_gather": True}, "env": {"NCCL_MAX_CTAS": str(n)}}
+              for n in (4, 8, 16)},
+           **{f"bf16_no_ac_ctas{n}": {"ac": "none", "fused_qkv": True, "env": {"NCCL_MAX_CTAS": str(n)}}
+              for n in (8, 16)},
+           # three sequences per GPU: the per-step costs (optimizer, FP8 weight casts, launch) over more tokens
+           "fp8_no_ac_gather_b3": {"fp8": "tensorwise", "fused_qkv": True, "ac": "none", "batch": 3,
+                                   "zero": {"fp8_all_gather": True}},
+           # gradients reduce-scattered in bf16 (half the bytes of the default fp32 reduction)
+           "fp8_no_ac_gather_bf16_reduce": {"fp8": "tensorwise", "fused_qkv": True, "ac": "none",
+                                            "zero": {"fp8_all_gather": True}, "reduce_dtype": "bf16"},
        }.items()},
     "llama8b_model_parallel_compile": {"baseline": "model_parallel", "preset": "llama-8b", "seq_len": 8192,
                                        "batch": 2, "warmup": 4, "steps": 8, "ac": "full"},
@@ -277,7 +293,8 @@ class _Timer:
 def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: dict, out_file: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
-    result: dict[str, Any] = {"variant": variant}
+    os.environ.update(spec.get("env", {}))  # read when the process group's communicators are created
+    result: dict[str, Any] = {"variant": variant, "env": spec.get("env", {})}
     try:
         import lightning as L
         from torch.utils.data import DataLoader, Dataset
