@@ -124,6 +124,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     **{f"zero3_recipe_ctas{n}": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton",
                                  "compile": "default", "fp8": "tensorwise", "fused_qkv": True,
                                  "env": {"NCCL_MAX_CTAS": str(n)}} for n in (4, 8, 16)},
+    # ... with each rank's process on the cores of its GPU's NUMA node (lightning_perf.runtime.affinity)
+    "zero3_recipe_numa": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton", "compile": "default",
+                          "fp8": "tensorwise", "fused_qkv": True, "numa": True},
+    "zero3_recipe_units4": {"zero": {"stage": 3, "blocks_per_unit": 4}, "kernels": "triton", "compile": "default",
+                            "fp8": "tensorwise", "fused_qkv": True},
+    "lightning_model_parallel_compile_numa": {"baseline": "model_parallel", "numa": True},
     "zero3_recipe_no_gc_schedule": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton",
                                     "compile": "default", "fp8": "tensorwise", "fused_qkv": True, "gc_every": None},
     # llama-8b at T=8192, 2 sequences per GPU, ZeRO-3 built on meta: FP8 tensorwise + the pack's kernels +
@@ -295,6 +301,14 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
                       WORLD_SIZE=str(world))
     os.environ.update(spec.get("env", {}))  # read when the process group's communicators are created
     result: dict[str, Any] = {"variant": variant, "env": spec.get("env", {})}
+    result["cpus_allowed"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if spec.get("numa") and not args["smoke"]:  # this rank on its GPU's NUMA node (before any thread starts)
+        from lightning_perf.runtime.affinity import bind_to_device, device_local_cpus
+
+        local = device_local_cpus(rank)
+        result["gpu_local_cpus"] = len(local) if local else None
+        bound = bind_to_device(rank)
+        result["cpus_bound"] = len(bound) if bound else None
     try:
         import lightning as L
         from torch.utils.data import DataLoader, Dataset
@@ -413,11 +427,22 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             from lightning_perf.perf.gpu_time import gpu_time_breakdown
 
             result["gpu_time"] = gpu_time_breakdown(timer.profile_events, steps=1, top=25)
+            result["host_top_ms"] = _host_top(timer.profile_events)
     except BaseException as e:  # recorded, never fatal for the whole run
         result.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
     result.update(graph_breaks())  # this process ran only this variant: the whole tally is its own
     with open(f"{out_file}.rank{rank}", "w") as f:
         json.dump(result, f)
+
+
+def _host_top(events: list[dict], top: int = 30) -> dict[str, float]:
+    """Host milliseconds of the profiled step by operator / annotation name (inclusive: a name's
+    time holds the time of what it called), the largest first: where a host-bound step goes."""
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "python_function"):
+            totals[e.get("name", "?")] = totals.get(e.get("name", "?"), 0.0) + float(e.get("dur", 0.0)) / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
 
 
 def run_variant(variant: str, spec: dict, args: dict, world: int, timeout: float) -> dict:
@@ -453,6 +478,8 @@ def merge_ranks(variant: str, results: list[dict], error: str | None) -> dict:
     if issue:  # issue time close to the probe step: the host sets the pace
         merged["issue_s_and_probe_step_s_per_rank"] = issue
     merged["gpu_time_per_rank"] = [r.get("gpu_time") for r in results]
+    merged["host_top_ms_per_rank"] = [r.get("host_top_ms") for r in results]
+    merged["cpus_per_rank"] = [(r.get("cpus_allowed"), r.get("gpu_local_cpus"), r.get("cpus_bound")) for r in results]
     if error and merged.get("ok"):
         merged["warning"] = error
     elif error:

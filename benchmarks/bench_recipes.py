@@ -63,7 +63,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -303,9 +303,14 @@ def _baseline_shape(recipe: dict, smoke: bool) -> tuple[Any, int, int, Any]:
     from lightning_perf.models import GPTConfig
 
     data = recipe.get("data") or {}
+    batch = _BASELINE_BATCH or _fsdp_batch(recipe)
     if smoke:
-        return GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, _fsdp_batch(recipe), None
-    return _plain_config(recipe), int(data.get("seq_len", 1024)), _fsdp_batch(recipe), "default"
+        return GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, batch, None
+    return _plain_config(recipe), int(data.get("seq_len", 1024)), batch, "default"
+
+
+# --baseline_batch: sequences per GPU of a multi-GPU baseline where the recipe's would not fit it
+_BASELINE_BATCH: Optional[int] = None
 
 
 def run_fsdp(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str],
@@ -368,6 +373,8 @@ def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str
         cmd.append("--smoke")
     if kind == "fsdp":
         cmd += ["--fsdp_compile_scope", args.fsdp_compile_scope]
+    if args.baseline_batch and kind in ("fsdp", "mp"):
+        cmd += ["--baseline_batch", str(args.baseline_batch)]
     t = time.perf_counter()
     # a session of its own: on a timeout the ranks Lightning's launcher started are killed with it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -411,6 +418,10 @@ def main() -> None:
     p.add_argument("--baselines", default="fsdp,mp",
                    help="a multi-GPU recipe's baselines: fsdp (Lightning FSDPStrategy), mp (Lightning "
                         "ModelParallelStrategy + FSDP2 + per-block compile), comma-separated")
+    p.add_argument("--baseline_batch", type=int, default=None, metavar="N",
+                   help="sequences per GPU of the multi-GPU baselines (default: the recipe's sequences per step "
+                        "over its GPUs), for a recipe whose batch the baseline cannot hold in memory; tokens/s "
+                        "per GPU are compared either way")
     p.add_argument("--child_args", default="", help=argparse.SUPPRESS)
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                    help="also run each recipe with these CLI overrides, e.g. 'block=--model.compile_scope block'")
@@ -421,6 +432,8 @@ def main() -> None:
 
         return cli_main(sys.argv[1:])
     args = p.parse_args()
+    global _BASELINE_BATCH
+    _BASELINE_BATCH = args.baseline_batch
     if args.recipes is None:
         args.recipes = "gpt2-124m,gpt-1.3b,gpt-1.3b-fp8" + (",gpt-1.3b-zero3" if args.smoke else "")
     if args.steps is None:
