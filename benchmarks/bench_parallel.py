@@ -436,12 +436,30 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
 
 
 def _host_top(events: list[dict], top: int = 30) -> dict[str, float]:
-    """Host milliseconds of the profiled step by operator / annotation name (inclusive: a name's
-    time holds the time of what it called), the largest first: where a host-bound step goes."""
-    totals: dict[str, float] = {}
+    """Host milliseconds of the profiled step by operator / annotation name, exclusive (a name's own
+    time, less the time of what it called on the same thread), the largest first: where a
+    host-bound step goes (Python between operators counts to the operator or annotation around it)."""
+    by_thread: dict[tuple, list[dict]] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "python_function"):
-            totals[e.get("name", "?")] = totals.get(e.get("name", "?"), 0.0) + float(e.get("dur", 0.0)) / 1e3
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    totals: dict[str, float] = {}
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        stack: list[list] = []  # [end, name, children's time]
+
+        def close(until: float) -> None:
+            while stack and stack[-1][0] <= until:
+                end_, name, children, dur = stack.pop()
+                totals[name] = totals.get(name, 0.0) + max(dur - children, 0.0) / 1e3
+                if stack:
+                    stack[-1][2] += dur
+
+        for e in evs:
+            ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+            close(ts)
+            stack.append([ts + dur, e.get("name", "?"), 0.0, dur])
+        close(float("inf"))
     return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
 
 

@@ -153,6 +153,8 @@ def _smoke_overrides(recipe: dict) -> list[str]:
     strategy = (recipe.get("trainer") or {}).get("strategy")
     if isinstance(strategy, dict) and "compile" in (strategy.get("init_args") or {}):
         args += ["--trainer.strategy.init_args.compile", "null"]
+    if isinstance(strategy, dict) and (strategy.get("init_args") or {}).get("fp8_all_gather"):
+        args += ["--trainer.strategy.init_args.fp8_all_gather", "false"]  # the stand-in has no FP8 linears
     return args
 
 
