@@ -359,9 +359,9 @@ def _load_mismatch(err: BaseException, args: list[str]) -> Optional[str]:
 
 def _pack_error_types() -> tuple[type, ...]:
     from lightning_perf.callbacks.nonfinite import NonFiniteError
-    from lightning_perf.parallel.async_checkpoint import AsyncCheckpointError
-    from lightning_perf.parallel.checkpoint import CheckpointCorruptError
-    from lightning_perf.parallel.watchdog import CollectiveTimeoutError, RankFailureError
+    from lightning_perf.parallel.checkpointing.async_checkpoint import AsyncCheckpointError
+    from lightning_perf.parallel.checkpointing.checkpoint import CheckpointCorruptError
+    from lightning_perf.parallel.reliability.watchdog import CollectiveTimeoutError, RankFailureError
 
     return (CheckpointCorruptError, AsyncCheckpointError, NonFiniteError, RankFailureError, CollectiveTimeoutError)
 
@@ -717,7 +717,7 @@ def _check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespa
 def _with_consolidated_hparams(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     """A consolidated state dict (``lightning-perf consolidate``) as a checkpoint: its weights under the
     module's ``model.`` and the hyper-parameters recorded beside it."""
-    from lightning_perf.parallel.checkpoint import consolidated_hparams_path, read_consolidated_hparams
+    from lightning_perf.parallel.checkpointing.checkpoint import consolidated_hparams_path, read_consolidated_hparams
 
     try:
         hparams = read_consolidated_hparams(path)
@@ -791,7 +791,7 @@ def _main(args: list[str]) -> None:
 
         return convert_main(args[1:])
     if args[0] == "consolidate":
-        from lightning_perf.parallel.checkpoint import main as consolidate_main
+        from lightning_perf.parallel.checkpointing.checkpoint import main as consolidate_main
 
         return consolidate_main(args[1:])
     if args[0] not in _LIGHTNING_SUBCOMMANDS and not args[0].startswith("-"):
