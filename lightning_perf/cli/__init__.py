@@ -58,7 +58,7 @@ _OWN_SUBCOMMANDS = {
 
 def recipe_dir() -> Path:
     """The folder of the recipes shipped inside the package."""
-    return Path(__file__).resolve().parent / "configs"
+    return Path(__file__).resolve().parent.parent / "configs"
 
 
 def recipe_names() -> list[str]:
@@ -291,7 +291,7 @@ def _did_you_mean(message: str, known: list[str]) -> str:
 
 DEBUG_ENV = "LIGHTNING_PERF_DEBUG"
 _DEBUG_HINT = f"(for the traceback: {DEBUG_ENV}=1 or --debug)"
-_PACK_DIR = Path(__file__).resolve().parent
+_PACK_DIR = Path(__file__).resolve().parent.parent  # lightning_perf/
 # Lightning's special values of --ckpt_path (resolved by the Trainer, not files)
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 
