@@ -120,7 +120,7 @@ def weak_scaling(results: list[dict]) -> dict[str, Any]:
 
 
 def add_figures(results: list[dict]) -> None:
-    from lightning_perf.parallel.pipeline import bubble_fraction
+    from lightning_perf.parallel.model_parallel.pipeline import bubble_fraction
 
     for r in results:
         if not r.get("ok"):

@@ -52,8 +52,8 @@ def _dir_bytes(path: Path) -> int:
 
 def _run_side(side: str, args: argparse.Namespace, device: torch.device, root: Path) -> dict[str, Any]:
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.async_checkpoint import AsyncCheckpointer
-    from lightning_perf.parallel.checkpoint import save_checkpoint
+    from lightning_perf.parallel.checkpointing.async_checkpoint import AsyncCheckpointer
+    from lightning_perf.parallel.checkpointing.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
     config = GPTConfig.from_name(args.preset, **({"block_size": args.seq_len} if args.smoke else {}))

@@ -86,8 +86,8 @@ def _attention(rank: int, world: int, args: dict, mode: str, T: int, device, dty
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from lightning_perf.parallel.context_parallel import context_parallel_attention, split_sequence
-    from lightning_perf.parallel.ring_attention import ring_attention
+    from lightning_perf.parallel.model_parallel.context_parallel import context_parallel_attention, split_sequence
+    from lightning_perf.parallel.model_parallel.ring_attention import ring_attention
 
     s = _shapes(args)
     gen = torch.Generator(device=device).manual_seed(0)  # the same whole sequence on every rank
@@ -126,8 +126,8 @@ def _model(rank: int, world: int, args: dict, mode: str, T: int, device, dtype, 
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
-    from lightning_perf.parallel.context_parallel import apply_context_parallel
+    from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
+    from lightning_perf.parallel.model_parallel.context_parallel import apply_context_parallel
 
     s = _shapes(args)
     torch.manual_seed(0)

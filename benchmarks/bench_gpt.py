@@ -107,7 +107,7 @@ def make_data(cfg, seq_len: int, batch: int, steps: int, device: torch.device):
 
 def run_plain(name, seq_len, batch, steps, warmup, device, kernels, compile_mode, scope="block", extra=None):
     from lightning_perf.models import GPT, GPTConfig
-    from lightning_perf.parallel.compile import apply_compile
+    from lightning_perf.parallel.compute.compile import apply_compile
 
     cfg = GPTConfig.from_name(name, kernels=kernels, attention="auto" if kernels == "triton" else "sdpa",
                               **(extra or {}))
@@ -259,7 +259,7 @@ def profile_ops(name, seq_len, batch, steps, warmup, device, args, compile_mode)
 
     from lightning_perf.kernels import dispatch
     from lightning_perf.models import GPTConfig
-    from lightning_perf.parallel.compile import apply_compile
+    from lightning_perf.parallel.compute.compile import apply_compile
     from lightning_perf.perf.gpu_time import gpu_time_breakdown
 
     sets = []  # (label, enabled ops, fp8)

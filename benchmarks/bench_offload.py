@@ -80,7 +80,7 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
     """Native offload against no offload on one device, fp32, the same seed and data."""
     import lightning as L
 
-    from lightning_perf.parallel.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
     from lightning_perf.strategies import ZeroStrategy
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False

@@ -274,7 +274,7 @@ def _collective_census() -> Any:
     return census
 
 
-from lightning_perf.parallel.compile import compile_targets as _COMPILE_TARGETS  # noqa: E402
+from lightning_perf.parallel.compute.compile import compile_targets as _COMPILE_TARGETS  # noqa: E402
 
 
 def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir: str) -> dict[str, Any]:
@@ -305,7 +305,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
             return x[:-1], x[1:]
 
     L.seed_everything(0, verbose=False)
-    import lightning_perf.parallel.compile as pc
+    import lightning_perf.parallel.compute.compile as pc
 
     pc.compile_targets = _COMPILE_TARGETS  # variants run one after another in this process
     if spec.get("tp_compile_scope") == "sublayer":
@@ -436,7 +436,7 @@ def add_bubble_figures(results: list[dict]) -> None:
     for a compiled one (when they ran), ``dp2`` otherwise (named in ``baseline``); ``vs_dp2_eager``
     always compares with eager dp2.
     """
-    from lightning_perf.parallel.pipeline import bubble_fraction
+    from lightning_perf.parallel.model_parallel.pipeline import bubble_fraction
 
     ok = {r["variant"]: r for r in results if r.get("ok")}
     eager = ok.get("dp2")

@@ -60,7 +60,7 @@ from lightning_perf.callbacks import (  # noqa: E402
     SyncPointWarner,
     SyncPointWarning,
 )
-from lightning_perf.parallel.flight_recorder import dump_flight_recorder  # noqa: E402
+from lightning_perf.parallel.reliability.flight_recorder import dump_flight_recorder  # noqa: E402
 from lightning_perf.perf.trace import load_trace  # noqa: E402
 
 try:

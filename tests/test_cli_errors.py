@@ -137,7 +137,7 @@ def test_sharded_checkpoint_of_another_shape_names_the_size_mismatch(zero_checkp
 def test_consolidated_zero_checkpoint_generates(zero_checkpoint, tmp_path):
     from lightning_perf.cli import load_module
     from lightning_perf.models.gpt.convert import pack_state_and_config
-    from lightning_perf.parallel.checkpoint import consolidated_state_dict
+    from lightning_perf.parallel.checkpointing.checkpoint import consolidated_state_dict
 
     out = tmp_path / "model.pt"
     proc = _cli(["consolidate", "--ckpt_dir", zero_checkpoint, "--out", out], tmp_path)

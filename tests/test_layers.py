@@ -233,8 +233,8 @@ def test_cycle_check_passes_imports_of_submodules_through_their_package(tmp_path
          "parallel imports lightning_perf.models.gpt"),
         ("parallel/x.py", "import lightning.pytorch as pl\n", "parallel imports lightning.pytorch"),
         ("perf/x.py", "from ..callbacks import mfu\n", "perf imports lightning_perf.callbacks"),
-        ("kernels/ops/x.py", "from lightning_perf.parallel.fsdp import find_blocks\n",
-         "kernels imports lightning_perf.parallel.fsdp"),
+        ("kernels/ops/x.py", "from lightning_perf.parallel.sharding.fsdp import find_blocks\n",
+         "kernels imports lightning_perf.parallel.sharding.fsdp"),
         ("kernels/x.py", "from lightning_perf import parallel\n", "kernels imports lightning_perf.parallel"),
         ("data/x.py", "import lightning_perf\n", "data imports lightning_perf"),
         ("models/gpt/x.py", "from ...strategies import ZeroStrategy\n", "models imports lightning_perf.strategies"),
@@ -251,6 +251,6 @@ def test_layer_check_finds_a_planted_violation(tmp_path: Path, file: str, source
     (tmp_path / "perf").mkdir(exist_ok=True)
     (tmp_path / "perf" / "ok.py").write_text('"""Strings may name callbacks."""\nfrom lightning_perf.perf import flops\n')
     (tmp_path / "models").mkdir(exist_ok=True)
-    (tmp_path / "models" / "ok.py").write_text("from lightning_perf.parallel.compile import apply_compile\n")
+    (tmp_path / "models" / "ok.py").write_text("from lightning_perf.parallel.compute.compile import apply_compile\n")
     found = layer_violations(tmp_path)
     assert len(found) == 1 and found[0].endswith(expected), found

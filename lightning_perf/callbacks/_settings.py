@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from lightning_perf.callbacks._utils import device_of, layout_of
-from lightning_perf.parallel.activation_checkpointing import checkpointing_mode
+from lightning_perf.parallel.compute.activation_checkpointing import checkpointing_mode
 from lightning_perf.perf.collection import scheduled_every
 from lightning_perf.perf.run_settings import PerfSettings, RunSettings
 

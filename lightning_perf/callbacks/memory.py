@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_perf.callbacks._settings import run_settings_of
 from lightning_perf.callbacks._utils import batch_size_of, device_of, log_dir_of, log_scalars
-from lightning_perf.parallel.fsdp import find_blocks
+from lightning_perf.parallel.sharding.fsdp import find_blocks
 from lightning_perf.perf.memory import (
     GB,
     AllocatorStats,

@@ -2,8 +2,8 @@
 
 Each optimizer step, after the gradients are final (``on_before_optimizer_step``), one
 device-side flag covers the loss and every gradient shard and is max-reduced over the
-ranks (:func:`lightning_perf.parallel.numerics.nonfinite_flag`). The flag is read lazily
-(:class:`~lightning_perf.parallel.numerics.FlagQueue`: a pinned non-blocking copy checked
+ranks (:func:`lightning_perf.parallel.reliability.numerics.nonfinite_flag`). The flag is read lazily
+(:class:`~lightning_perf.parallel.reliability.numerics.FlagQueue`: a pinned non-blocking copy checked
 with ``Event.query()`` at the next step; on CPU at once), so watching costs no host sync.
 A bad step is warned about and logged (``numerics/nonfinite_step``) with its global step,
 kept in :attr:`NonFiniteGuard.bad_steps`, then handled by ``policy``:
@@ -39,7 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_perf.parallel.numerics import FlagQueue, nonfinite_flag
+from lightning_perf.parallel.reliability.numerics import FlagQueue, nonfinite_flag
 
 __all__ = ["NonFiniteGuard", "NonFiniteError", "POLICIES"]
 

@@ -1,7 +1,7 @@
 """``RankWatchdog``: name the dead rank (or the mismatched steps) when a collective fails, and where
 the flight recorder's dumps of every rank's last collectives are.
 
-A thin adapter over :class:`lightning_perf.parallel.watchdog.PeerWatchdog`: heartbeats
+A thin adapter over :class:`lightning_perf.parallel.reliability.watchdog.PeerWatchdog`: heartbeats
 start in ``setup`` once the process group exists, each training batch records its step
 (an integer store, no I/O), and ``on_exception`` replaces a failed collective's transport
 error or timeout by a :class:`RankFailureError` / :class:`CollectiveTimeoutError` that
@@ -9,7 +9,7 @@ names the rank at fault. How fast a rank notices is bounded by the strategy's
 ``timeout`` (``ZeroStrategy(timeout=...)``, ``Parallel3DStrategy(timeout=...)``), which
 both gloo and NCCL honour; a killed peer is usually noticed at once (its sockets close).
 
-The flight recorder (:mod:`lightning_perf.parallel.flight_recorder`) is configured in
+The flight recorder (:mod:`lightning_perf.parallel.reliability.flight_recorder`) is configured in
 ``prepare_process_group``, which the pack's strategies call just before they create the process
 group: under NCCL it sets the variables the user has not set (a buffer of ``buffer_size``
 collectives, a dump on timeout, dumps at ``<dump_dir>/nccl_trace_rank_<rank>``). Under another
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_perf.parallel.flight_recorder import (
+from lightning_perf.parallel.reliability.flight_recorder import (
     DUMP_NAME,
     FLIGHT_RECORDER_VARS,
     dump_files,
@@ -38,7 +38,12 @@ from lightning_perf.parallel.flight_recorder import (
     enable_flight_recorder,
     read_command,
 )
-from lightning_perf.parallel.watchdog import CollectiveTimeoutError, PeerWatchdog, RankFailureError, is_timeout_error
+from lightning_perf.parallel.reliability.watchdog import (
+    CollectiveTimeoutError,
+    PeerWatchdog,
+    RankFailureError,
+    is_timeout_error,
+)
 
 __all__ = ["RankWatchdog", "RankFailureError", "CollectiveTimeoutError"]
 

@@ -14,7 +14,7 @@ accumulation (``torch._scaled_mm``), dynamic scales recomputed from the current 
                  maximum saturates at the FP8 maximum for one step. Plain weights only.
 
 Parameters, optimizer state and checkpoints are unchanged: FP8 exists only inside the matmuls.
-torchao owns the layer, the rowwise recipe, FSDP2's FP8 all-gather (``parallel.fp8_all_gather``)
+torchao owns the layer, the rowwise recipe, FSDP2's FP8 all-gather (``parallel.sharding.fp8_all_gather``)
 and the FP8 tensor-parallel styles; this module picks the layers and the recipe. One exception:
 a tensorwise layer whose weight is a plain tensor when it runs (one device, DDP, pipeline stages,
 ZeRO gathering bf16/fp32 weights; not FP8-gathered or tensor-parallel) runs ``kernels.ops.fp8_linear``,

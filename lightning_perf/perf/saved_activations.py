@@ -31,7 +31,7 @@ import torch.nn as nn
 __all__ = ["SavedActivations", "SavedTensorCounter", "producer_of", "KEPT_BY_SELECTIVE"]
 
 # autograd node names of the ops whose outputs selective checkpointing saves
-# (lightning_perf.parallel.activation_checkpointing._SAVE_OPS)
+# (lightning_perf.parallel.compute.activation_checkpointing._SAVE_OPS)
 KEPT_BY_SELECTIVE = ("MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "ScaledMmBackward",
                      "ScaledDotProduct")
 _VIEWS = ("ViewBackward", "UnsafeViewBackward", "TransposeBackward", "TBackward", "PermuteBackward",

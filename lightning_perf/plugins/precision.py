@@ -11,7 +11,7 @@ bf16-true      module cast to bf16               module cast to bf16        no
 
 Master weights and optimizer state stay fp32 in the mixed modes (FSDP2 keeps the sharded
 fp32 parameters and casts the all-gathered copy; autocast casts per op). fp16 dynamic
-loss scaling uses :class:`~lightning_perf.parallel.loss_scaler.DistributedLossScaler`, whose
+loss scaling uses :class:`~lightning_perf.parallel.sharding.loss_scaler.DistributedLossScaler`, whose
 inf/NaN flag is all-reduced over the whole world (every rank of every mesh dimension),
 so every rank skips the same steps. The scale and the skipped-step count are logged as
 ``precision/loss_scale`` and ``precision/skipped_steps`` and saved in checkpoints.
@@ -45,7 +45,7 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_perf.parallel.loss_scaler import DistributedLossScaler
+from lightning_perf.parallel.sharding.loss_scaler import DistributedLossScaler
 
 __all__ = ["PerfPrecision", "PRECISIONS", "normalize_precision"]
 

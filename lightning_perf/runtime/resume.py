@@ -1,6 +1,6 @@
 """What ``ckpt_path="last"`` resumes from, and a checkpoint folder that a crash cannot leave without one.
 
-The pack's save sequence (:mod:`lightning_perf.parallel.checkpoint`, :mod:`...async_checkpoint`)
+The pack's save sequence (:mod:`lightning_perf.parallel.checkpointing.checkpoint`, :mod:`...async_checkpoint`)
 writes a checkpoint into ``<name>.tmp`` and renames it into place; overwriting one (``last.ckpt``)
 takes two renames (``<name>`` to ``<name>.old``, ``<name>.tmp`` to ``<name>``). A crash between them
 leaves ``<name>.old`` and a complete ``<name>.tmp`` and no ``<name>``. Here:
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from lightning_perf.parallel.checkpoint import EXTRA_FILE
+from lightning_perf.parallel.checkpointing.checkpoint import EXTRA_FILE
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

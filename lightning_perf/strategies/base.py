@@ -86,9 +86,13 @@ from typing_extensions import override
 
 from lightning_perf.callbacks.garbage import DefaultCollection, GarbageCollection
 from lightning_perf.kernels.torchao_fp8 import uses_delayed_fp8
-from lightning_perf.parallel import checkpoint as ckpt
-from lightning_perf.parallel.async_checkpoint import AsyncCheckpointer, async_save_supported
-from lightning_perf.parallel.fp8_all_gather import precompute_fp8_scales, require_fp8_config, require_fp8_linears
+from lightning_perf.parallel.checkpointing import checkpoint as ckpt
+from lightning_perf.parallel.checkpointing.async_checkpoint import AsyncCheckpointer, async_save_supported
+from lightning_perf.parallel.sharding.fp8_all_gather import (
+    precompute_fp8_scales,
+    require_fp8_config,
+    require_fp8_linears,
+)
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, check_every_n_steps
 from lightning_perf.perf.run_settings import PerfSettings
 from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision

@@ -39,15 +39,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model, check_model_config
-from lightning_perf.parallel.dims import ParallelDims, data_parallel_mesh
-from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
-from lightning_perf.parallel.gradients import allreduce_gradients, clip_grad_norm_3d
-from lightning_perf.parallel.parallelize_3d import Parallelized3D, parallelize_3d
-from lightning_perf.parallel.optim import localize_optimizers
-from lightning_perf.parallel.tensor_parallel import tp_sequence_check
-from lightning_perf.parallel.tied import check_tied_layout, tied_parameter_names
-from lightning_perf.parallel.validate import check_data_layout, data_shape
+from lightning_perf.parallel.layout.config_3d import Parallel3DConfig, check_model, check_model_config
+from lightning_perf.parallel.layout.dims import ParallelDims, data_parallel_mesh
+from lightning_perf.parallel.layout.validate import check_data_layout, data_shape
+from lightning_perf.parallel.model_parallel.parallelize_3d import Parallelized3D, parallelize_3d
+from lightning_perf.parallel.model_parallel.tensor_parallel import tp_sequence_check
+from lightning_perf.parallel.model_parallel.tied import check_tied_layout, tied_parameter_names
+from lightning_perf.parallel.sharding.fp8_all_gather import require_fp8_linears
+from lightning_perf.parallel.sharding.gradients import allreduce_gradients, clip_grad_norm_3d
+from lightning_perf.parallel.sharding.optim import localize_optimizers
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS
 from lightning_perf.perf.run_settings import PerfSettings
 from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model, config_from_arguments

@@ -31,10 +31,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_perf.parallel import deepspeed_engine
-from lightning_perf.parallel.ddp import apply_ddp, shard_optimizer
-from lightning_perf.parallel.dims import build_zero_mesh, fsdp_mesh
-from lightning_perf.parallel.fsdp import (
+from lightning_perf.parallel.layout.dims import build_zero_mesh, fsdp_mesh
+from lightning_perf.parallel.layout.validate import check_data_layout, data_shape
+from lightning_perf.parallel.layout.zero_config import ZeroConfig
+from lightning_perf.parallel.sharding import deepspeed_engine
+from lightning_perf.parallel.sharding.ddp import apply_ddp, shard_optimizer
+from lightning_perf.parallel.sharding.fp8_all_gather import require_fp8_linears
+from lightning_perf.parallel.sharding.fsdp import (
     apply_fsdp,
     cpu_offload_policy,
     find_blocks,
@@ -42,17 +45,14 @@ from lightning_perf.parallel.fsdp import (
     move_unsharded_,
     set_gradient_sync,
 )
-from lightning_perf.parallel.fp8_all_gather import require_fp8_linears
-from lightning_perf.parallel.init import (
+from lightning_perf.parallel.sharding.init import (
     broadcast_module_,
     has_meta_tensors,
     materialize_from_rank0,
     materialize_local,
     take_full_state,
 )
-from lightning_perf.parallel.optim import localize_optimizers
-from lightning_perf.parallel.validate import check_data_layout, data_shape
-from lightning_perf.parallel.zero_config import ZeroConfig
+from lightning_perf.parallel.sharding.optim import localize_optimizers
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS
 from lightning_perf.perf.run_settings import PerfSettings
 from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model, config_from_arguments

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_perf.callbacks import CollectiveTimeoutError, RankWatchdog
-from lightning_perf.parallel.flight_recorder import FLIGHT_RECORDER_VARS
+from lightning_perf.parallel.reliability.flight_recorder import FLIGHT_RECORDER_VARS
 from lightning_perf.strategies import ZeroStrategy
 
 NAMES = [n for names in FLIGHT_RECORDER_VARS.values() for n in names]

@@ -135,7 +135,7 @@ def test_settings_read_compile_and_checkpointing(tmp_path):
     import lightning as L
 
     from lightning_perf.models import GPTLightningModule
-    from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
+    from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
 
     t = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                   default_root_dir=str(tmp_path))

@@ -123,7 +123,7 @@ def test_dispatch_uses_kernels(close, device):
 def test_gpt_kernels_under_activation_checkpointing(mode, close, device):
     """Checkpointed blocks with every kernel give the reference gradients. Selective checkpointing
     keeps the projections' outputs: rotating q / k in place would rotate a kept tensor twice."""
-    from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
+    from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
 
     cfg = GPTConfig.from_name("tiny-llama", n_layer=2)
     torch.manual_seed(0)

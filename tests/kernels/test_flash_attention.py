@@ -239,7 +239,7 @@ def test_ring_blocks_merge_by_lse_into_causal_attention(use_triton, close, devic
     """What ring attention asks of a block: the LSE of the kernel's forward merges the outputs of
     key blocks, and its backward given the merged output and LSE gives each block's share of the
     gradients. Queries of the second half see the first key half in full and the second causally."""
-    from lightning_perf.parallel.ring_attention import block_attention, block_attention_backward
+    from lightning_perf.parallel.model_parallel.ring_attention import block_attention, block_attention_backward
 
     q, k, v = _qkv(1, 4, 2, 32, 16, torch.float32, device)
     ref = attention_reference(q, k, v, causal=True)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from lightning_perf.models import GPT, GPTConfig, GPTLightningModule, generate
 from lightning_perf.models.gpt.module import cosine_with_warmup
-from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
 
 
 def _small(name: str, **kw) -> GPTConfig:

@@ -48,7 +48,7 @@ def test_convert_to_hf_from_lightning_checkpoint(tmp_path):
 
 
 def test_convert_to_hf_from_sharded_and_consolidated_checkpoints(tmp_path):
-    from lightning_perf.parallel.checkpoint import consolidate, save_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint import consolidate, save_checkpoint
 
     torch.manual_seed(0)
     module = GPTLightningModule("tiny-llama", config_overrides={"n_layer": 2, "n_embd": 64, "block_size": 32})

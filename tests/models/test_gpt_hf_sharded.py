@@ -21,9 +21,9 @@ def _worker(rank: int, world: int, out_dir: Path) -> dict:
     from lightning_perf.kernels.dtensor import is_dtensor
     from lightning_perf.models import GPT
     from lightning_perf.models.gpt.hf import config_from_hf, read_hf_config
-    from lightning_perf.parallel.checkpoint import save_checkpoint
-    from lightning_perf.parallel.fsdp import apply_fsdp
-    from lightning_perf.parallel.init import materialize_local
+    from lightning_perf.parallel.checkpointing.checkpoint import save_checkpoint
+    from lightning_perf.parallel.sharding.fsdp import apply_fsdp
+    from lightning_perf.parallel.sharding.init import materialize_local
 
     path = out_dir / "hf"
     cfg = config_from_hf(read_hf_config(path))

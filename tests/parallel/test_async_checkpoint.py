@@ -54,8 +54,8 @@ def _worker(rank: int, world: int, out: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_perf.parallel import checkpoint as ckpt
-    from lightning_perf.parallel.async_checkpoint import AsyncCheckpointer, AsyncCheckpointError
+    from lightning_perf.parallel.checkpointing import checkpoint as ckpt
+    from lightning_perf.parallel.checkpointing.async_checkpoint import AsyncCheckpointer, AsyncCheckpointError
 
     mesh = init_device_mesh("cpu", (world,))
     model = _model()
@@ -164,8 +164,8 @@ def test_failed_background_write_keeps_the_previous_checkpoint(two_ranks) -> Non
 
 
 def test_single_process_async_save_equals_sync_save(tmp_path: Path) -> None:
-    from lightning_perf.parallel.async_checkpoint import AsyncCheckpointer
-    from lightning_perf.parallel.checkpoint import read_extra, save_checkpoint, verify_files
+    from lightning_perf.parallel.checkpointing.async_checkpoint import AsyncCheckpointer
+    from lightning_perf.parallel.checkpointing.checkpoint import read_extra, save_checkpoint, verify_files
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from lightning_perf.models.gpt import GPTConfig
-from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model_config
+from lightning_perf.parallel.layout.config_3d import Parallel3DConfig, check_model_config
 
 
 @dataclass
@@ -58,7 +58,7 @@ def test_gpt_config_check_matches_the_layout() -> None:
 def test_zero_bubble_schedules_refuse_selective_checkpointing() -> None:
     """Their split backward (input, then weight gradients) ran a second backward through a selectively
     checkpointed region, which torch refused in the first step; now the layout is refused up front."""
-    from lightning_perf.parallel.config_3d import Parallel3DConfig
+    from lightning_perf.parallel.layout.config_3d import Parallel3DConfig
 
     for schedule, stages in (("zero_bubble", 1), ("zero_bubble", 2), ("zbv_zero_bubble", 2)):
         with pytest.raises(ValueError, match=rf"pipeline_schedule='{schedule}' runs each backward as two passes"):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _attention_case import causal_gqa_case
 from _spawn import spawn
 
-from lightning_perf.parallel.context_parallel import (
+from lightning_perf.parallel.model_parallel.context_parallel import (
     _global_order,
     check_context_parallel_seq_len,
     load_balanced_positions,
@@ -64,7 +64,10 @@ def _tiny_gpt(positions: str):
 
 
 def _cp2_worker(rank: int, world: int, out: Path) -> dict:
-    from lightning_perf.parallel.context_parallel import apply_context_parallel, context_parallel_attention
+    from lightning_perf.parallel.model_parallel.context_parallel import (
+        apply_context_parallel,
+        context_parallel_attention,
+    )
 
     group = dist.group.WORLD
     res: dict = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from lightning_perf.parallel.dims import MESH_DIM_NAMES, ParallelDims, mesh_size
+from lightning_perf.parallel.layout.dims import MESH_DIM_NAMES, ParallelDims, mesh_size
 
 
 def test_auto_dp_fills_the_world() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_perf.parallel.flight_recorder import (
+from lightning_perf.parallel.reliability.flight_recorder import (
     FLIGHT_RECORDER_VARS,
     default_dump_prefix,
     dump_files,

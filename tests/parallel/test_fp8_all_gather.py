@@ -43,11 +43,11 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_perf.parallel import apply_fsdp, load_checkpoint, save_checkpoint
-    from lightning_perf.parallel.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
     from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
 
-    from lightning_perf.parallel.fp8_all_gather import fp8_all_gather_weights, precompute_fp8_scales
-    from lightning_perf.parallel.init import materialize_from_rank0, take_full_state
+    from lightning_perf.parallel.sharding.fp8_all_gather import fp8_all_gather_weights, precompute_fp8_scales
+    from lightning_perf.parallel.sharding.init import materialize_from_rank0, take_full_state
 
     from lightning_perf.kernels import torchao_fp8 as float8
     from lightning_perf.kernels.torchao_fp8 import is_fp8_linear
@@ -60,8 +60,8 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
     def build():
         torch.manual_seed(0)
         if meta:  # every rank initialises its own shards (init="meta")
-            from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
-            from lightning_perf.parallel.init import materialize_local
+            from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
+            from lightning_perf.parallel.sharding.init import materialize_local
 
             with torch.device("meta"):
                 model = GPT(config())
@@ -81,7 +81,7 @@ def _run(rank: int, world: int, *, stage: int, gather: bool, precompute: bool, c
             for block in model.blocks.values():
                 block.compile(backend="aot_eager")
         if ac != "none":
-            from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
+            from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
 
             apply_activation_checkpointing(list(model.blocks.values()), ac)
         apply_fsdp(model, mesh, reshard_after_forward=stage == 3, fp8_all_gather=gather)
@@ -199,7 +199,11 @@ def test_fp8_all_gather_equals_plain_gather(tmp_path: Path) -> None:
 def test_only_tensorwise_linears_gather_in_fp8() -> None:
     import pytest
 
-    from lightning_perf.parallel.fp8_all_gather import enable_fp8_all_gather, require_fp8_config, require_fp8_linears
+    from lightning_perf.parallel.sharding.fp8_all_gather import (
+        enable_fp8_all_gather,
+        require_fp8_config,
+        require_fp8_linears,
+    )
 
     rowwise = GPT(GPTConfig(name="t", vocab_size=100, block_size=T, n_layer=1, n_head=2, n_embd=48, fp8="rowwise"))
     with pytest.raises(ValueError, match="needs tensorwise FP8 linears"):

@@ -12,7 +12,7 @@ def _local_step_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.optim import is_localized, localize_optimizer
+    from lightning_perf.parallel.sharding.optim import is_localized, localize_optimizer
 
     mesh = init_device_mesh("cpu", (world,))
     cfg = GPTConfig.from_name("tiny", n_layer=2)
@@ -79,7 +79,7 @@ def test_local_shard_adam_equals_the_dtensor_step(tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["SGD", "RMSprop"])
 def test_other_optimizers_are_left_alone(name) -> None:
-    from lightning_perf.parallel.optim import localize_optimizer
+    from lightning_perf.parallel.sharding.optim import localize_optimizer
 
     opt = getattr(torch.optim, name)([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     assert not localize_optimizer(opt) and type(opt) is getattr(torch.optim, name)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_perf.models.gpt import GPT, GPTConfig
-from lightning_perf.parallel.pipeline import (
+from lightning_perf.parallel.model_parallel.pipeline import (
     PipelineConfig,
     bubble_fraction,
     build_stage_modules,

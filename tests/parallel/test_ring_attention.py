@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from _attention_case import causal_gqa_case
 from _spawn import spawn
 
-from lightning_perf.parallel.context_parallel import load_balanced_positions, split_sequence
-from lightning_perf.parallel.ring_attention import block_attention, block_attention_backward, ring_steps
+from lightning_perf.parallel.model_parallel.context_parallel import load_balanced_positions, split_sequence
+from lightning_perf.parallel.model_parallel.ring_attention import block_attention, block_attention_backward, ring_steps
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -56,8 +56,8 @@ def test_block_backward_matches_autograd() -> None:
 
 
 def test_bad_shapes_are_refused_before_any_collective() -> None:
-    from lightning_perf.parallel.config_3d import Parallel3DConfig
-    from lightning_perf.parallel.ring_attention import ring_attention
+    from lightning_perf.parallel.layout.config_3d import Parallel3DConfig
+    from lightning_perf.parallel.model_parallel.ring_attention import ring_attention
 
     with pytest.raises(ValueError, match=r"local length 7 is odd"):
         ring_attention(torch.zeros(1, 2, 7, 8), torch.zeros(1, 2, 7, 8), torch.zeros(1, 2, 7, 8), group=None)
@@ -105,8 +105,11 @@ def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _cp2_worker(rank: int, world: int, out: Path) -> dict:
-    from lightning_perf.parallel.context_parallel import apply_context_parallel, context_parallel_attention
-    from lightning_perf.parallel.ring_attention import ring_attention
+    from lightning_perf.parallel.model_parallel.context_parallel import (
+        apply_context_parallel,
+        context_parallel_attention,
+    )
+    from lightning_perf.parallel.model_parallel.ring_attention import ring_attention
 
     res: dict = {}
     group = dist.group.WORLD

@@ -7,9 +7,14 @@ import torch
 import torch.nn as nn
 
 from lightning_perf.models.gpt import GPT, GPTConfig
-from lightning_perf.parallel.gradients import clip_grad_norm_3d
-from lightning_perf.parallel.pipeline import PipelineConfig
-from lightning_perf.parallel.tied import check_tied_layout, embedding_group_ranks, shared_parameters, tied_parameter_names
+from lightning_perf.parallel.model_parallel.pipeline import PipelineConfig
+from lightning_perf.parallel.model_parallel.tied import (
+    check_tied_layout,
+    embedding_group_ranks,
+    shared_parameters,
+    tied_parameter_names,
+)
+from lightning_perf.parallel.sharding.gradients import clip_grad_norm_3d
 
 
 def _meta_gpt(**kw) -> GPT:

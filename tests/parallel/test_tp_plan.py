@@ -17,7 +17,11 @@ from _spawn import spawn
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from lightning_perf.models.gpt import GPT, GPTConfig
-from lightning_perf.parallel.tensor_parallel import ReplicatedOutputNorm, find_protocol_module, tp_sequence_check
+from lightning_perf.parallel.model_parallel.tensor_parallel import (
+    ReplicatedOutputNorm,
+    find_protocol_module,
+    tp_sequence_check,
+)
 
 
 class _Mesh:  # the plan reads only the mesh size
@@ -95,9 +99,9 @@ def test_protocol_lookup_finds_the_outermost_implementer() -> None:
 
 
 def test_compile_scope_under_tensor_parallelism() -> None:
-    from lightning_perf.parallel.compile import compile_targets, tp_sublayers
-    from lightning_perf.parallel.config_3d import Parallel3DConfig
-    from lightning_perf.parallel.parallelize_3d import _compile_mode
+    from lightning_perf.parallel.compute.compile import compile_targets, tp_sublayers
+    from lightning_perf.parallel.layout.config_3d import Parallel3DConfig
+    from lightning_perf.parallel.model_parallel.parallelize_3d import _compile_mode
 
     model = _meta_gpt()
     block = model.blocks["0"]
@@ -105,7 +109,7 @@ def test_compile_scope_under_tensor_parallelism() -> None:
     assert compile_targets(block, tensor_parallel=True) == [block]
     assert compile_targets(block, tensor_parallel=False) == [block]
     assert tp_sublayers(block) == [block.attn, block.mlp]
-    from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
+    from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
 
     apply_activation_checkpointing([block], "full")  # under TP a checkpointed block compiles its sublayers
     assert compile_targets(block, tensor_parallel=True) == [block.attn, block.mlp]
@@ -187,8 +191,8 @@ def _tp_graph_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.compile import compile_blocks
-    from lightning_perf.parallel.tensor_parallel import apply_tp
+    from lightning_perf.parallel.compute.compile import compile_blocks
+    from lightning_perf.parallel.model_parallel.tensor_parallel import apply_tp
 
     graphs: list[set] = []
 
@@ -276,8 +280,8 @@ def _unfused_bias_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel.compile import compile_blocks
-    from lightning_perf.parallel.tensor_parallel import apply_tp, unfuse_linear_biases
+    from lightning_perf.parallel.compute.compile import compile_blocks
+    from lightning_perf.parallel.model_parallel.tensor_parallel import apply_tp, unfuse_linear_biases
 
     graphs: list[set] = []
 
@@ -320,7 +324,7 @@ def _cast_worker(rank: int, world: int, out_dir) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.tensor_parallel import apply_tp, to_local_output
+    from lightning_perf.parallel.model_parallel.tensor_parallel import apply_tp, to_local_output
 
     class Collectives(TorchDispatchMode):
         def __init__(self) -> None:
@@ -384,8 +388,8 @@ def _llama_compiled_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel.compile import compile_blocks
-    from lightning_perf.parallel.tensor_parallel import apply_tp
+    from lightning_perf.parallel.compute.compile import compile_blocks
+    from lightning_perf.parallel.model_parallel.tensor_parallel import apply_tp
 
     # no position table: the vocab-parallel embedding feeds block 0 directly
     idx, ref, ref_loss, model = _reference_and_copy("tiny-llama")
@@ -416,8 +420,8 @@ def _inductor_tp_step(preset: str, sequence_parallel, tp_overlap: str, world: in
     check the same run."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_perf.parallel.compile import compile_blocks
-    from lightning_perf.parallel.tensor_parallel import apply_tp
+    from lightning_perf.parallel.compute.compile import compile_blocks
+    from lightning_perf.parallel.model_parallel.tensor_parallel import apply_tp
 
     idx, ref, ref_loss, model = _reference_and_copy(preset)
     apply_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel=sequence_parallel, local_output=True)
@@ -482,8 +486,8 @@ def _batch_shard_worker(rank: int, world: int, out_dir) -> dict:
     # a batch the TP ranks cannot share evenly (3 sequences over 2 ranks, a ragged last batch): padded
     # with a copy of the last sequence whose targets the loss ignores, outputs cut back to 3
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.config_3d import Parallel3DConfig
-    from lightning_perf.parallel.parallelize_3d import parallelize_3d
+    from lightning_perf.parallel.layout.config_3d import Parallel3DConfig
+    from lightning_perf.parallel.model_parallel.parallelize_3d import parallelize_3d
 
     cfg = GPTConfig.from_name("tiny", n_layer=2)
     odd = torch.randint(0, cfg.vocab_size, (3, 16), generator=torch.Generator().manual_seed(2))
@@ -540,15 +544,15 @@ def test_batch_sharded_residual_stream_matches_one_process_without_relayout_copi
 
 
 def test_sequence_parallel_values_are_checked() -> None:
-    from lightning_perf.parallel.config_3d import Parallel3DConfig
-    from lightning_perf.parallel.validate import check_data_layout
+    from lightning_perf.parallel.layout.config_3d import Parallel3DConfig
+    from lightning_perf.parallel.layout.validate import check_data_layout
     from lightning_perf.strategies import Parallel3DStrategy
 
     with pytest.raises(ValueError, match="sequence_parallel='tokens' is not one of"):
         Parallel3DStrategy(tensor_parallel_size=2, sequence_parallel="tokens")
     Parallel3DConfig(tensor_parallel_size=2, sequence_parallel="batch")
     # per data-parallel rank: 6 sequences in 2 microbatches of 3 cannot split over tp=2
-    from lightning_perf.parallel.pipeline import PipelineConfig
+    from lightning_perf.parallel.model_parallel.pipeline import PipelineConfig
 
     with pytest.raises(ValueError, match=r"batch of 6 in 2 microbatch\(es\) gives 3 sequences"):
         check_data_layout(batch_size=6, seq_len=16, tensor_parallel_size=2, sequence_parallel="batch",
@@ -563,7 +567,7 @@ def test_compile_head_loss_only_where_the_head_lives() -> None:
     """The strategy compiles the last stage's head + loss once; a stage without the head is left alone,
     and the compiled loss equals the eager one."""
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.compile import compile_head_loss
+    from lightning_perf.parallel.compute.compile import compile_head_loss
 
     cfg = GPTConfig.from_name("tiny", n_layer=2, tie_embeddings=False)
     torch.manual_seed(0)
@@ -585,8 +589,8 @@ def _fused_qkv_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel.compile import compile_blocks
-    from lightning_perf.parallel.tensor_parallel import apply_tp, unfuse_linear_biases
+    from lightning_perf.parallel.compute.compile import compile_blocks
+    from lightning_perf.parallel.model_parallel.tensor_parallel import apply_tp, unfuse_linear_biases
 
     out = {}
     # (preset, sequence_parallel, compiled, biases split from their matmuls as for async TP)
@@ -631,8 +635,8 @@ def test_fused_qkv_under_tensor_parallelism_matches_one_process(tp2) -> None:
 
 
 def test_tp_overlap_modes_map_to_inductor_options() -> None:
-    from lightning_perf.parallel.compile import _hooked_compile, inductor_overlap_options
-    from lightning_perf.parallel.config_3d import Parallel3DConfig
+    from lightning_perf.parallel.compute.compile import _hooked_compile, inductor_overlap_options
+    from lightning_perf.parallel.layout.config_3d import Parallel3DConfig
 
     assert inductor_overlap_options("none", "cuda") == {}
     reorder = inductor_overlap_options("reorder", "cpu")
@@ -660,8 +664,8 @@ def _split_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_perf.parallel import compile as pc
-    from lightning_perf.parallel.tensor_parallel import apply_tp
+    from lightning_perf.parallel.compute import compile as pc
+    from lightning_perf.parallel.model_parallel.tensor_parallel import apply_tp
 
     calls = {"split": 0, "whole": 0}
     original = pc._run_hooked_split
@@ -714,8 +718,8 @@ def _fp8_worker(rank: int, world: int, out_dir) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from lightning_perf.models.gpt import GPT, GPTConfig
-    from lightning_perf.parallel.compile import compile_blocks
-    from lightning_perf.parallel.tensor_parallel import apply_tp
+    from lightning_perf.parallel.compute.compile import compile_blocks
+    from lightning_perf.parallel.model_parallel.tensor_parallel import apply_tp
 
     from lightning_perf.models.gpt import parallelize
 

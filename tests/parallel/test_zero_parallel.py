@@ -48,8 +48,8 @@ def _fsdp_run(rank: int, world: int, stage: int, data, ckpt: Path | None, fp8: b
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_perf.parallel import apply_fsdp, load_checkpoint, save_checkpoint
-    from lightning_perf.parallel.checkpoint import full_model_state_dict
-    from lightning_perf.parallel.init import materialize_from_rank0, take_full_state
+    from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.sharding.init import materialize_from_rank0, take_full_state
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
@@ -217,7 +217,7 @@ def test_zero_parallel_pieces(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.tensor(results[0]["zero3"]["resumed"]), torch.tensor(losses[2:]),
                                rtol=1e-5, atol=1e-6)
     # consolidate -> one file a plain GPT loads
-    from lightning_perf.parallel.checkpoint import main as consolidate_main
+    from lightning_perf.parallel.checkpointing.checkpoint import main as consolidate_main
 
     out = tmp_path / "full.pt"
     assert consolidate_main([str(tmp_path / "ckpt"), str(out)]) == 0
@@ -259,7 +259,7 @@ def test_checkpoint_saves_are_atomic(tmp_path: Path) -> None:
     import pickle
 
     from lightning_perf.parallel import load_checkpoint, save_checkpoint
-    from lightning_perf.parallel.checkpoint import update_link
+    from lightning_perf.parallel.checkpointing.checkpoint import update_link
 
     torch.manual_seed(0)
     model = GPT(tiny_config())

@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_perf.parallel.loss_scaler import DistributedLossScaler
+from lightning_perf.parallel.sharding.loss_scaler import DistributedLossScaler
 from lightning_perf.plugins import PerfPrecision
 
 

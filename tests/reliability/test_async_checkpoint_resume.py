@@ -60,7 +60,7 @@ def _killed(rank: int, world: int, out: Path, root: Path) -> None:
 def _resume(rank: int, world: int, out: Path, root: Path) -> dict:
     import lightning as L
 
-    from lightning_perf.parallel import checkpoint as ckpt
+    from lightning_perf.parallel.checkpointing import checkpoint as ckpt
 
     d = root / "ckpt"
     left = dict(last_step=ckpt.read_extra(d / "last.ckpt")["extra"]["global_step"],

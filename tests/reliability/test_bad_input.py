@@ -88,8 +88,8 @@ def _model(rnd: random.Random, tp: int = 1, stages: int = 1) -> dict:
 
 def valid_config(rnd: random.Random, *, kind: Optional[str] = None, world: Optional[int] = None) -> dict:
     """A configuration every check must accept (``world``: force that many ranks)."""
-    from lightning_perf.parallel.config_3d import SPLIT_BACKWARD_SCHEDULES
-    from lightning_perf.parallel.pipeline import SCHEDULES
+    from lightning_perf.parallel.layout.config_3d import SPLIT_BACKWARD_SCHEDULES
+    from lightning_perf.parallel.model_parallel.pipeline import SCHEDULES
 
     kind = kind or rnd.choice(["zero", "parallel3d"])
     cfg: dict[str, Any] = {
@@ -294,7 +294,7 @@ def _pick(rnd: random.Random, valid: list, invalid: list = ()) -> Any:
 
 
 def mixed_config(rnd: random.Random) -> dict:
-    from lightning_perf.parallel.pipeline import SCHEDULES
+    from lightning_perf.parallel.model_parallel.pipeline import SCHEDULES
 
     p = lambda valid, invalid=(): _pick(rnd, valid, invalid)  # noqa: E731
     model = {

@@ -87,7 +87,7 @@ def _check_commit(rec: Recorder, ckpt: Path, since: int = 0) -> int:
 
 
 def test_sync_saves_are_durable_before_renames_and_deletions(rec: Recorder, tmp_path: Path) -> None:
-    from lightning_perf.parallel.checkpoint import load_checkpoint, remove, save_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint import load_checkpoint, remove, save_checkpoint
 
     tmp_path = tmp_path.resolve()  # paths as /proc names them
     model, opt = _model()
@@ -146,7 +146,7 @@ def test_background_saves_are_durable_before_renames_and_deferred_deletions(rec:
 
 
 def test_consolidated_file_and_link_are_durable(rec: Recorder, tmp_path: Path) -> None:
-    from lightning_perf.parallel.checkpoint import consolidate, save_checkpoint, update_link
+    from lightning_perf.parallel.checkpointing.checkpoint import consolidate, save_checkpoint, update_link
 
     tmp_path = tmp_path.resolve()
     model, opt = _model()

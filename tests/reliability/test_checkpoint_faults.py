@@ -26,7 +26,7 @@ def _model():
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from lightning_perf.parallel.checkpoint import save_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint import save_checkpoint
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
@@ -44,7 +44,7 @@ def _copy(saved, tmp_path: Path) -> Path:
 
 
 def _load(path: Path):
-    from lightning_perf.parallel.checkpoint import load_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint import load_checkpoint
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     opt = torch.optim.AdamW(model.parameters())
@@ -69,7 +69,7 @@ def test_intact_checkpoint_loads(saved, tmp_path) -> None:
 
 
 def test_every_flipped_byte_of_a_shard_is_caught(saved, tmp_path) -> None:
-    from lightning_perf.parallel.checkpoint import CheckpointCorruptError
+    from lightning_perf.parallel.checkpointing.checkpoint import CheckpointCorruptError
 
     path = _copy(saved, tmp_path)
     shard = _shard(path)
@@ -86,7 +86,7 @@ def test_every_flipped_byte_of_a_shard_is_caught(saved, tmp_path) -> None:
 
 @pytest.mark.parametrize("damage", ["truncate_shard", "missing_shard", "truncate_metadata"])
 def test_truncated_or_missing_files_are_named(saved, tmp_path, damage: str) -> None:
-    from lightning_perf.parallel.checkpoint import CheckpointCorruptError
+    from lightning_perf.parallel.checkpointing.checkpoint import CheckpointCorruptError
 
     path = _copy(saved, tmp_path)
     target = path / ".metadata" if damage == "truncate_metadata" else _shard(path)
@@ -101,7 +101,7 @@ def test_truncated_or_missing_files_are_named(saved, tmp_path, damage: str) -> N
 
 
 def test_unreadable_extra_file_is_named(saved, tmp_path) -> None:
-    from lightning_perf.parallel.checkpoint import CheckpointCorruptError
+    from lightning_perf.parallel.checkpointing.checkpoint import CheckpointCorruptError
 
     path = _copy(saved, tmp_path)
     extra = path / "extra.pt"
@@ -109,7 +109,7 @@ def test_unreadable_extra_file_is_named(saved, tmp_path) -> None:
     with pytest.raises(CheckpointCorruptError, match="extra.pt is unreadable"):
         _load(path)
     with pytest.raises(CheckpointCorruptError):  # ValueError: callers catching bad input see it too
-        from lightning_perf.parallel.checkpoint import consolidate
+        from lightning_perf.parallel.checkpointing.checkpoint import consolidate
 
         consolidate(path, tmp_path / "out.pt")
 

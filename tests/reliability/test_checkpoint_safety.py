@@ -112,7 +112,7 @@ def _model():
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
-    from lightning_perf.parallel.checkpoint import save_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint import save_checkpoint
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
@@ -124,7 +124,7 @@ def small(tmp_path_factory) -> Path:
 
 
 def _load_small(path: Path, **kwargs):
-    from lightning_perf.parallel.checkpoint import load_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint import load_checkpoint
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -137,7 +137,7 @@ def _load_small(path: Path, **kwargs):
 
 
 def test_load_checkpoint_refuses_a_payload_in_the_metadata(small, tmp_path) -> None:
-    from lightning_perf.parallel.checkpoint_io import UnsafeCheckpointError
+    from lightning_perf.parallel.checkpointing.checkpoint_io import UnsafeCheckpointError
 
     ckpt, marker = tmp_path / "c", tmp_path / "pwned"
     shutil.copytree(small, ckpt)
@@ -152,7 +152,7 @@ def test_load_checkpoint_refuses_a_payload_in_the_metadata(small, tmp_path) -> N
 
 
 def test_load_checkpoint_refuses_a_payload_in_a_non_tensor_entry(small, tmp_path) -> None:
-    from lightning_perf.parallel.checkpoint_io import UnsafeCheckpointError
+    from lightning_perf.parallel.checkpointing.checkpoint_io import UnsafeCheckpointError
 
     ckpt, marker = tmp_path / "c", tmp_path / "pwned"
     shutil.copytree(small, ckpt)
@@ -166,7 +166,7 @@ def test_load_checkpoint_refuses_a_payload_in_a_non_tensor_entry(small, tmp_path
 
 
 def test_load_checkpoint_refuses_a_payload_in_extra(small, tmp_path) -> None:
-    from lightning_perf.parallel.checkpoint_io import UnsafeCheckpointError
+    from lightning_perf.parallel.checkpointing.checkpoint_io import UnsafeCheckpointError
 
     ckpt, marker = tmp_path / "c", tmp_path / "pwned"
     shutil.copytree(small, ckpt)
@@ -211,8 +211,12 @@ def test_the_allow_list_admits_what_torch_writes_and_nothing_else(tmp_path) -> N
     """dtypes, a layout, torch.Size and the path DCP records all resolve; a near miss does not."""
     import io
 
-    from lightning_perf.parallel.checkpoint import load_checkpoint, save_checkpoint
-    from lightning_perf.parallel.checkpoint_io import METADATA_GLOBALS, MetadataUnpickler, UnsafeCheckpointError
+    from lightning_perf.parallel.checkpointing.checkpoint import load_checkpoint, save_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint_io import (
+        METADATA_GLOBALS,
+        MetadataUnpickler,
+        UnsafeCheckpointError,
+    )
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4)).to(torch.bfloat16)
     model.register_buffer("count", torch.arange(3))
@@ -233,7 +237,7 @@ def test_the_allow_list_admits_what_torch_writes_and_nothing_else(tmp_path) -> N
 
 
 def test_a_data_file_outside_the_checkpoint_is_refused(small, tmp_path) -> None:
-    from lightning_perf.parallel.checkpoint_io import UnsafeCheckpointError
+    from lightning_perf.parallel.checkpointing.checkpoint_io import UnsafeCheckpointError
 
     ckpt = tmp_path / "c"
     shutil.copytree(small, ckpt)
@@ -280,7 +284,7 @@ def _resume(ckpt: Path) -> int:
 
 @pytest.mark.parametrize("where", ["metadata", "bytes_entry", "extra"])
 def test_resume_through_the_strategy_refuses_a_payload(gpt_run, tmp_path, where: str) -> None:
-    from lightning_perf.parallel.checkpoint_io import UnsafeCheckpointError
+    from lightning_perf.parallel.checkpointing.checkpoint_io import UnsafeCheckpointError
 
     ckpt, marker = tmp_path / "last.ckpt", tmp_path / "pwned"
     shutil.copytree(gpt_run, ckpt)
@@ -306,7 +310,7 @@ def test_resume_through_the_strategy_refuses_a_payload(gpt_run, tmp_path, where:
 
 def _refused(call, marker: Path, file: Path, capsys) -> None:
     """Refused with an error (or, from a command, an exit and a message) naming the file and the class."""
-    from lightning_perf.parallel.checkpoint_io import UnsafeCheckpointError
+    from lightning_perf.parallel.checkpointing.checkpoint_io import UnsafeCheckpointError
 
     capsys.readouterr()
     with pytest.raises((UnsafeCheckpointError, SystemExit)) as info:

@@ -98,7 +98,7 @@ def _stopped(rank: int, world: int, out: Path, kind: str, root: Path) -> None:
 def _resume(rank: int, world: int, out: Path, kind: str, root: Path) -> None:
     import lightning as L
 
-    from lightning_perf.parallel.checkpoint import read_extra
+    from lightning_perf.parallel.checkpointing.checkpoint import read_extra
 
     extra = read_extra(root / f"{kind}_ckpt" / "last.ckpt")["extra"]  # what the killed run left
     (out / f"{kind}_last_step{rank}").write_text(str(extra.get("lightning", extra)["global_step"]))
@@ -116,7 +116,7 @@ def _hangs(rank: int, world: int, out: Path) -> None:
     import lightning as L
     import torch.distributed as dist
 
-    from lightning_perf.parallel.watchdog import CollectiveTimeoutError, PeerWatchdog
+    from lightning_perf.parallel.reliability.watchdog import CollectiveTimeoutError, PeerWatchdog
 
     watchdog = PeerWatchdog(interval=0.25, dead_after=DEAD_AFTER).start()
     watchdog.beat(10 + rank)
@@ -157,7 +157,7 @@ def _rollback(rank: int, world: int, out: Path, root: Path) -> None:
     import lightning as L
 
     from lightning_perf.callbacks import NonFiniteGuard
-    from lightning_perf.parallel.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
     from lightning_perf.strategies import ZeroStrategy
 
     L.seed_everything(0, verbose=False)

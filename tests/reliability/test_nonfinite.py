@@ -39,7 +39,7 @@ def _same(a: dict, b: dict) -> None:
 
 
 def test_flag_and_queue() -> None:
-    from lightning_perf.parallel.numerics import FlagQueue, nonfinite_flag
+    from lightning_perf.parallel.reliability.numerics import FlagQueue, nonfinite_flag
 
     g = [torch.ones(3), torch.ones(2, 2, dtype=torch.bfloat16), None]
     assert nonfinite_flag(torch.tensor(1.0), g).item() == 0.0

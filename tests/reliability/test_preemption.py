@@ -75,7 +75,7 @@ def _signal_at(signum: int, ranks: set[int], rank: int, at: int = K):
 def _two_ranks(rank: int, world: int, out: Path, root: Path) -> dict:
     import lightning as L
 
-    from lightning_perf.parallel.checkpoint import read_extra
+    from lightning_perf.parallel.checkpointing.checkpoint import read_extra
 
     res = {}
     for kind, signum, ranks in (("zero3", signal.SIGTERM, {1}), ("zero3_async", signal.SIGUSR1, {0}),

@@ -12,7 +12,7 @@ import torch
 
 
 def _save(path: Path, step: int) -> Path:
-    from lightning_perf.parallel.checkpoint import save_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint import save_checkpoint
 
     torch.manual_seed(step)
     return save_checkpoint(path, torch.nn.Linear(4, 4), extra={"global_step": step})

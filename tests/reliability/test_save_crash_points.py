@@ -68,7 +68,7 @@ def _inject(scenario: str) -> None:
     """Wrap the step of the save sequence that ``scenario`` names so that the process dies there."""
     import torch.distributed.checkpoint.filesystem as fs
 
-    from lightning_perf.parallel import checkpoint as ckpt
+    from lightning_perf.parallel.checkpointing import checkpoint as ckpt
 
     real_replace, real_rmtree, real_write, real_finish = os.replace, shutil.rmtree, fs.FileSystemWriter.write_data, \
         ckpt.finish_save

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from lightning_perf.parallel import watchdog as watchdog_module
-from lightning_perf.parallel.watchdog import CollectiveTimeoutError, PeerWatchdog, RankFailureError
+from lightning_perf.parallel.reliability import watchdog as watchdog_module
+from lightning_perf.parallel.reliability.watchdog import CollectiveTimeoutError, PeerWatchdog, RankFailureError
 
 WORLD, INTERVAL, DEAD_AFTER = 64, 0.5, 2.0
 

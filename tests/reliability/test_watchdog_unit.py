@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from lightning_perf.parallel.watchdog import (
+from lightning_perf.parallel.reliability.watchdog import (
     CollectiveTimeoutError,
     PeerWatchdog,
     RankFailureError,

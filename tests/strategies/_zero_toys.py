@@ -81,7 +81,7 @@ def mesh_layout(mesh: Any) -> dict[str, Any]:
 def _main(out: Path) -> None:
     import os
 
-    from lightning_perf.parallel.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
     from lightning_perf.strategies import ZeroStrategy
 
     torch.set_num_threads(1)

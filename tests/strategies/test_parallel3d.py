@@ -218,7 +218,7 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
     res["pp2_tp2"] = fit(S(pipeline_parallel_size=2, tensor_parallel_size=2), world, save_to=ckpt, steps=PER_EPOCH)
     res["pp2_tp2_to_dp4"] = fit(S(data_parallel_size=4), world, dp=4, ckpt_path=ckpt)
     if rank == 0:
-        from lightning_perf.parallel.checkpoint import consolidate
+        from lightning_perf.parallel.checkpointing.checkpoint import consolidate
 
         consolidate(ckpt, out / "consolidated.pt")
     return res
@@ -341,7 +341,7 @@ def test_eight_rank_pp2_tp2_dp2(references, tmp_path) -> None:
     results = spawn(_worker8, 8, tmp_path, timeout=400.0)
     assert references["clip"]["losses"][-1] != pytest.approx(references["llama"]["losses"][-1], rel=1e-3)
     _check_run(results, "pp2_tp2_dp2", references["clip"])
-    from lightning_perf.parallel.dims import ParallelDims
+    from lightning_perf.parallel.layout.dims import ParallelDims
 
     dims = ParallelDims(tensor_parallel_size=2, pipeline_parallel_size=2, world_size=8)
     for rank, r in enumerate(results):

@@ -24,7 +24,7 @@ from test_parallel3d import PER_EPOCH, S, _check_run, fit
 
 def _record_query_lengths() -> list[int]:
     """Patch (in this worker process) the cp attention to record each call's local query length."""
-    from lightning_perf.parallel import context_parallel as cp
+    from lightning_perf.parallel.model_parallel import context_parallel as cp
 
     seen: list[int] = []
     attention = cp.context_parallel_attention
@@ -102,7 +102,7 @@ def test_dp2_cp2_and_cp2_tp2(references, tmp_path) -> None:
     _check_run(results, "cp2_tp2", ref)
     _check_run(results, "cp2_tp2_gpt2", references["gpt2"])
     _check_run(results, "cp2_tp2_ring", ref)
-    from lightning_perf.parallel.dims import ParallelDims
+    from lightning_perf.parallel.layout.dims import ParallelDims
 
     dims = ParallelDims(context_parallel_size=2, world_size=4)
     for rank, r in enumerate(results):

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_perf.models.gpt import GPT, GPTConfig
-from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model
+from lightning_perf.parallel.layout.config_3d import Parallel3DConfig, check_model
 from lightning_perf.strategies.parallel3d import Parallel3DStrategy
 
 

@@ -177,7 +177,7 @@ def _check_export(ckpt: Path, kind: str, hf_runs: dict, out: Path) -> None:
     are the one-process run's, and ``transformers`` loads it with the one-process model's logits."""
     from lightning_perf.models import GPT
     from lightning_perf.models.gpt.hf import save_hf
-    from lightning_perf.parallel.checkpoint import consolidate
+    from lightning_perf.parallel.checkpointing.checkpoint import consolidate
 
     state = torch.load(consolidate(ckpt, out / f"{ckpt.stem}.pt"), weights_only=True)
     config = GPT.from_hf(hf_runs["folder"] / kind).config

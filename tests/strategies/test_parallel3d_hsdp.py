@@ -75,7 +75,7 @@ def test_replicate2_shard2_equals_one_process_and_resumes_without_hsdp(reference
     results = spawn(_hsdp_worker, 4, tmp_path, timeout=300.0)
     _check_run(results, "hsdp", reference["first_epoch"])
     _check_run(results, "hsdp_to_dp4", reference["full"], first=PER_EPOCH)
-    from lightning_perf.parallel.dims import ParallelDims
+    from lightning_perf.parallel.layout.dims import ParallelDims
 
     dims = ParallelDims(replicate_size=2, world_size=4)
     for rank, r in enumerate(results):
@@ -110,7 +110,7 @@ def two_nodes(tmp_path_factory) -> list[dict]:
 
 
 def test_auto_replicates_across_nodes_and_shards_within_one(two_nodes) -> None:
-    from lightning_perf.parallel.dims import ParallelDims
+    from lightning_perf.parallel.layout.dims import ParallelDims
 
     for rank, r in enumerate(two_nodes):
         node, local = r["node_rank"], rank % 2

@@ -29,7 +29,7 @@ TIED = "model.tok_emb.weight"
 
 def _worker2(rank: int, world: int, out: Path) -> dict:
     from lightning_perf.models.gpt import GPT
-    from lightning_perf.parallel.checkpoint import consolidate, load_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint import consolidate, load_checkpoint
     from lightning_perf.plugins.precision import PerfPrecision
 
     res: dict[str, Any] = {}
@@ -109,7 +109,7 @@ def _module(state: dict[str, torch.Tensor]):
 @pytest.mark.slow
 def test_tied_head_two_ranks(references, tmp_path) -> None:
     from lightning_perf.models.gpt import GPT
-    from lightning_perf.parallel.checkpoint import load_checkpoint, save_checkpoint
+    from lightning_perf.parallel.checkpointing.checkpoint import load_checkpoint, save_checkpoint
 
     save_checkpoint(tmp_path / "one.ckpt", _module(references["epoch"]["final"]))
     results = spawn(_worker2, 2, tmp_path, timeout=300.0)

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from _spawn import spawn
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 
-from lightning_perf.parallel.config_3d import Parallel3DConfig
-from lightning_perf.parallel.zero_config import ZeroConfig
+from lightning_perf.parallel.layout.config_3d import Parallel3DConfig
+from lightning_perf.parallel.layout.zero_config import ZeroConfig
 from lightning_perf.plugins import PerfPrecision
 from lightning_perf.strategies import Parallel3DStrategy, PerfParallelStrategy, ZeroStrategy
 from lightning_perf.strategies.base import _lightning_checkpoint, config_from_arguments
@@ -196,7 +196,7 @@ def _fit(strategy: Any, *, ckpt_path: Optional[Path] = None, save_to: Optional[P
     """Train ``STEPS`` steps, or only load ``ckpt_path`` (saved at ``STEPS``: nothing left to train)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_perf.parallel.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
 
     L.seed_everything(0, verbose=False)
     module = _module()
@@ -213,7 +213,7 @@ def _fit(strategy: Any, *, ckpt_path: Optional[Path] = None, save_to: Optional[P
 
 def _nest_lightning_dict(src: Path, dst: Path) -> None:
     """A copy of checkpoint ``src`` whose Lightning dict sits under ``extra["lightning"]``."""
-    from lightning_perf.parallel.checkpoint import EXTRA_FILE, read_extra
+    from lightning_perf.parallel.checkpointing.checkpoint import EXTRA_FILE, read_extra
 
     shutil.copytree(src, dst)
     blob = read_extra(src)
@@ -258,7 +258,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) ->
 
 @pytest.mark.slow
 def test_checkpoints_load_across_strategies(tmp_path: Path) -> None:
-    from lightning_perf.parallel.checkpoint import read_extra
+    from lightning_perf.parallel.checkpointing.checkpoint import read_extra
 
     results = spawn(_worker, 2, tmp_path, timeout=300.0)
     for saved, loaded in (("zero", "zero_in_3d"), ("3d", "3d_in_zero")):

@@ -25,7 +25,7 @@ STEPS = 4
 def _offload_probe():
     import lightning as L
 
-    from lightning_perf.parallel.fsdp import is_fsdp_module
+    from lightning_perf.parallel.sharding.fsdp import is_fsdp_module
 
     class Probe(L.Callback):
         """After the first step: where the shards and optimizer state live, and FSDP2's offload policy."""
@@ -48,8 +48,8 @@ def _offload_probe():
 
 
 def _worker2(rank: int, world: int, out: Path) -> dict:
-    from lightning_perf.parallel.checkpoint import full_model_state_dict
-    from lightning_perf.parallel.ddp import local_optimizer
+    from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.sharding.ddp import local_optimizer
     from lightning_perf.strategies import ZeroStrategy
 
     torch.set_num_threads(1)
@@ -129,7 +129,7 @@ def test_hsdp_2x2_equals_one_process(two_nodes) -> None:
     _, ranks = two_nodes
     _, ref = fit("auto", world=1, global_batch=NODES * DEVICES * B, steps=HSDP_STEPS)
     torch.testing.assert_close(_rank_mean(ranks), torch.tensor(ref.losses), rtol=1e-4, atol=1e-6)
-    from lightning_perf.parallel.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
 
     expected = full_model_state_dict(ref)
     for r in ranks:
@@ -170,7 +170,7 @@ def test_native_offload_steps_with_the_fused_cpu_adamw(runs2) -> None:
 
 
 def test_offload_policy_pins_for_an_accelerator() -> None:
-    from lightning_perf.parallel.fsdp import cpu_offload_policy
+    from lightning_perf.parallel.sharding.fsdp import cpu_offload_policy
 
     assert cpu_offload_policy(torch.device("cuda", 0)).pin_memory is True
     assert cpu_offload_policy(torch.device("cpu")).pin_memory is False

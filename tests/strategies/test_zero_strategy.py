@@ -135,7 +135,7 @@ class Probe:
     def make():
         import lightning as L
 
-        from lightning_perf.parallel.ddp import local_optimizer
+        from lightning_perf.parallel.sharding.ddp import local_optimizer
 
         def local(t):
             return t.to_local() if hasattr(t, "to_local") else t
@@ -145,7 +145,7 @@ class Probe:
                 self.stats: dict[str, int] = {}
 
             def on_train_start(self, trainer, pl_module):
-                from lightning_perf.parallel.checkpoint import full_model_state_dict
+                from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
 
                 self.init = {k: v.clone() for k, v in full_model_state_dict(pl_module).items()}
 
@@ -187,7 +187,7 @@ def fit(strategy, world: int, *, steps: int = STEPS, accumulate: int = 1, ckpt_p
     # the reference sees the global batch of WORLD_REF ranks per step
     data = loader(world, epochs_of) if world > 1 else loader_ref(epochs_of)
     trainer.fit(module, data, ckpt_path=ckpt_path)
-    from lightning_perf.parallel.checkpoint import full_model_state_dict
+    from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
 
     final = full_model_state_dict(module)
     return {"losses": module.losses, "final": final, "stats": probe.stats, "init": probe.init,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_perf.parallel import zero_config
+from lightning_perf.parallel.layout import zero_config
 from lightning_perf.plugins import PerfPrecision
 from lightning_perf.strategies import STRATEGY_NAMES, ZeroStrategy, register_strategies
 

@@ -23,8 +23,12 @@ import torch
 from lightning_perf.models.gpt.config import GPTConfig
 from lightning_perf.models.gpt.hf import save_hf
 from lightning_perf.models.gpt.module import GPTLightningModule
-from lightning_perf.parallel.checkpoint import consolidated_state_dict, read_consolidated_hparams, read_extra
-from lightning_perf.parallel.checkpoint_io import torch_load_weights
+from lightning_perf.parallel.checkpointing.checkpoint import (
+    consolidated_state_dict,
+    read_consolidated_hparams,
+    read_extra,
+)
+from lightning_perf.parallel.checkpointing.checkpoint_io import torch_load_weights
 
 __all__ = ["checkpoint_to_hf", "hf_to_checkpoint", "main", "pack_state_and_config"]
 

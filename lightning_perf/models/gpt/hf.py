@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from lightning_perf.kernels.dtensor import is_dtensor
 from lightning_perf.models.gpt.config import GPTConfig
-from lightning_perf.parallel.checkpoint_io import torch_load_weights
+from lightning_perf.parallel.checkpointing.checkpoint_io import torch_load_weights
 
 __all__ = [
     "ARCHITECTURES",

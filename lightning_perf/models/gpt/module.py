@@ -19,8 +19,8 @@ from lightning_perf.models.gpt import hf
 from lightning_perf.models.gpt.config import GPTConfig
 from lightning_perf.models.gpt.generate import generate
 from lightning_perf.models.gpt.model import GPT
-from lightning_perf.parallel.activation_checkpointing import AC_MODES, apply_activation_checkpointing
-from lightning_perf.parallel.compile import COMPILE_MODES, COMPILE_SCOPES, apply_compile
+from lightning_perf.parallel.compute.activation_checkpointing import AC_MODES, apply_activation_checkpointing
+from lightning_perf.parallel.compute.compile import COMPILE_MODES, COMPILE_SCOPES, apply_compile
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, Priority, ScheduledCollection, check_every_n_steps
 from lightning_perf.perf.documents import document_work, packed_batch_flops
 from lightning_perf.perf.run_settings import PerfSettings

@@ -28,7 +28,7 @@ gives the last stage ~15% more matmul work than the first, and every 1F1B step w
 stages: gpt-1.3b on 2 stages gets 13 + 11 blocks. A tied head lives on both the
 first and the last stage: the last stage's ``lm_head`` is the token embedding module
 itself, so each of the two pipeline ranks holds a copy of the one ``tok_emb.weight``
-(the strategy keeps the copies equal: ``lightning_perf.parallel.tied``).
+(the strategy keeps the copies equal: ``lightning_perf.parallel.model_parallel.tied``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ import torch.nn as nn
 from lightning_perf.kernels.dtensor import is_dtensor
 from lightning_perf.kernels.torchao_fp8 import fp8_recipe_of
 from lightning_perf.models.gpt.config import GPTConfig
-from lightning_perf.parallel.tensor_parallel import ReplicatedModule, ReplicatedOutputNorm, residual_layout
+from lightning_perf.parallel.model_parallel.tensor_parallel import (
+    ReplicatedModule,
+    ReplicatedOutputNorm,
+    residual_layout,
+)
 
 __all__ = ["gpt_tensor_parallel_plan", "gpt_pipeline_stage", "gpt_stage_layers"]
 
@@ -56,7 +60,7 @@ def gpt_tensor_parallel_plan(model: nn.Module, tp_mesh: Any, *, sequence_paralle
 
     ``sequence_parallel``: True shards the residual stream (and the norms) along the sequence,
     ``"batch"`` along the batch (whole sequences per rank; collectives on the leading dimension,
-    see :func:`lightning_perf.parallel.tensor_parallel.residual_layout`), False replicates it.
+    see :func:`lightning_perf.parallel.model_parallel.tensor_parallel.residual_layout`), False replicates it.
     Whether the GPT splits over ``tp_mesh`` at all (heads divisible by its size, ...) is its
     config's ``check_parallel_layout``, which the strategy asks before any process group exists.
     """

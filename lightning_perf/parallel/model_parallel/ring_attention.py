@@ -1,6 +1,6 @@
 """Ring attention: causal attention over the cp group with K / V passed between neighbours.
 
-The layout is :mod:`lightning_perf.parallel.context_parallel`'s: the sequence is cut into ``2 n``
+The layout is :mod:`lightning_perf.parallel.model_parallel.context_parallel`'s: the sequence is cut into ``2 n``
 chunks of ``c`` tokens (n = cp size) and rank ``r`` holds chunks ``r`` and ``2n - 1 - r`` of
 q, k and v. Instead of all-gathering K and V, the ranks pass their K / V pair around the ring
 (rank r sends to ``r + 1`` and receives from ``r - 1``) in ``n`` steps; at step ``s`` rank ``r``
@@ -214,7 +214,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    softmax_scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence, K / V passed around the ring.
 
-    Same contract as :func:`lightning_perf.parallel.context_parallel.context_parallel_attention`:
+    Same contract as :func:`lightning_perf.parallel.model_parallel.context_parallel.context_parallel_attention`:
     q (B, nh, 2c, hd), k / v (B, nkv, 2c, hd) with nh % nkv == 0, this rank's chunks ``r`` and
     ``2 cp - 1 - r``; returns (B, nh, 2c, hd) in the local order.
     """

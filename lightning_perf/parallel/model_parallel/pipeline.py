@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_perf.parallel.dims import check_size
+from lightning_perf.parallel.layout.dims import check_size
 
 __all__ = [
     "SCHEDULES",
@@ -195,7 +195,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TiedGradients(Protocol):
-    """What the runner needs of parameters two stages share (``parallel.tied.TiedParameters``): their
+    """What the runner needs of parameters two stages share (``parallel.model_parallel.tied.TiedParameters``): their
     gradients set aside before a training step's backward, and summed over both stages after it."""
 
     def hold_grads(self) -> list[Optional[torch.Tensor]]: ...
@@ -212,7 +212,7 @@ class PipelineRunner:
         pp_group: the pipeline process group (``mesh["pp"].get_group()``).
         device: where activations live.
         loss_fn: ``(last stage output, targets) -> mean loss`` of one microbatch.
-        tied: the copies of parameters the first and the last stage share (``parallel.tied``): their
+        tied: the copies of parameters the first and the last stage share (``parallel.model_parallel.tied``): their
             gradients are summed over the embedding group after each training step's backward.
     """
 

@@ -1,6 +1,6 @@
 """Sharded checkpoints written in the background while training goes on (DCP ``async_save``).
 
-The layout, manifest and atomic rename are those of :mod:`lightning_perf.parallel.checkpoint`;
+The layout, manifest and atomic rename are those of :mod:`lightning_perf.parallel.checkpointing.checkpoint`;
 only the timing differs:
 
 1. ``save`` (collective) waits for the previous save to be final, prepares ``<ckpt>.tmp``, and
@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from lightning_perf.parallel import checkpoint as ckpt
+from lightning_perf.parallel.checkpointing import checkpoint as ckpt
 
 __all__ = ["AsyncCheckpointer", "AsyncCheckpointError", "async_save_supported"]
 

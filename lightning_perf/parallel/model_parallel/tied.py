@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_perf.parallel.pipeline import PipelineConfig, stage_owner
+from lightning_perf.parallel.model_parallel.pipeline import PipelineConfig, stage_owner
 
 __all__ = [
     "TiedParameters",

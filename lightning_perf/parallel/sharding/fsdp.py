@@ -36,7 +36,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from lightning_perf.parallel.fp8_all_gather import enable_fp8_all_gather, require_fp8_linears
+from lightning_perf.parallel.sharding.fp8_all_gather import enable_fp8_all_gather, require_fp8_linears
 
 __all__ = ["apply_fsdp", "find_blocks", "find_model", "WrapPolicy", "set_gradient_sync", "is_fsdp_module",
            "cpu_offload_policy", "move_unsharded_"]
@@ -131,7 +131,7 @@ def apply_fsdp(
 
     Args:
         module: the model (parameters may be on ``meta``; materialise after with
-            ``to_empty`` + init, see ``parallel.init``). Already TP-sharded DTensors are fine:
+            ``to_empty`` + init, see ``parallel.sharding.init``). Already TP-sharded DTensors are fine:
             FSDP2 composes over the "dp" sub-mesh.
         dp_mesh: the 1-D data-parallel ``DeviceMesh``, or a 2-D (replicate, shard) one for HSDP.
         blocks: the units; ``None`` = :func:`find_blocks` (with ``wrap_policy``).
@@ -141,7 +141,7 @@ def apply_fsdp(
             implicit one-ahead behaviour only).
         offload_policy: FSDP2 ``CPUOffloadPolicy`` (:func:`cpu_offload_policy`) or ``None``.
         fp8_all_gather: all-gather the ``Float8Linear`` weights in FP8, quantised per shard with the
-            whole weight's scale (``parallel.fp8_all_gather``); call ``precompute_fp8_scales`` after
+            whole weight's scale (``parallel.sharding.fp8_all_gather``); call ``precompute_fp8_scales`` after
             each optimizer step to reduce all the scales in one collective.
         blocks_per_unit: consecutive blocks sharded as one FSDP unit (one all-gather and one
             reduce-scatter for the group): fewer, larger collectives and a fraction of FSDP2's

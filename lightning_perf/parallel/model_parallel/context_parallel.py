@@ -25,7 +25,7 @@ global positions, and only attention needs the other ranks:
   global sequences (the same value on every cp rank). Its gradient is this rank's share scaled
   so that averaging gradients over the flattened (dp, cp) ranks gives the global mean's
   gradient: parameters are replicated over "cp" and reduced with "dp"
-  (:func:`lightning_perf.parallel.dims.data_parallel_mesh`). Without targets it returns the
+  (:func:`lightning_perf.parallel.layout.dims.data_parallel_mesh`). Without targets it returns the
   whole sequence's logits, gathered in global order.
 
 The model protocol: ``enable_context_parallel(attention)`` routes every attention core through
@@ -34,7 +34,7 @@ above), and ``forward(idx, targets=None, *, positions=None)`` takes the tokens' 
 
 Two ways to reach the other ranks' keys (``mode`` of :func:`apply_context_parallel`):
 ``"allgather"`` (above: each chunk waits for the whole all-gather, the default) and ``"ring"``
-(:mod:`lightning_perf.parallel.ring_attention`: K / V pairs passed between neighbours while the
+(:mod:`lightning_perf.parallel.model_parallel.ring_attention`: K / V pairs passed between neighbours while the
 block already held is computed, partial outputs merged by their log-sum-exp).
 """
 
@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_perf.parallel.dims import mesh_size
-from lightning_perf.parallel.ring_attention import ring_attention
-from lightning_perf.parallel.tensor_parallel import to_local_output
+from lightning_perf.parallel.layout.dims import mesh_size
+from lightning_perf.parallel.model_parallel.ring_attention import ring_attention
+from lightning_perf.parallel.model_parallel.tensor_parallel import to_local_output
 
 __all__ = [
     "CONTEXT_PARALLEL_MODES",

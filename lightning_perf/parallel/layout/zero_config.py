@@ -28,9 +28,9 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-from lightning_perf.parallel.ddp import COMPRESSIONS
-from lightning_perf.parallel.dims import check_replicate_size, replicate_shape
-from lightning_perf.parallel.fsdp import WrapPolicy, check_blocks_per_unit
+from lightning_perf.parallel.layout.dims import check_replicate_size, replicate_shape
+from lightning_perf.parallel.sharding.ddp import COMPRESSIONS
+from lightning_perf.parallel.sharding.fsdp import WrapPolicy, check_blocks_per_unit
 
 __all__ = ["ZeroConfig", "require_deepspeed", "DEEPSPEED_EXTRA"]
 

@@ -7,7 +7,7 @@ states what it can do through the 3D model protocol: ``pipeline_stage`` and
 ``check_parallel_layout(tensor_parallel_size=..., pipeline_parallel_size=..., stages_per_rank=...)``
 on its ``config``, which raises ``ValueError`` for a layout the model cannot be split into.
 Context parallelism needs ``enable_context_parallel`` and a ``forward`` that takes ``positions=``
-(see ``parallel.context_parallel``).
+(see ``parallel.model_parallel.context_parallel``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import Any, Optional, Union
 
 import torch.nn as nn
 
-from lightning_perf.parallel.activation_checkpointing import AC_MODES
-from lightning_perf.parallel.compile import COMPILE_MODES, TP_OVERLAP_MODES
-from lightning_perf.parallel.context_parallel import check_context_parallel_mode
-from lightning_perf.parallel.dims import ParallelDims, check_replicate_size, check_size, replicate_shape
-from lightning_perf.parallel.fsdp import check_blocks_per_unit, find_model
-from lightning_perf.parallel.pipeline import PipelineConfig
-from lightning_perf.parallel.tensor_parallel import check_sequence_parallel, require_protocol
+from lightning_perf.parallel.compute.activation_checkpointing import AC_MODES
+from lightning_perf.parallel.compute.compile import COMPILE_MODES, TP_OVERLAP_MODES
+from lightning_perf.parallel.layout.dims import ParallelDims, check_replicate_size, check_size, replicate_shape
+from lightning_perf.parallel.model_parallel.context_parallel import check_context_parallel_mode
+from lightning_perf.parallel.model_parallel.pipeline import PipelineConfig
+from lightning_perf.parallel.model_parallel.tensor_parallel import check_sequence_parallel, require_protocol
+from lightning_perf.parallel.sharding.fsdp import check_blocks_per_unit, find_model
 
 __all__ = ["Parallel3DConfig", "check_model", "check_model_config"]
 
@@ -40,7 +40,7 @@ class Parallel3DConfig:
     """
 
     data_parallel_size: Union[int, str] = "auto"
-    replicate_size: Union[int, str] = 1  # HSDP over "dp"; "auto": see parallel.dims.replicate_shape
+    replicate_size: Union[int, str] = 1  # HSDP over "dp"; "auto": see parallel.layout.dims.replicate_shape
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1

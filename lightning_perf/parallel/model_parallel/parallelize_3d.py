@@ -3,19 +3,20 @@
     1. pipeline split   model.pipeline_stage(i, n) for this rank's stages
     2. activation ckpt  per block (parameter names unchanged)
     3. tensor parallel  model.tensor_parallel_plan(tp_mesh) on every stage
-    4. context parallel attention over the "cp" ranks, forward cuts the sequence (``parallel.context_parallel``)
-    5. compile          torch.compile per block (with its TP hooks under TP: see ``parallel.compile``)
+    4. context parallel attention over the "cp" ranks, forward cuts the sequence
+                        (``parallel.model_parallel.context_parallel``)
+    5. compile          torch.compile per block (with its TP hooks under TP: see ``parallel.compute.compile``)
     6. data parallel    FSDP2 over the "dp" mesh, flattened with "cp" (ZeRO 1-3; HSDP: the 2-D
                         (dp_replicate, dp_shard) mesh), or a plain gradient all-reduce over the
                         same ranks (ZeRO 0)
     7. materialise      meta tensors -> device, the model's own init (only if built on meta)
     8. tied copies      a parameter the first and the last stage share (a tied LM head): the last
                         stage's copy made equal to the first's, gradients summed after each step
-                        (``parallel.tied``)
+                        (``parallel.model_parallel.tied``)
 
 Each step is a small function below; :func:`parallelize_3d` calls them in this order.
-The layout and its checks are in ``parallel.config_3d``, the gradient all-reduce and
-clipping of the ZeRO 0 path in ``parallel.gradients``.
+The layout and its checks are in ``parallel.layout.config_3d``, the gradient all-reduce and
+clipping of the ZeRO 0 path in ``parallel.sharding.gradients``.
 """
 
 from __future__ import annotations
@@ -27,21 +28,26 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from lightning_perf.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_perf.parallel.compile import compile_blocks, compile_head_loss
-from lightning_perf.parallel.config_3d import Parallel3DConfig, check_model
-from lightning_perf.parallel.context_parallel import apply_context_parallel
-from lightning_perf.parallel.dims import fsdp_mesh, mesh_size
-from lightning_perf.parallel.fsdp import apply_fsdp, find_blocks
-from lightning_perf.parallel.init import has_meta_tensors, materialize_local
-from lightning_perf.parallel.pipeline import PipelineRunner, build_stage_modules, lm_cross_entropy, prune_to_stages
-from lightning_perf.parallel.tensor_parallel import (
+from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
+from lightning_perf.parallel.compute.compile import compile_blocks, compile_head_loss
+from lightning_perf.parallel.layout.config_3d import Parallel3DConfig, check_model
+from lightning_perf.parallel.layout.dims import fsdp_mesh, mesh_size
+from lightning_perf.parallel.model_parallel.context_parallel import apply_context_parallel
+from lightning_perf.parallel.model_parallel.pipeline import (
+    PipelineRunner,
+    build_stage_modules,
+    lm_cross_entropy,
+    prune_to_stages,
+)
+from lightning_perf.parallel.model_parallel.tensor_parallel import (
     apply_tp,
     enable_async_tp,
     register_batch_padding,
     unfuse_linear_biases,
 )
-from lightning_perf.parallel.tied import TiedParameters, check_tied_layout, tied_parameter_names
+from lightning_perf.parallel.model_parallel.tied import TiedParameters, check_tied_layout, tied_parameter_names
+from lightning_perf.parallel.sharding.fsdp import apply_fsdp, find_blocks
+from lightning_perf.parallel.sharding.init import has_meta_tensors, materialize_local
 from lightning_perf.perf.run_settings import PerfSettings
 
 __all__ = [
@@ -160,7 +166,7 @@ def apply_compile_3d(stages: dict[int, nn.Module], mode: str, config: Parallel3D
 def apply_data_parallel(stages: dict[int, nn.Module], dp_mesh: Any, config: Parallel3DConfig, *,
                         mp_policy: Optional[Any] = None) -> None:
     """FSDP2 over ``dp_mesh`` (``"dp"``, or ``"dp_cp"`` with context parallelism; for HSDP the 2-D
-    ("dp_replicate", "dp_shard") mesh, see ``parallel.dims.fsdp_mesh``) on every stage, one unit per
+    ("dp_replicate", "dp_shard") mesh, see ``parallel.layout.dims.fsdp_mesh``) on every stage, one unit per
     ``fsdp_blocks_per_unit`` blocks."""
     # under pp every microbatch would re-gather a resharded stage: keep it gathered (ZeRO-2 memory)
     reshard = config.zero_stage == 3 and config.pipeline_parallel_size == 1

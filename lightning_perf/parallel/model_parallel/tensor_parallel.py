@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from lightning_perf.parallel.dims import mesh_size
+from lightning_perf.parallel.layout.dims import mesh_size
 
 __all__ = [
     "ReplicatedModule",

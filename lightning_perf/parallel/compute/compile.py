@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from lightning_perf.parallel.activation_checkpointing import checkpointing_mode
+from lightning_perf.parallel.compute.activation_checkpointing import checkpointing_mode
 
 __all__ = [
     "COMPILE_MODES",

@@ -25,7 +25,7 @@ ranks), so a truncated, missing or altered file fails with :class:`CheckpointCor
 naming it instead of loading part of a checkpoint. The CRC is integrity, not authentication: what
 keeps a load from running code is that no pickle is read unrestricted (the DCP metadata through an
 allow-list, ``extra.pt`` and non-tensor entries with ``weights_only=True``; see
-:mod:`lightning_perf.parallel.checkpoint_io`). Every file and directory is fsynced before the rename
+:mod:`lightning_perf.parallel.checkpointing.checkpoint_io`). Every file and directory is fsynced before the rename
 that makes a checkpoint visible, and the rename before the checkpoint it replaces is deleted.
 
 :func:`consolidate` turns a checkpoint into one ``state_dict`` file that a plain
@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from lightning_perf.parallel.checkpoint_io import (
+from lightning_perf.parallel.checkpointing.checkpoint_io import (
     CheckpointCorruptError,
     fsync_dir,
     fsync_file,
@@ -60,8 +60,8 @@ from lightning_perf.parallel.checkpoint_io import (
     torch_load_weights,
     unsafe_error,
 )
-from lightning_perf.parallel.ddp import local_optimizer
-from lightning_perf.parallel.fp8_all_gather import plain_state_dict
+from lightning_perf.parallel.sharding.ddp import local_optimizer
+from lightning_perf.parallel.sharding.fp8_all_gather import plain_state_dict
 
 __all__ = [
     "CheckpointCorruptError",
@@ -307,7 +307,7 @@ def read_extra(path: PathLike, *, weights_only: bool = True) -> dict[str, Any]:
     """The ``extra.pt`` blob of a checkpoint (``extra``, optimizer hyper-parameters).
 
     A pickled object that ``weights_only`` loading refuses raises
-    :class:`~lightning_perf.parallel.checkpoint_io.UnsafeCheckpointError` (a ``pickle.UnpicklingError``);
+    :class:`~lightning_perf.parallel.checkpointing.checkpoint_io.UnsafeCheckpointError` (a ``pickle.UnpicklingError``);
     an unreadable file raises :class:`CheckpointCorruptError` naming it.
     """
     f = resolve(path) / EXTRA_FILE
@@ -344,7 +344,7 @@ def load_checkpoint(
     ``verify``: check every file's size and CRC-32 against the save-time manifest first
     (``False`` warns that the files are not checked). The DCP metadata is read through an allow-list
     and non-tensor entries with ``weights_only=True`` either way (see
-    :mod:`lightning_perf.parallel.checkpoint_io`); ``weights_only=False`` lifts the restriction on
+    :mod:`lightning_perf.parallel.checkpointing.checkpoint_io`); ``weights_only=False`` lifts the restriction on
     ``extra.pt`` and those entries, with a warning.
     """
     import torch.distributed.checkpoint as dcp
@@ -356,7 +356,7 @@ def load_checkpoint(
         set_state_dict,
     )
 
-    from lightning_perf.parallel.checkpoint_io import SafeFileSystemReader, SafeLoadPlanner
+    from lightning_perf.parallel.checkpointing.checkpoint_io import SafeFileSystemReader, SafeLoadPlanner
 
     path = resolve(path)
     blob = read_extra(path, weights_only=weights_only)
@@ -523,7 +523,7 @@ def consolidated_state_dict(ckpt_dir: PathLike, *, prefix: Optional[str] = None)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_perf.parallel.checkpoint_io import SafeFileSystemReader, SafeLoadPlanner
+    from lightning_perf.parallel.checkpointing.checkpoint_io import SafeFileSystemReader, SafeLoadPlanner
 
     path = resolve(ckpt_dir)
     blob = read_extra(path)

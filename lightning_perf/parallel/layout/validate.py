@@ -1,7 +1,7 @@
 """Checks of the data shape against the model and the layout, with numbers only.
 
-The layout (:class:`~lightning_perf.parallel.dims.ParallelDims`,
-:class:`~lightning_perf.parallel.pipeline.PipelineConfig`), the GPT config and the ZeRO
+The layout (:class:`~lightning_perf.parallel.layout.dims.ParallelDims`,
+:class:`~lightning_perf.parallel.model_parallel.pipeline.PipelineConfig`), the GPT config and the ZeRO
 options are validated when they are built. What only shows once data arrives (a batch
 the pipeline cannot cut into microbatches, a sequence longer than the model's context or
 not divisible over sequence-parallel or context-parallel ranks) is checked here from the data module's
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_perf.parallel.context_parallel import check_context_parallel_seq_len
-from lightning_perf.parallel.pipeline import PipelineConfig
-from lightning_perf.parallel.tensor_parallel import tp_sequence_check
+from lightning_perf.parallel.model_parallel.context_parallel import check_context_parallel_seq_len
+from lightning_perf.parallel.model_parallel.pipeline import PipelineConfig
+from lightning_perf.parallel.model_parallel.tensor_parallel import tp_sequence_check
 
 __all__ = ["check_data_layout", "data_shape"]
 

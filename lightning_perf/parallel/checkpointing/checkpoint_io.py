@@ -19,7 +19,7 @@ refusal named as an :class:`UnsafeCheckpointError`).
 
 **Saving: durable before visible.** :func:`fsync_file` and :func:`fsync_dir` flush a file's data
 and a directory's entries to the device; the save sequence of
-:mod:`lightning_perf.parallel.checkpoint` calls them so that every file of ``<ckpt>.tmp`` and the
+:mod:`lightning_perf.parallel.checkpointing.checkpoint` calls them so that every file of ``<ckpt>.tmp`` and the
 directory itself are on disk before it is renamed into place, and the parent directory (the rename)
 before an older checkpoint is deleted.
 """
@@ -81,7 +81,7 @@ METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 class CheckpointCorruptError(ValueError):
     """A checkpoint file is missing, truncated or altered since it was saved (the message names it).
 
-    Also ``lightning_perf.parallel.checkpoint.CheckpointCorruptError``, where the checkpoints are read."""
+    Also ``lightning_perf.parallel.checkpointing.checkpoint.CheckpointCorruptError``, where the checkpoints are read."""
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):

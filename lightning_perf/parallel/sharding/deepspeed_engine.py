@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from lightning_perf.parallel import checkpoint as ckpt
-from lightning_perf.parallel.zero_config import DEEPSPEED_EXTRA, ZeroConfig
+from lightning_perf.parallel.checkpointing import checkpoint as ckpt
+from lightning_perf.parallel.layout.zero_config import DEEPSPEED_EXTRA, ZeroConfig
 
 __all__ = ["deepspeed_config", "initialize", "save", "load", "TAG"]
 
