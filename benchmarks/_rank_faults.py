@@ -215,11 +215,33 @@ class _Plant(_callback_base()):  # type: ignore[misc]
 # ---- the parent ------------------------------------------------------------------------------------
 
 
+# each scenario's dumps go to its own folder: a dump path in this process's environment (an earlier part's) is
+# not passed on
+DUMP_PATH_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+NCCL_NOTE = ("the pack sets neither TORCH_NCCL_ASYNC_ERROR_HANDLING nor TORCH_NCCL_BLOCKING_WAIT and neither does "
+             "this benchmark: unset, torch's defaults apply (3: a collective that times out or fails is reported "
+             "by NCCL's watchdog thread, which dumps the flight recorder and tears the process down; no blocking "
+             "wait), so under NCCL a survivor may end by SIGABRT with no Python exception, and its log is what "
+             "names the rank (RankWatchdog's line, logged once a peer is silent for dead_after) and the collective "
+             "(NCCL's watchdog line). The strategy's timeout is the process group's, which NCCL's watchdog applies; "
+             "RankWatchdog sets the flight recorder's variables (env_seen_by_ranks)")
+
+
+def gpu_pairs(count: int) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` for scenario 0, 1, ...: two GPUs each, the next pair for the next scenario."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
+        [str(i) for i in range(count)]
+    visible = visible[:count] if count else visible
+    pairs = [f"{visible[i]},{visible[i + 1]}" for i in range(0, len(visible) - 1, 2)]
+    return pairs or [""]
+
+
 @dataclass
 class Scenario:
     name: str
     spec: dict[str, Any]
     dir: Path
+    devices: str = ""  # CUDA_VISIBLE_DEVICES of its ranks (NCCL)
     procs: list[subprocess.Popen] = field(default_factory=list)
     started: float = 0.0
     fault_time: Optional[float] = None
@@ -248,11 +270,14 @@ class Scenario:
         port = free_port()
         code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import _rank_faults; _rank_faults.worker_main(sys.argv[1])"
         for rank in range(2):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+            env = {k: v for k, v in os.environ.items() if k not in DUMP_PATH_VARS}
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                        LOCAL_RANK=str(rank), RANK=str(rank), PYTHONUNBUFFERED="1",
                        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
             if self.spec["accelerator"] == "cpu":
                 env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+            elif self.devices:
+                env["CUDA_VISIBLE_DEVICES"] = self.devices
             log = open(self.dir / f"rank{rank}.log", "wb")
             self.procs.append(subprocess.Popen([sys.executable, "-c", code, str(spec_path)], cwd=str(ROOT),
                                                stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -327,6 +352,18 @@ def _names(text: str, victim: int) -> dict[str, bool]:
             "collective": COLLECTIVE.search(text) is not None, "step": STEP.search(text) is not None}
 
 
+def _analyser_allows_incomplete() -> bool:
+    """Whether this torch's flight recorder analyser takes ``--allow-incomplete-ranks``."""
+    try:
+        from torch.distributed.flight_recorder.components.config_manager import JobConfig
+
+        with contextlib.redirect_stderr(io.StringIO()):
+            JobConfig().parse_args([".", "--allow-incomplete-ranks"])
+        return True
+    except (Exception, SystemExit):
+        return False
+
+
 def _read_dump(path: Path, gpu: bool) -> dict[str, Any]:
     row: dict[str, Any] = {"path": str(path)}
     try:
@@ -347,20 +384,16 @@ def _read_dump(path: Path, gpu: bool) -> dict[str, Any]:
     row["completion_tracked"] = tracked
     row["in_flight"] = None if not pending else {k: pending[0].get(k) for k in
                                                  ("profiling_name", "state", "collective_seq_id", "process_group")}
-    if gpu:  # torch's analyser reads NCCL dumps; with only the survivors' dumps, incomplete ranks allowed
+    if gpu:  # torch's analyser reads NCCL dumps (only the survivors': incomplete ranks allowed where it can)
         folder, name = os.path.split(str(path))
-        prefix = name.rstrip("0123456789")
-        for extra in ([], ["--allow-incomplete-ranks"]):
-            cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", folder, "--prefix", prefix,
-                   "-j", *extra]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-                row["fr_trace"] = {"command": " ".join(cmd[1:]), "returncode": done.returncode,
-                                   "output_tail": (done.stdout + done.stderr)[-1500:]}
-            except subprocess.TimeoutExpired:
-                row["fr_trace"] = {"command": " ".join(cmd[1:]), "returncode": None, "output_tail": "timed out"}
-            if row["fr_trace"]["returncode"] == 0:
-                break
+        cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", folder, "--prefix",
+               name.rstrip("0123456789"), "-j", *(["--allow-incomplete-ranks"] if _analyser_allows_incomplete() else [])]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            row["fr_trace"] = {"command": " ".join(cmd[1:]), "returncode": done.returncode,
+                               "output_tail": (done.stdout + done.stderr)[-1500:]}
+        except subprocess.TimeoutExpired:
+            row["fr_trace"] = {"command": " ".join(cmd[1:]), "returncode": None, "output_tail": "timed out after 60 s"}
     return row
 
 
@@ -415,7 +448,8 @@ def _check_checkpoint(sc: Scenario) -> dict[str, Any]:
 def _collect(sc: Scenario) -> dict[str, Any]:
     s = sc.spec
     gpu = s["backend"] == "nccl"
-    row: dict[str, Any] = {"backend": s["backend"], "victim": sc.victim, "fault": sc.fault or None,
+    row: dict[str, Any] = {"backend": s["backend"], "devices": sc.devices or None, "victim": sc.victim,
+                           "fault": sc.fault or None,
                            "timeout_s": s["timeout"], "bound_s": sc.bound(), "problem": sc.problem,
                            "victim_exit_code": sc.procs[sc.victim].returncode if sc.procs else None}
     setup = {}
@@ -470,10 +504,14 @@ def run(gpu: bool, out: str, res: dict[str, Any], names: Optional[list[str]] = N
     """Every scenario (``parallel`` at a time); each one's row in ``res["rank_faults"]`` as it ends."""
     s = settings(gpu)
     part: dict[str, Any] = {"settings": s, "scenarios": {}}
+    if gpu:
+        part["nccl_error_handling"] = NCCL_NOTE
     res["rank_faults"] = part
     root = Path(out) / "diagnose_faults_logs" / "rank_faults"
-    waiting = [Scenario(n, dict(s, **SCENARIOS[n], expected_step=_expected(s, SCENARIOS[n])), root / n)
-               for n in (names or list(SCENARIOS))]
+    pairs = gpu_pairs(_cuda_count()) if gpu else [""]
+    waiting = [Scenario(n, dict(s, **SCENARIOS[n], expected_step=_expected(s, SCENARIOS[n])), root / n,
+                        devices=pairs[i % len(pairs)])
+               for i, n in enumerate(names or list(SCENARIOS))]
     active: list[Scenario] = []
     t0 = time.time()
     try:
@@ -504,6 +542,12 @@ def run(gpu: bool, out: str, res: dict[str, Any], names: Optional[list[str]] = N
             if sc.procs:
                 sc.finish()
     part["seconds"] = round(time.time() - t0, 1)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _expected(s: dict[str, Any], scenario: dict[str, Any]) -> int:

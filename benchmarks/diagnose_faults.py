@@ -28,9 +28,9 @@
 The JSON (``diagnose_faults.json`` in ``--out``) is rewritten after every part; a failing part is
 recorded in it and the rest goes on.
 
-    python benchmarks/diagnose_faults.py --out $OUT        # one H100/H200, about 2 minutes
-    python benchmarks/diagnose_faults.py --smoke           # CPU, tiny, < 60 s, and rank_faults about 1.5 min
-    python benchmarks/diagnose_faults.py --parts rank_faults --out $OUT   # 2+ GPUs, NCCL, about 2 minutes
+    python benchmarks/diagnose_faults.py --out $OUT        # one H100/H200, about 3 minutes (rank_faults on gloo)
+    python benchmarks/diagnose_faults.py --smoke           # CPU, tiny, about a minute with rank_faults
+    python benchmarks/diagnose_faults.py --parts rank_faults --out $OUT   # 2+ GPUs, NCCL, about 2-3 minutes
 """
 
 from __future__ import annotations
@@ -392,6 +392,8 @@ def part_flight_recorder(cfg: dict[str, Any], res: dict[str, Any]) -> None:
         path = dump_flight_recorder(wd.dump_prefix, 0, nccl=gpu)
     finally:
         dist.destroy_process_group()
+        for name in wd.flight_recorder_env:  # what the watchdog set, not left to the later parts' processes
+            os.environ.pop(name, None)
     row: dict[str, Any] = {"backend": backend, "env_set_by_watchdog": wd.flight_recorder_env, "env": env,
                            "dump": path, "message": wd.describe_dumps()}
     if path:

@@ -321,8 +321,8 @@ class PeerWatchdog:
             with self._lock:
                 self._store_error = e
             if not self._stop.is_set():
-                _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s)",
-                           self.rank, e)
+                _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s); this rank "
+                           "is at step %s%s", self.rank, e, self._step, self._here())
             return False
         self._report_new_silence()
         return True
@@ -340,13 +340,19 @@ class PeerWatchdog:
             if p.done:
                 _log.warning("rank %d: rank %d left the training loop at step %s", self.rank, p.rank, p.step)
             else:
-                here = self.describe() if self.describe is not None else None
                 _log.error(
                     "rank %d: rank %d stopped responding at step %s (no heartbeat for %.1f s): collectives with it "
                     "will fail or time out%s%s",
-                    self.rank, p.rank, p.step, p.silent_s, f"; this rank's collective: {here}" if here else "",
-                    f"; {self.note}" if self.note else "",
+                    self.rank, p.rank, p.step, p.silent_s, self._here(), f"; {self.note}" if self.note else "",
                 )
+
+    def _here(self) -> str:
+        """What ``describe`` says, as a clause of a logged line ('' when it has nothing or fails)."""
+        try:
+            here = self.describe() if self.describe is not None else None
+        except Exception:
+            here = None
+        return f"; this rank's collective: {here}" if here else ""
 
     # ---- queries ----------------------------------------------------------------------------
 

@@ -99,7 +99,7 @@ def test_the_failed_call_is_named_from_the_traceback() -> None:
     wd.stop()
 
 
-def test_peer_that_left_the_loop_and_a_lost_store() -> None:
+def test_peer_that_left_the_loop_and_a_lost_store(caplog) -> None:
     store, wd, key = _pair()
     store.set(key, "done:3")
     time.sleep(3 * INTERVAL)
@@ -111,9 +111,14 @@ def test_peer_that_left_the_loop_and_a_lost_store() -> None:
         def set(self, *a):
             raise RuntimeError("connection refused")
 
-    wd = PeerWatchdog(dist.HashStore(), rank=1, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER).start()
+    wd = PeerWatchdog(dist.HashStore(), rank=1, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER,
+                      describe=lambda: "gloo:all_gather #4 of process group 0").start()
+    wd.beat(6)
     wd._store = Broken()  # rank 0, which hosts the TCPStore, is gone
     time.sleep(3 * INTERVAL)
+    logged = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith("rank 1: the store host (rank 0) is unreachable"), logged
+    assert logged[0].endswith("this rank is at step 6; this rank's collective: gloo:all_gather #4 of process group 0")
     error = wd.diagnose(RuntimeError("Connection closed by peer"))
     assert isinstance(error, RankFailureError) and "rank 0 (the store host) is unreachable" in str(error)
     wd.stop()
