@@ -24,6 +24,11 @@ collective in flight; torch's analyser on NCCL dumps). Then, in this process, th
 module and optimizer with ``lightning_perf.parallel.load_checkpoint`` (sizes and CRC-32 checked), and the step it
 holds against ``expected_step``.
 
+"Names the rank / a collective / a step" is read from the survivor's exception (what it raised) and from the
+messages of its log (its unindented lines, not a traceback's frames): under NCCL, with torch's defaults, a
+survivor is torn down by NCCL's watchdog and has no exception, only log lines (``NCCL_NOTE``). Scenarios run
+``parallel`` at a time, each on its own pair of GPUs where there are enough (``gpu_pairs``).
+
 The parent never waits on a child: every scenario has deadlines (the start, the fault, the survivors' exit), a
 survivor still running at its deadline gets SIGUSR2 (its threads' stacks into its log, ``faulthandler``) and
 SIGKILL, and every process still alive at the end is killed with its process group.
@@ -96,8 +101,10 @@ def _stamp(path: Path, **values: Any) -> None:
 def worker_main(spec_path: str) -> None:
     """A rank: ``python -c 'import _rank_faults; _rank_faults.worker_main(spec)'`` with the launcher's variables."""
     import faulthandler
+    import resource
 
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # the parent's request for stacks before a kill
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an abort (NCCL's watchdog) writes no core file
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ["LOCAL_RANK"])
     out = Path(spec["dir"])
@@ -126,7 +133,8 @@ def _train(spec: dict[str, Any], rank: int, out: Path) -> None:
     from lightning_perf.models import GPTConfig, GPTLightningModule
     from lightning_perf.strategies import ZeroStrategy
 
-    torch.set_num_threads(1 if spec["accelerator"] == "cpu" else torch.get_num_threads())
+    if spec["accelerator"] == "cpu":
+        torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     config = GPTConfig.from_name("tiny", n_layer=spec["n_layer"], n_embd=spec["n_embd"], n_head=spec["n_head"],
                                  block_size=spec["seq_len"], vocab_size=spec["vocab"], bias=False)
@@ -334,6 +342,7 @@ class Scenario:
         self.done = True
 
 
+CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from )")  # a C++ traceback's lines
 KEY = re.compile(r"(?i)stopped responding|unreachable|timed? ?out|watchdog|abort|error")
 NOISE = re.compile(r"^(nanobind: |See https://nanobind| - leaked | - \.\.\. skipped)|^\s*[\^~]+\s*$")
 
@@ -481,10 +490,11 @@ def _collect(sc: Scenario) -> dict[str, Any]:
         out["error"] = message[-1500:] or None
         log = _log_lines(sc.dir / f"rank{r}.log")
         out["log_tail"] = [line[-600:] for line in log[-25:]]
-        out["log_key_lines"] = [line[-800:] for line in log if not line[:1].isspace() and KEY.search(line)][:12]
+        said_lines = [line for line in log if not line[:1].isspace() and not CPP_FRAME.match(line)]
+        out["log_key_lines"] = [line[-800:] for line in said_lines if KEY.search(line)][:12]
         out["error_names"] = _names(message, sc.victim)
-        # the messages of the log (its unindented lines: not a traceback's frames, which name torch's functions)
-        out["log_names"] = _names("\n".join(line for line in log if not line[:1].isspace()), sc.victim)
+        # the messages of the log (not a traceback's frames, which name torch's functions)
+        out["log_names"] = _names("\n".join(said_lines), sc.victim)
         said = re.search(rf"rank {sc.victim} stopped responding at step (\d+)", message + "\n".join(log))
         out["step_named_for_victim"] = int(said.group(1)) if said else None
         prefix = (setup.get(r) or {}).get("dump_prefix") or str(sc.dir / "flight_recorder" / "nccl_trace_rank_")
