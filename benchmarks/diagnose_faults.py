@@ -17,12 +17,20 @@
    collectives, this rank's dump, and torch's analyser run on it (NCCL dumps only).
 4. oom (GPU only): a batch sized so that one activation needs 1.5x the GPU's memory, in its own
    Trainer.fit inside try/except: the error and what appeared in its log dir.
+5. rank_faults: two rank processes (NCCL, one GPU each, with 2 GPUs or more; gloo CPU processes under
+   --smoke or with fewer) train a small GPT under ZeroStrategy(stage=3, timeout=60 s on GPUs, 20 s on
+   the CPU) with RankWatchdog and a checkpoint every 2 steps; rank 1 is killed mid-step, killed inside
+   a checkpoint write, frozen with SIGSTOP, and rank 0 (the store's host) is killed. For each survivor:
+   exit code, seconds from the fault to its exit against the timeout, whether its error names the rank,
+   a collective and a step, the flight recorder's dump and its reading; then whether the newest complete
+   checkpoint loads into a fresh module, and its step (``_rank_faults.py``).
 
 The JSON (``diagnose_faults.json`` in ``--out``) is rewritten after every part; a failing part is
 recorded in it and the rest goes on.
 
-    python benchmarks/diagnose_faults.py --out $OUT        # one H100/H200, about 2 minutes
-    python benchmarks/diagnose_faults.py --smoke           # CPU, tiny, < 60 s
+    python benchmarks/diagnose_faults.py --out $OUT        # one H100/H200, about 3 minutes (rank_faults on gloo)
+    python benchmarks/diagnose_faults.py --smoke           # CPU, tiny, about a minute with rank_faults
+    python benchmarks/diagnose_faults.py --parts rank_faults --out $OUT   # 2+ GPUs, NCCL, about 2-3 minutes
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _rank_faults  # noqa: E402
 
 import lightning as L  # noqa: E402
 
@@ -381,6 +392,8 @@ def part_flight_recorder(cfg: dict[str, Any], res: dict[str, Any]) -> None:
         path = dump_flight_recorder(wd.dump_prefix, 0, nccl=gpu)
     finally:
         dist.destroy_process_group()
+        for name in wd.flight_recorder_env:  # what the watchdog set, not left to the later parts' processes
+            os.environ.pop(name, None)
     row: dict[str, Any] = {"backend": backend, "env_set_by_watchdog": wd.flight_recorder_env, "env": env,
                            "dump": path, "message": wd.describe_dumps()}
     if path:
@@ -431,6 +444,13 @@ def part_oom(cfg: dict[str, Any], res: dict[str, Any]) -> None:
     res["oom"] = row
 
 
+def part_rank_faults(cfg: dict[str, Any], res: dict[str, Any]) -> None:
+    nccl = not cfg["smoke"] and torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    _rank_faults.run(nccl, cfg["out"], res, cfg["rank_faults"], save=lambda: write(res, cfg["path"]))
+    if not nccl and not cfg["smoke"]:
+        res["rank_faults"]["note"] = (f"gloo CPU processes: {torch.cuda.device_count()} GPU(s) here, NCCL needs 2")
+
+
 # ---- driver -----------------------------------------------------------------------------------------
 
 def write(res: dict[str, Any], path: str) -> None:
@@ -456,12 +476,18 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: exercise the code paths")
     p.add_argument("--kinds", default=",".join(PLANTS), help=f"plants to switch on, from {','.join(PLANTS)}")
-    p.add_argument("--parts", default="syncs,stall_mfu,flight_recorder,oom")
+    p.add_argument("--parts", default="syncs,stall_mfu,flight_recorder,oom,rank_faults")
+    p.add_argument("--rank-faults", default=",".join(_rank_faults.SCENARIOS),
+                   help=f"rank_faults scenarios, from {','.join(_rank_faults.SCENARIOS)}")
     args = p.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = set(kinds) - set(PLANTS)
     if unknown:
         p.error(f"unknown kinds {sorted(unknown)}; choose from {sorted(PLANTS)}")
+    scenarios = [n for n in args.rank_faults.split(",") if n]
+    if set(scenarios) - set(_rank_faults.SCENARIOS):
+        p.error(f"unknown rank faults {sorted(set(scenarios) - set(_rank_faults.SCENARIOS))}; choose from "
+                f"{sorted(_rank_faults.SCENARIOS)}")
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.is_available() and not args.smoke
     if gpu:
@@ -470,18 +496,18 @@ def main() -> None:
     else:
         cfg = dict(vocab=256, d=64, layers=2, seq_len=32, batch=8, steps=24, warmup=3, sleep=0.020,
                    accelerator="cpu", precision="32-true")
-    cfg.update(kinds=kinds, out=args.out)
+    path = os.path.join(args.out, "diagnose_faults.json")
+    cfg.update(kinds=kinds, out=args.out, smoke=args.smoke, path=path, rank_faults=scenarios)
     res: dict[str, Any] = {
         "benchmark": "diagnose_faults",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name() if gpu else "cpu",
         "versions": {"torch": torch.__version__, "lightning": L.__version__},
-        "config": {k: v for k, v in cfg.items() if k != "out"},
+        "config": {k: v for k, v in cfg.items() if k not in ("out", "path")},
         "memory_monitor_available": MemoryMonitor is not None,
     }
-    path = os.path.join(args.out, "diagnose_faults.json")
     parts = {"syncs": part_syncs, "stall_mfu": part_stall_mfu, "flight_recorder": part_flight_recorder,
-             "oom": part_oom}
+             "oom": part_oom, "rank_faults": part_rank_faults}
     chosen = [n for n in args.parts.split(",") if n]
     if set(chosen) - set(parts):
         p.error(f"unknown parts {sorted(set(chosen) - set(parts))}; choose from {sorted(parts)}")
@@ -521,6 +547,11 @@ def print_summary(res: dict[str, Any], path: str) -> None:
     o = res.get("oom")
     if o:
         print(f"  oom: {o.get('skipped') or o.get('raised')}")
+    rf = res.get("rank_faults")
+    if rf:
+        print(f"  rank faults ({rf.get('seconds')} s):")
+        for line in _rank_faults.summary_lines(rf):
+            print("    " + line)
     for name, err in res.get("errors", {}).items():
         print(f"  ERROR in {name}: {err.splitlines()[0]}")
     print(f"  -> {path}")

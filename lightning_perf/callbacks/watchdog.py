@@ -5,7 +5,8 @@ A thin adapter over :class:`lightning_perf.parallel.reliability.watchdog.PeerWat
 start in ``setup`` once the process group exists, each training batch records its step
 (an integer store, no I/O), and ``on_exception`` replaces a failed collective's transport
 error or timeout by a :class:`RankFailureError` / :class:`CollectiveTimeoutError` that
-names the rank at fault. How fast a rank notices is bounded by the strategy's
+names the rank at fault and the collective call it failed in (and, where torch's flight recorder
+records, the collective in flight by its sequence number and process group). How fast a rank notices is bounded by the strategy's
 ``timeout`` (``ZeroStrategy(timeout=...)``, ``Parallel3DStrategy(timeout=...)``), which
 both gloo and NCCL honour; a killed peer is usually noticed at once (its sockets close).
 
@@ -33,6 +34,7 @@ from typing_extensions import override
 from lightning_perf.parallel.reliability.flight_recorder import (
     DUMP_NAME,
     FLIGHT_RECORDER_VARS,
+    collective_in_flight,
     dump_files,
     dump_flight_recorder,
     enable_flight_recorder,
@@ -115,6 +117,12 @@ class RankWatchdog(pl.Callback):
         return (f"flight recorder: each rank's last collectives are dumped to {self.dump_prefix}<rank>{have}; "
                 f"read them with {read_command(self.dump_prefix)}")
 
+    def _in_flight(self) -> Optional[str]:
+        """The collective this rank's flight recorder shows it in (None: off, or nothing recorded)."""
+        if not self.flight_recorder or self._backend is None:
+            return None
+        return collective_in_flight(nccl=self._backend == "nccl")
+
     def _dump_this_rank(self, trainer: "pl.Trainer") -> None:
         """This rank's buffer, unless torch's watchdog wrote it during this fit."""
         if self.dump_prefix is None:
@@ -139,7 +147,8 @@ class RankWatchdog(pl.Callback):
             rank_zero_info(f"RankWatchdog: {self.describe_dumps()}")
         if self.watchdog is None and distributed and dist.get_world_size() > 1:
             note = f"flight recorder dumps at {self.dump_prefix}<rank>" if self.dump_prefix else ""
-            self.watchdog = PeerWatchdog(interval=self.interval, dead_after=self.dead_after, note=note).start()
+            self.watchdog = PeerWatchdog(interval=self.interval, dead_after=self.dead_after, note=note,
+                                         describe=self._in_flight).start()
             self.watchdog.beat(trainer.global_step)
 
     @override
@@ -169,12 +178,15 @@ class RankWatchdog(pl.Callback):
             watchdog.stop(done=False)
         if error is None and not is_timeout_error(exception):
             return
+        in_flight = self._in_flight()
         self._dump_this_rank(trainer)
         dumps = self.describe_dumps()
         if error is None:
             if dumps:
                 _log.error("rank %d: a collective timed out; %s", int(getattr(trainer, "global_rank", 0)), dumps)
             return
+        if in_flight:
+            error.args = (f"{error}. This rank's collective: {in_flight}",)
         if dumps:
             error.args = (f"{error}. {dumps}",)
         raise error from exception

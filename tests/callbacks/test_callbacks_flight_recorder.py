@@ -100,4 +100,5 @@ def test_a_timeout_names_the_dump_files_and_how_to_read_them(tmp_path, clean_env
     assert (f"python -m torch.distributed.flight_recorder.fr_trace {os.path.dirname(dump)} --prefix nccl_trace_rank_"
             in message)
     assert caught.value.steps == {0: 3, 1: 2}
+    assert "This rank's collective: gloo:all_reduce #" in message  # from its flight recorder
     assert pickle.load(open(dump, "rb"))["entries"][-1]["profiling_name"] == "gloo:all_reduce"

@@ -83,3 +83,41 @@ def test_a_rank_dump_is_readable_as_the_message_says(tmp_path):
     assert (parsed.trace_dir, parsed.prefix) == (str(tmp_path / "fr"), "nccl_trace_rank_")
     assert f"pickle.load(open('{prefix}<rank>', 'rb'))['entries']" in command
     assert os.path.basename(path).startswith(parsed.prefix)
+
+
+def test_the_collective_in_flight_of_a_recorder_that_marks_completion(monkeypatch):
+    """NCCL's recorder marks completed collectives: the oldest one not completed is the one stuck."""
+    from lightning_perf.parallel import flight_recorder as fr
+
+    def entry(seq, name, state):
+        return {"profiling_name": name, "collective_seq_id": seq, "state": state, "process_group": ("0", "default_pg")}
+
+    entries = [entry(1, "nccl:all_reduce", "completed"), entry(2, "nccl:_reduce_scatter_base", "started"),
+               entry(3, "nccl:_allgather_base", "scheduled")]
+    monkeypatch.setattr(fr, "_dump_function", lambda nccl: lambda *a: pickle.dumps({"entries": entries}))
+    assert fr.collective_in_flight(nccl=True) == (
+        "nccl:_reduce_scatter_base #2 of process group 0 (default_pg), started (in flight, per this rank's "
+        "flight recorder)")
+    entries[1:] = [entry(2, "nccl:all_reduce", "completed")]
+    assert fr.collective_in_flight(nccl=True) is None  # every one completed: nothing is stuck
+    monkeypatch.setattr(fr, "_dump_function", lambda nccl: lambda *a: b"not a pickle")
+    assert fr.collective_in_flight(nccl=True) is None  # never raises
+    monkeypatch.setattr(fr, "_dump_function", lambda nccl: None)
+    assert fr.collective_in_flight(nccl=False) is None  # a build without a recorder
+
+
+def test_the_collective_in_flight_of_gloo_is_the_last_one_issued():
+    from lightning_perf.parallel.flight_recorder import collective_in_flight
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(3))
+        dist.broadcast(torch.ones(2), 0)
+        found = collective_in_flight(nccl=False)
+    finally:
+        dist.destroy_process_group()
+    if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):  # this build's gloo does not record
+        assert found is None
+    else:  # gloo marks no collective completed
+        assert found is not None and found.startswith("gloo:broadcast #"), found
+        assert found.endswith("(the last one issued, per this rank's flight recorder)"), found

@@ -20,6 +20,7 @@ ZeRO stages is in ``tests/strategies``.
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -227,6 +228,9 @@ def _check_killed(outcome, out: Path, kind: str, resumed: Path) -> None:
     err = outcome.errors[0]
     assert err.startswith("RankFailureError"), err
     assert "rank 1 stopped responding" in err, err
+    # and the torch.distributed call this rank failed in: a collective with its caller, or a wait in torch's code
+    assert re.search(r"this rank was at step \d+, in (torch\.distributed\.\w+ \(called from |\w+ \(torch/distributed/)",
+                     err), err
     # noticed within the collective timeout (+ the watchdog's wait for the heartbeat to go silent)
     elapsed = outcome.error_times[0] - float((out / f"{kind}_killed_at").read_text())
     assert 0 <= elapsed < TIMEOUT + DEAD_AFTER + 2, elapsed
@@ -278,6 +282,7 @@ def test_collective_mismatch_times_out_with_each_ranks_step(runs) -> None:
     out = runs["root"] / "p3"
     text = (out / "mismatch.txt").read_text()
     assert "timed out while every rank is alive (rank 0: step 10, rank 1: step 11)" in text, text
+    assert "this rank was in torch.distributed.all_reduce (called from tests/reliability/test_crash_resume.py:" in text
     waited = float((out / "mismatch_caught_at").read_text()) - float((out / "mismatch_at").read_text())
     assert 1.5 < waited < 2 + 3, waited  # the group's 2 s timeout, not minutes
 

@@ -6,21 +6,23 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_perf.parallel.reliability.watchdog import (
     CollectiveTimeoutError,
     PeerWatchdog,
     RankFailureError,
+    failed_call,
     is_timeout_error,
 )
 
 INTERVAL, DEAD_AFTER = 0.05, 0.4
 
 
-def _pair():
+def _pair(describe=None):
     store = dist.HashStore()
-    wd = PeerWatchdog(store, rank=0, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER).start()
+    wd = PeerWatchdog(store, rank=0, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER, describe=describe).start()
     wd.beat(7)
     peer_key = wd._key(1)
     return store, wd, peer_key
@@ -50,7 +52,7 @@ def test_alive_peer_and_a_timeout_give_the_steps() -> None:
 
 
 def test_silent_peer_is_named_with_its_last_step(caplog) -> None:
-    store, wd, key = _pair()
+    store, wd, key = _pair(describe=lambda: "nccl:all_reduce #9 of process group 0")
     _beat_for(store, key, 2 * INTERVAL, step=5)  # then it dies
     error = wd.diagnose(RuntimeError("Connection closed by peer"))  # waits for the silence
     assert isinstance(error, RankFailureError) and error.ranks == [1]
@@ -60,9 +62,44 @@ def test_silent_peer_is_named_with_its_last_step(caplog) -> None:
     # logged by the thread too, once (what names the rank when NCCL aborts the process itself)
     logged = [r.getMessage() for r in caplog.records if "stopped responding" in r.getMessage()]
     assert len(logged) == 1 and logged[0].startswith("rank 0: rank 1 stopped responding at step 5"), logged
+    assert "this rank's collective: nccl:all_reduce #9 of process group 0" in logged[0], logged
 
 
-def test_peer_that_left_the_loop_and_a_lost_store() -> None:
+def _raised_in_torch_distributed() -> BaseException:
+    try:
+        dist.all_reduce(torch.ones(1))  # no process group: raised inside torch.distributed.all_reduce
+    except (ValueError, RuntimeError) as e:
+        return e
+    raise AssertionError("all_reduce without a process group did not raise")
+
+
+def test_the_failed_call_is_named_from_the_traceback() -> None:
+    inner = _raised_in_torch_distributed()
+    line = inner.__traceback__.tb_lineno  # the all_reduce line of this file
+    expected = f"torch.distributed.all_reduce (called from tests/reliability/test_watchdog_unit.py:{line})"
+    assert failed_call(inner) == expected, failed_call(inner)
+    wrapped = RuntimeError("the step failed")
+    wrapped.__cause__ = inner  # as Lightning and the strategies chain it
+    assert failed_call(wrapped) == failed_call(inner)
+    try:  # a torch.distributed function that is not a collective: its own name and line
+        from torch.distributed.checkpoint import FileSystemReader
+
+        FileSystemReader("/nonexistent/checkpoint").read_metadata()
+    except OSError as e:
+        other = failed_call(e)
+    assert other is not None and "torch/distributed/checkpoint/filesystem.py:" in other, other
+    assert not other.startswith("torch.distributed."), other
+    assert failed_call(RuntimeError("Connection closed by peer")) is None  # no traceback through torch.distributed
+    # the diagnosis carries it, in the message and as an attribute
+    store, wd, key = _pair()
+    _beat_for(store, key, 2 * INTERVAL, step=5)
+    error = wd.diagnose(wrapped)
+    assert isinstance(error, RankFailureError) and error.collective == failed_call(inner)
+    assert f"this rank was at step 7, in {error.collective}. Restart" in str(error), str(error)
+    wd.stop()
+
+
+def test_peer_that_left_the_loop_and_a_lost_store(caplog) -> None:
     store, wd, key = _pair()
     store.set(key, "done:3")
     time.sleep(3 * INTERVAL)
@@ -74,9 +111,14 @@ def test_peer_that_left_the_loop_and_a_lost_store() -> None:
         def set(self, *a):
             raise RuntimeError("connection refused")
 
-    wd = PeerWatchdog(dist.HashStore(), rank=1, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER).start()
+    wd = PeerWatchdog(dist.HashStore(), rank=1, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER,
+                      describe=lambda: "gloo:all_gather #4 of process group 0").start()
+    wd.beat(6)
     wd._store = Broken()  # rank 0, which hosts the TCPStore, is gone
     time.sleep(3 * INTERVAL)
+    logged = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith("rank 1: the store host (rank 0) is unreachable"), logged
+    assert logged[0].endswith("this rank is at step 6; this rank's collective: gloo:all_gather #4 of process group 0")
     error = wd.diagnose(RuntimeError("Connection closed by peer"))
     assert isinstance(error, RankFailureError) and "rank 0 (the store host) is unreachable" in str(error)
     wd.stop()

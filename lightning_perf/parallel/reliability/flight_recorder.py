@@ -16,12 +16,15 @@ pickle) before it tears the process down. torch reads these variables (torch 2.1
 ``enable_flight_recorder`` sets them. Both are called by whoever creates the process group, just
 before it (the pack's strategies, through ``RankWatchdog``); nothing is set at import.
 ``dump_flight_recorder`` writes this rank's buffer on demand (any backend that records: NCCL, and
-gloo in torch 2.13); ``read_command`` is the analyser's command line for a dump directory.
+gloo in torch 2.13); ``collective_in_flight`` reads it in memory and names the collective this rank is
+stuck in (NCCL records when each collective completes: the oldest one not completed; gloo does not: the
+newest one issued); ``read_command`` is the analyser's command line for a dump directory.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from collections.abc import Mapping, MutableMapping
 from typing import Optional
@@ -30,6 +33,7 @@ import torch
 
 __all__ = [
     "FLIGHT_RECORDER_VARS",
+    "collective_in_flight",
     "default_dump_prefix",
     "dump_files",
     "dump_flight_recorder",
@@ -104,11 +108,45 @@ def dump_files(prefix: str, *, newer_than: float = 0.0) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
-def dump_flight_recorder(prefix: str, rank: int, *, nccl: bool) -> Optional[str]:
-    """Write this rank's flight recorder buffer to ``<prefix><rank>``; ``None`` if this build has no recorder."""
+def _dump_function(nccl: bool):
+    """torch's function that returns this process's recorder as a pickle (None: this build has none)."""
     c10d = getattr(torch._C, "_distributed_c10d", None)
     names = ("_dump_nccl_trace", "_dump_fr_trace") if nccl else ("_dump_fr_trace",)
-    dump = next((getattr(c10d, n) for n in names if hasattr(c10d, n)), None)
+    return next((getattr(c10d, n) for n in names if hasattr(c10d, n)), None)
+
+
+def collective_in_flight(*, nccl: bool) -> Optional[str]:
+    """The collective this process's flight recorder shows it in, in words; ``None`` without a recorder or entries.
+
+    Where the recorder marks completed collectives (NCCL), the oldest one not completed (``None`` when all
+    completed); where it marks none (gloo), the newest one issued. Never raises.
+    """
+    dump = _dump_function(nccl)
+    if dump is None:
+        return None
+    try:  # torch's own bytes, made in this process just now
+        entries = pickle.loads(dump(True, False, False)).get("entries") or []
+    except Exception:
+        return None
+    if not entries:
+        return None
+    if any(e.get("state") == "completed" for e in entries):
+        pending = [e for e in entries if e.get("state") != "completed"]
+        if not pending:
+            return None
+        entry, how = pending[0], "in flight"
+    else:
+        entry, how = entries[-1], "the last one issued"
+    group = entry.get("process_group") or ("?", "")
+    group_id, group_name = (group[0], group[1]) if isinstance(group, (list, tuple)) and len(group) > 1 else (group, "")
+    name = f" ({group_name})" if group_name and group_name != "undefined" else ""
+    return (f"{entry.get('profiling_name', '?')} #{entry.get('collective_seq_id', '?')} of process group "
+            f"{group_id}{name}, {entry.get('state', '?')} ({how}, per this rank's flight recorder)")
+
+
+def dump_flight_recorder(prefix: str, rank: int, *, nccl: bool) -> Optional[str]:
+    """Write this rank's flight recorder buffer to ``<prefix><rank>``; ``None`` if this build has no recorder."""
+    dump = _dump_function(nccl)
     if dump is None:
         return None
     data = dump(True, True, False)  # collectives, stack traces, completed ones too

@@ -25,6 +25,10 @@ other ranks learn it from the verdict, one interval later; a verdict that stops 
   (the ranks issued different collectives: one skipped or added a step), with each
   rank's step.
 
+Both name the ``torch.distributed`` call the exception came from and its caller
+(:func:`failed_call`, from the traceback), e.g. ``torch.distributed.all_gather_into_tensor``
+called from FSDP's all-gather.
+
 The thread adds no work to the training step: :meth:`beat` only stores an integer (so a
 reported step is the last one published, at most ``interval`` seconds old).
 A store that no longer answers means its host, rank 0, is gone. The thread also logs
@@ -40,8 +44,9 @@ import json
 import logging
 import threading
 import time
+import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -50,6 +55,7 @@ __all__ = [
     "PeerState",
     "PeerWatchdog",
     "RankFailureError",
+    "failed_call",
     "is_timeout_error",
 ]
 
@@ -60,19 +66,21 @@ MONITOR = 0  # the rank that reads every heartbeat and publishes the verdict
 
 
 class RankFailureError(RuntimeError):
-    """A peer rank stopped (its heartbeat went silent): ``ranks`` lists them."""
+    """A peer rank stopped (its heartbeat went silent): ``ranks`` lists them; ``collective``: the call that failed."""
 
-    def __init__(self, message: str, ranks: list[int]) -> None:
+    def __init__(self, message: str, ranks: list[int], collective: Optional[str] = None) -> None:
         super().__init__(message)
         self.ranks = ranks
+        self.collective = collective
 
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective timed out while every rank was alive (mismatched collectives)."""
 
-    def __init__(self, message: str, steps: dict[int, Optional[int]]) -> None:
+    def __init__(self, message: str, steps: dict[int, Optional[int]], collective: Optional[str] = None) -> None:
         super().__init__(message)
         self.steps = steps
+        self.collective = collective
 
 
 def is_timeout_error(exc: BaseException) -> bool:
@@ -85,6 +93,53 @@ def is_timeout_error(exc: BaseException) -> bool:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
         seen += 1
     return False
+
+
+_C10D = ("distributed_c10d.py", "c10d_logger.py")  # torch.distributed's collective functions and their wrapper
+
+
+def _path(frame: traceback.FrameSummary) -> str:
+    return frame.filename.replace("\\", "/")
+
+
+def _site(frame: traceback.FrameSummary) -> str:
+    _, found, rest = _path(frame).rpartition("site-packages/")
+    return f"{rest if found else '/'.join(_path(frame).split('/')[-3:])}:{frame.lineno}"
+
+
+def _call_in(frames: list[traceback.FrameSummary]) -> Optional[str]:
+    """The innermost ``torch.distributed`` call of one traceback (see :func:`failed_call`)."""
+    inside = [i for i, f in enumerate(frames) if "/torch/distributed/" in _path(f)]
+    if not inside:
+        return None
+    inner = inside[-1]
+    if not _path(frames[inner]).endswith(_C10D):
+        return f"{frames[inner].name} ({_site(frames[inner])})"
+    start = inner  # the public function: the outermost of the c10d frames around the innermost one
+    while start - 1 in inside and _path(frames[start - 1]).endswith(_C10D):
+        start -= 1
+    api = next((f for f in frames[start: inner + 1] if _path(f).endswith(_C10D[0])), frames[inner])
+    caller = f" (called from {_site(frames[start - 1])})" if start > 0 else ""
+    return f"torch.distributed.{api.name}{caller}"
+
+
+def failed_call(exc: Optional[BaseException]) -> Optional[str]:
+    """The ``torch.distributed`` call that ``exc`` (or its cause) was raised in, and where it was called from.
+
+    The innermost frame inside ``torch/distributed/`` of the traceback: a collective of
+    ``torch.distributed`` (``"torch.distributed.all_reduce (called from my/train.py:12)"``), or another
+    function of the package (a ``work.wait()`` in FSDP: ``"foreach_all_gather_copy_out
+    (torch/distributed/fsdp/...:321)"``). ``None`` when no frame is in ``torch.distributed``.
+    """
+    seen = 0
+    while exc is not None and seen < 8:
+        if exc.__traceback__ is not None:
+            found = _call_in(traceback.extract_tb(exc.__traceback__))
+            if found:
+                return found
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return None
 
 
 @dataclass(kw_only=True)
@@ -107,6 +162,8 @@ class PeerWatchdog:
         dead_after: seconds of silence after which a peer counts as dead.
         note: appended to the line logged when a peer goes silent (where the flight recorder's
             dumps will be, for a job that NCCL aborts before Python sees an error).
+        describe: called when a peer goes silent; what it returns (the collective this rank is in,
+            say) is appended to the logged line. It must not raise.
     """
 
     def __init__(
@@ -118,6 +175,7 @@ class PeerWatchdog:
         interval: float = 0.5,
         dead_after: float = 5.0,
         note: str = "",
+        describe: Optional[Callable[[], Optional[str]]] = None,
     ) -> None:
         if interval <= 0 or dead_after <= interval:
             raise ValueError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
@@ -130,6 +188,7 @@ class PeerWatchdog:
         self.interval = float(interval)
         self.dead_after = float(dead_after)
         self.note = note
+        self.describe = describe
         self._prefix = f"lightning_perf/watchdog/{next(_GENERATION)}/"
         self._store = store
         self._step: Optional[int] = None
@@ -262,8 +321,8 @@ class PeerWatchdog:
             with self._lock:
                 self._store_error = e
             if not self._stop.is_set():
-                _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s)",
-                           self.rank, e)
+                _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s); this rank "
+                           "is at step %s%s", self.rank, e, self._step, self._here())
             return False
         self._report_new_silence()
         return True
@@ -283,9 +342,17 @@ class PeerWatchdog:
             else:
                 _log.error(
                     "rank %d: rank %d stopped responding at step %s (no heartbeat for %.1f s): collectives with it "
-                    "will fail or time out%s",
-                    self.rank, p.rank, p.step, p.silent_s, f"; {self.note}" if self.note else "",
+                    "will fail or time out%s%s",
+                    self.rank, p.rank, p.step, p.silent_s, self._here(), f"; {self.note}" if self.note else "",
                 )
+
+    def _here(self) -> str:
+        """What ``describe`` says, as a clause of a logged line ('' when it has nothing or fails)."""
+        try:
+            here = self.describe() if self.describe is not None else None
+        except Exception:
+            here = None
+        return f"; this rank's collective: {here}" if here else ""
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -387,6 +454,8 @@ class PeerWatchdog:
         states = {p.rank: p for p in self.peers()}
         self._last_published(states)
         cause = f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})" if exc is not None else ""
+        call = failed_call(exc)
+        within = f", in {call}" if call else ""
         if silent:
             with self._lock:
                 store_gone = self._store_error is not None
@@ -407,8 +476,10 @@ class PeerWatchdog:
                     )
             return RankFailureError(
                 f"rank {self.rank}: a collective failed because {'; '.join(parts)}; this rank was at step "
-                f"{self._step}. Restart the job (e.g. ckpt_path='last') to resume from the last checkpoint{cause}",
+                f"{self._step}{within}. Restart the job (e.g. ckpt_path='last') to resume from the last "
+                f"checkpoint{cause}",
                 silent,
+                call,
             )
         if timed_out:
             steps = {r: s.step for r, s in states.items()}
@@ -416,7 +487,8 @@ class PeerWatchdog:
             return CollectiveTimeoutError(
                 f"rank {self.rank}: a collective timed out while every rank is alive ({listing}): the ranks "
                 "issued different collectives (one skipped or added a step, or a rank-dependent branch "
-                f"calls a collective){cause}",
+                f"calls a collective){'; this rank was in ' + call if call else ''}{cause}",
                 steps,
+                call,
             )
         return None
