@@ -27,7 +27,7 @@ holds against ``expected_step``.
 "Names the rank / a collective / a step" is read from the survivor's exception (what it raised) and from the
 messages of its log (its unindented lines, not a traceback's frames): under NCCL, with torch's defaults, a
 survivor is torn down by NCCL's watchdog and has no exception, only log lines (``NCCL_NOTE``). Scenarios run
-``parallel`` at a time, each on its own pair of GPUs where there are enough (``gpu_pairs``).
+``parallel`` at a time, each on a GPU pair of its own (``gpu_pairs``): with one pair they run one after another.
 
 The parent never waits on a child: every scenario has deadlines (the start, the fault, the survivors' exit), a
 survivor still running at its deadline gets SIGUSR2 (its threads' stacks into its log, ``faulthandler``) and
@@ -42,6 +42,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -272,6 +273,7 @@ class Scenario:
         return s["timeout"] + s["dead_after"] + 3 * s["interval"] + s["teardown"]
 
     def start(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)  # an earlier run's fault record, logs and checkpoints
         self.dir.mkdir(parents=True, exist_ok=True)
         spec_path = self.dir / "spec.json"
         spec_path.write_text(json.dumps(dict(self.spec, dir=str(self.dir))))
@@ -518,16 +520,18 @@ def run(gpu: bool, out: str, res: dict[str, Any], names: Optional[list[str]] = N
         part["nccl_error_handling"] = NCCL_NOTE
     res["rank_faults"] = part
     root = Path(out) / "diagnose_faults_logs" / "rank_faults"
-    pairs = gpu_pairs(_cuda_count()) if gpu else [""]
-    waiting = [Scenario(n, dict(s, **SCENARIOS[n], expected_step=_expected(s, SCENARIOS[n])), root / n,
-                        devices=pairs[i % len(pairs)])
-               for i, n in enumerate(names or list(SCENARIOS))]
+    # on GPUs a pair runs one scenario at a time: a survivor's NCCL kernel spinning on a dead peer
+    # would otherwise starve another scenario's ranks on the same GPUs (their collectives time out)
+    free = gpu_pairs(_cuda_count()) if gpu else [""] * s["parallel"]
+    waiting = [Scenario(n, dict(s, **SCENARIOS[n], expected_step=_expected(s, SCENARIOS[n])), root / n)
+               for n in names or list(SCENARIOS)]
     active: list[Scenario] = []
     t0 = time.time()
     try:
         while waiting or active:
-            while waiting and len(active) < s["parallel"]:
+            while waiting and free and len(active) < s["parallel"]:
                 sc = waiting.pop(0)
+                sc.devices = free.pop(0)
                 sc.start()
                 active.append(sc)
             time.sleep(0.05)
@@ -539,6 +543,7 @@ def run(gpu: bool, out: str, res: dict[str, Any], names: Optional[list[str]] = N
                     sc.finish()
                 if sc.done:
                     active.remove(sc)
+                    free.append(sc.devices)
                     try:
                         part["scenarios"][sc.name] = _collect(sc)
                     except Exception as e:

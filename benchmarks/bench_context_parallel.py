@@ -6,7 +6,7 @@
     python benchmarks/bench_context_parallel.py --smoke                             # CPU, gloo, tiny
 
 Each sequence is shared by ``--gpus`` cp ranks (the load-balanced chunks of
-``parallel.context_parallel``). For every T it times:
+``parallel.model_parallel.context_parallel``). For every T it times:
 
 - ``attention`` (``allgather`` and ``ring``): the cp attention op alone, forward + backward,
   q (1, 16, T/cp, 128) and GQA k / v (1, 8, T/cp, 128) per rank, bf16; its output and gradients

@@ -24,10 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -65,12 +67,23 @@ class RankWatchdog(pl.Callback):
         dump_dir: where the dumps go (default ``<default_root_dir>/flight_recorder``); a dump path the
             user set (``TORCH_FR_DUMP_TEMP_FILE``) wins.
         buffer_size: collectives kept per rank.
+        exit_after: seconds after a rank was found dead (or rank 0's store unreachable) at which a
+            process still in the fit writes its flight-recorder dump and exits with code 1, so a rank
+            blocked in a collective whose own timeout never fires does not hang the job (NCCL's
+            watchdog can stall on the store of a dead rank 0). ``"timeout"`` (default): the
+            strategy's collective ``timeout`` (torch's default where the strategy has none);
+            ``None``: never.
     """
 
     def __init__(self, interval: float = 0.5, dead_after: float = 5.0, *, flight_recorder: bool = True,
-                 dump_dir: Optional[str] = None, buffer_size: int = 2000) -> None:
+                 dump_dir: Optional[str] = None, buffer_size: int = 2000,
+                 exit_after: Union[float, Literal["timeout"], None] = "timeout") -> None:
         if interval <= 0 or dead_after <= interval:
             raise ValueError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
+        if exit_after is not None and exit_after != "timeout" and (
+                isinstance(exit_after, bool) or not isinstance(exit_after, (int, float)) or not exit_after >= 0):
+            raise ValueError(f"exit_after must be 'timeout', None or seconds >= 0, got {exit_after!r}")
+        self.exit_after = exit_after
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
         self.interval = interval
@@ -123,6 +136,15 @@ class RankWatchdog(pl.Callback):
             return None
         return collective_in_flight(nccl=self._backend == "nccl")
 
+    def _exit_seconds(self, trainer: "pl.Trainer") -> Optional[float]:
+        """``exit_after`` in seconds: the strategy's collective timeout for ``"timeout"``."""
+        if self.exit_after != "timeout":
+            return None if self.exit_after is None else float(self.exit_after)
+        timeout = getattr(getattr(trainer, "strategy", None), "_timeout", None)
+        if timeout is None:
+            timeout = default_pg_timeout
+        return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
     def _dump_this_rank(self, trainer: "pl.Trainer") -> None:
         """This rank's buffer, unless torch's watchdog wrote it during this fit."""
         if self.dump_prefix is None:
@@ -148,7 +170,8 @@ class RankWatchdog(pl.Callback):
         if self.watchdog is None and distributed and dist.get_world_size() > 1:
             note = f"flight recorder dumps at {self.dump_prefix}<rank>" if self.dump_prefix else ""
             self.watchdog = PeerWatchdog(interval=self.interval, dead_after=self.dead_after, note=note,
-                                         describe=self._in_flight).start()
+                                         describe=self._in_flight, exit_after=self._exit_seconds(trainer),
+                                         on_exit=lambda: self._dump_this_rank(trainer)).start()
             self.watchdog.beat(trainer.global_step)
 
     @override

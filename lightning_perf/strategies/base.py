@@ -13,9 +13,9 @@ keep only what differs:
   ``prepare_process_group(trainer, backend)`` method is called (``RankWatchdog`` sets the NCCL
   flight recorder's variables there, which torch reads when the group is created);
 - collectives over the whole world: ``barrier``, ``broadcast``, ``reduce``;
-- checkpoints: a sharded DCP directory (``lightning_perf.parallel.checkpoint``) that every
+- checkpoints: a sharded DCP directory (``lightning_perf.parallel.checkpointing.checkpoint``) that every
   rank writes and reads, model and optimizer state together, resharded on load; written in the
-  background with ``async_checkpoint`` (``lightning_perf.parallel.async_checkpoint``): the save
+  background with ``async_checkpoint`` (``lightning_perf.parallel.checkpointing.async_checkpoint``): the save
   in flight is polled at each batch start, waited for before the next save, a load, the end of
   the fit and on an exception, and ``remove_checkpoint`` waits for it to be final before deleting.
   ``ModelCheckpoint(save_last="link")`` moves its ``last`` link through ``link_checkpoint``: in one

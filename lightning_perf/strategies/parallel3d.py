@@ -16,7 +16,7 @@ still fires the precision and callback hooks. Gradient accumulation scales each
 microbatch loss by ``1 / accumulate_grad_batches``. Validation runs forward only.
 
 Under context parallelism the protocol model's ``forward(inputs, targets)`` cuts the sequence,
-runs this rank's part and returns the loss over the whole sequences (``parallel.context_parallel``),
+runs this rank's part and returns the loss over the whole sequences (``parallel.model_parallel.context_parallel``),
 so a ``training_step`` needs no change there either.
 """
 
@@ -80,7 +80,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
             parallelism, not with pipeline parallelism yet.
         context_parallel_mode: ``"allgather"`` (default): keys and values all-gathered over "cp";
             ``"ring"``: passed between neighbouring cp ranks while the block already held is
-            computed (``parallel.ring_attention``).
+            computed (``parallel.model_parallel.ring_attention``).
         zero_stage: 0 = replicated parameters, gradients all-reduced over "dp" after backward;
             1 and 2 = FSDP2 with parameters kept gathered between forward and backward
             (gradients and optimizer state sharded: stage 1 gives stage 2 here);
@@ -133,7 +133,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
     - ``pipeline_stage(self, stage_idx, num_stages) -> nn.Module``: this stage's part, the first
       stage owning the embedding and the last the final norm, head and loss (for
       ``pipeline_parallel_size > 1``); a parameter both of these stages use (a tied embedding and
-      LM head) is held by both stage ranks and kept equal (``parallel.tied``), one the config
+      LM head) is held by both stage ranks and kept equal (``parallel.model_parallel.tied``), one the config
       declares with ``tie_embeddings`` where the network is built in ``configure_model``;
     - ``enable_context_parallel(self, attention)``: route every attention core through
       ``attention(q, k, v)``, with ``forward(idx, targets=None, *, positions=None)`` taking the

@@ -2,7 +2,7 @@
 
 A thin Lightning adapter over ``lightning_perf.parallel``; processes, precision,
 collectives and DCP checkpoints come from ``PerfParallelStrategy``. Here: a ("dp",) mesh
-over the world (HSDP: ("dp_replicate", "dp_shard"), ``parallel.dims.build_zero_mesh``), the
+over the world (HSDP: ("dp_replicate", "dp_shard"), ``parallel.layout.dims.build_zero_mesh``), the
 model built on ``meta`` in ``configure_model`` (all ranks but 0 under ``init="rank0"``), then
 in ``setup``: shard (``apply_fsdp`` / DDP / DeepSpeed), materialise shard by shard (in host
 memory under native CPU offload), build the optimizer on the sharded parameters, and turn it

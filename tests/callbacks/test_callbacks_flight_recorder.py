@@ -102,3 +102,21 @@ def test_a_timeout_names_the_dump_files_and_how_to_read_them(tmp_path, clean_env
     assert caught.value.steps == {0: 3, 1: 2}
     assert "This rank's collective: gloo:all_reduce #" in message  # from its flight recorder
     assert pickle.load(open(dump, "rb"))["entries"][-1]["profiling_name"] == "gloo:all_reduce"
+
+
+def test_exit_after_follows_the_strategys_timeout() -> None:
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from lightning_perf.callbacks import RankWatchdog
+
+    def trainer(timeout):
+        return SimpleNamespace(strategy=SimpleNamespace(_timeout=timeout))
+
+    assert RankWatchdog()._exit_seconds(trainer(timedelta(seconds=60))) == 60.0
+    assert RankWatchdog()._exit_seconds(SimpleNamespace(strategy=object())) == 1800.0  # torch's default
+    assert RankWatchdog(exit_after=12)._exit_seconds(trainer(timedelta(seconds=60))) == 12.0
+    assert RankWatchdog(exit_after=None)._exit_seconds(trainer(timedelta(seconds=60))) is None
+    for bad in (-1, "soon", True):
+        with pytest.raises(ValueError, match="exit_after"):
+            RankWatchdog(exit_after=bad)

@@ -87,7 +87,7 @@ def test_a_rank_dump_is_readable_as_the_message_says(tmp_path):
 
 def test_the_collective_in_flight_of_a_recorder_that_marks_completion(monkeypatch):
     """NCCL's recorder marks completed collectives: the oldest one not completed is the one stuck."""
-    from lightning_perf.parallel import flight_recorder as fr
+    from lightning_perf.parallel.reliability import flight_recorder as fr
 
     def entry(seq, name, state):
         return {"profiling_name": name, "collective_seq_id": seq, "state": state, "process_group": ("0", "default_pg")}
@@ -107,7 +107,7 @@ def test_the_collective_in_flight_of_a_recorder_that_marks_completion(monkeypatc
 
 
 def test_the_collective_in_flight_of_gloo_is_the_last_one_issued():
-    from lightning_perf.parallel.flight_recorder import collective_in_flight
+    from lightning_perf.parallel.reliability.flight_recorder import collective_in_flight
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -134,3 +134,69 @@ def test_timeout_detection_and_bad_arguments() -> None:
         PeerWatchdog(dist.HashStore(), rank=0, world_size=2, interval=1.0, dead_after=0.5)
     with pytest.raises(ValueError, match="initialised default process group"):
         PeerWatchdog()
+
+
+class _Exited(list):
+    """Stands in for os._exit: records the code, the process goes on."""
+
+    def __call__(self, code: int) -> None:
+        self.append((code, time.monotonic()))
+
+
+def _exiting(store, rank: int, exit_after: float, on_exit=None):
+    wd = PeerWatchdog(store, rank=rank, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER,
+                      exit_after=exit_after, on_exit=on_exit)
+    wd._exit = exited = _Exited()
+    return wd.start(), exited
+
+
+def test_a_process_still_running_after_a_peer_died_exits_after_exit_after(caplog) -> None:
+    store = dist.HashStore()
+    dumped = []
+    wd, exited = _exiting(store, 0, exit_after=0.3, on_exit=lambda: dumped.append(True))
+    wd.beat(4)
+    _beat_for(store, wd._key(1), 2 * INTERVAL, step=4)  # then rank 1 dies; this rank stays blocked
+    died = time.monotonic()
+    time.sleep(DEAD_AFTER + 0.3 + 6 * INTERVAL)
+    assert [code for code, _ in exited] == [1] and dumped == [True]
+    # silence is noticed after dead_after, the exit comes exit_after later
+    assert DEAD_AFTER + 0.3 - INTERVAL <= exited[0][1] - died <= DEAD_AFTER + 0.3 + 4 * INTERVAL
+    assert any("exiting with code 1" in r.getMessage() and r.getMessage().startswith("rank 0:")
+               for r in caplog.records)
+    wd.stop()
+
+
+def test_a_lost_store_host_starts_the_exit_deadline_and_stop_cancels_it() -> None:
+    class Broken:
+        def set(self, *a):
+            raise RuntimeError("Broken pipe")
+
+    wd, exited = _exiting(dist.HashStore(), 1, exit_after=0.2)
+    wd._store = Broken()  # rank 0, which hosts the TCPStore, is gone
+    time.sleep(0.2 + 6 * INTERVAL)
+    assert [code for code, _ in exited] == [1]
+    wd.stop()
+
+    # the fit ended (the error reached Python and the callback stopped the thread): no exit
+    wd, exited = _exiting(dist.HashStore(), 1, exit_after=0.3)
+    wd._store = Broken()
+    time.sleep(2 * INTERVAL)
+    wd.stop(done=False)
+    time.sleep(0.3 + 4 * INTERVAL)
+    assert exited == []
+
+
+def test_no_exit_while_peers_live_or_without_exit_after() -> None:
+    store = dist.HashStore()
+    wd, exited = _exiting(store, 0, exit_after=0.0)
+    _beat_for(store, wd._key(1), 3 * DEAD_AFTER, step=2)  # alive the whole time
+    assert exited == []
+    wd.stop()
+    wd = PeerWatchdog(dist.HashStore(), rank=0, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER)
+    wd._exit = exited = _Exited()
+    wd.start()
+    time.sleep(DEAD_AFTER + 4 * INTERVAL)  # rank 1 never beats: dead, but exit_after is None
+    assert exited == []
+    wd.stop()
+    with pytest.raises(ValueError, match="exit_after"):
+        PeerWatchdog(dist.HashStore(), rank=0, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER, exit_after=-1)

@@ -35,6 +35,11 @@ A store that no longer answers means its host, rank 0, is gone. The thread also 
 (``logging``, error level) the first time a peer goes silent: under NCCL a timed-out
 collective may abort the process from NCCL's own watchdog before any exception reaches
 Python, and the log line is then what names the rank.
+
+With ``exit_after`` set, a process that is still running that many seconds after the thread
+found a peer dead (or the store host gone) ends itself (exit code 1, after a logged line and
+``on_exit``): a rank blocked in a collective whose own timeout never fires (NCCL's watchdog
+stalls on a store whose host died with rank 0) then stops instead of hanging the job.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
+import sys
 import threading
 import time
 import traceback
@@ -164,6 +171,11 @@ class PeerWatchdog:
             dumps will be, for a job that NCCL aborts before Python sees an error).
         describe: called when a peer goes silent; what it returns (the collective this rank is in,
             say) is appended to the logged line. It must not raise.
+        exit_after: seconds after a peer was found dead (or the store host unreachable) at which
+            this process, if :meth:`stop` has not been called, logs why and exits with code 1
+            (``None``: never; the process is left to its collectives' timeouts).
+        on_exit: called just before that exit (write the flight recorder's dump, say); its
+            errors are logged and ignored.
     """
 
     def __init__(
@@ -176,9 +188,13 @@ class PeerWatchdog:
         dead_after: float = 5.0,
         note: str = "",
         describe: Optional[Callable[[], Optional[str]]] = None,
+        exit_after: Optional[float] = None,
+        on_exit: Optional[Callable[[], None]] = None,
     ) -> None:
         if interval <= 0 or dead_after <= interval:
             raise ValueError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
+        if exit_after is not None and not exit_after >= 0:
+            raise ValueError(f"exit_after must be None or >= 0 seconds, got {exit_after}")
         if store is None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("PeerWatchdog needs a store or an initialised default process group")
@@ -189,6 +205,10 @@ class PeerWatchdog:
         self.dead_after = float(dead_after)
         self.note = note
         self.describe = describe
+        self.exit_after = None if exit_after is None else float(exit_after)
+        self.on_exit = on_exit
+        self._dead_since: Optional[float] = None  # monotonic time a peer was first found dead
+        self._exit = os._exit  # how the process ends (tests replace it)
         self._prefix = f"lightning_perf/watchdog/{next(_GENERATION)}/"
         self._store = store
         self._step: Optional[int] = None
@@ -328,12 +348,50 @@ class PeerWatchdog:
         return True
 
     def _run(self) -> None:
+        reachable = True
         while not self._stop.wait(self.interval):
-            if not self.tick():
+            if reachable and not self.tick():
+                reachable = False  # the store is gone: no more rounds, only the exit deadline
+            if not reachable and self._dead_since is None:
+                self._dead_since = time.monotonic()
+            if self._past_exit_deadline():
+                self._end_process()
                 return
 
+    def _past_exit_deadline(self) -> bool:
+        return (self.exit_after is not None and self._dead_since is not None and not self._stop.is_set()
+                and time.monotonic() - self._dead_since >= self.exit_after)
+
+    def _end_process(self) -> None:
+        """Log why, run ``on_exit``, flush, and end the process with code 1."""
+        _log.error("rank %d: a peer has been dead for %.0f s and this process is still running (at step %s%s): "
+                   "exiting with code 1 so the job ends instead of hanging", self.rank,
+                   time.monotonic() - (self._dead_since or time.monotonic()), self._step, self._here())
+        if self.on_exit is not None:
+            try:
+                self.on_exit()
+            except Exception as e:
+                _log.error("rank %d: before exiting: %s: %s", self.rank, type(e).__name__, e)
+        for handler in logging.getLogger().handlers + _log.handlers:
+            try:
+                handler.flush()
+            except Exception:
+                pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        self._exit(1)
+
     def _report_new_silence(self) -> None:
-        for p in self.peers():
+        peers = self.peers()
+        dead = any(p.rank != self.rank and not p.done and p.silent_s >= self.dead_after for p in peers)
+        if not dead:
+            self._dead_since = None  # every peer alive (again): no exit deadline
+        elif self._dead_since is None:
+            self._dead_since = time.monotonic()
+        for p in peers:
             if p.rank == self.rank or p.rank in self._reported or not (p.done or p.silent_s >= self.dead_after):
                 continue
             self._reported.add(p.rank)
