@@ -124,7 +124,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     **{f"zero3_recipe_ctas{n}": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton",
                                  "compile": "default", "fp8": "tensorwise", "fused_qkv": True,
                                  "env": {"NCCL_MAX_CTAS": str(n)}} for n in (4, 8, 16)},
-    # ... with each rank's process on the cores of its GPU's NUMA node (lightning_perf.runtime.affinity)
+    # ... with each rank's process on the cores of its GPU's NUMA node (benchmarks/_affinity.py)
     "zero3_recipe_numa": {"zero": {"stage": 3, "blocks_per_unit": 2}, "kernels": "triton", "compile": "default",
                           "fp8": "tensorwise", "fused_qkv": True, "numa": True},
     "zero3_recipe_units4": {"zero": {"stage": 3, "blocks_per_unit": 4}, "kernels": "triton", "compile": "default",
@@ -303,7 +303,7 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
     result: dict[str, Any] = {"variant": variant, "env": spec.get("env", {})}
     result["cpus_allowed"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     if spec.get("numa") and not args["smoke"]:  # this rank on its GPU's NUMA node (before any thread starts)
-        from lightning_perf.runtime.affinity import bind_to_device, device_local_cpus
+        from _affinity import bind_to_device, device_local_cpus
 
         local = device_local_cpus(rank)
         result["gpu_local_cpus"] = len(local) if local else None

@@ -1,4 +1,4 @@
-"""Each rank's process on the CPU cores next to its GPU.
+"""Each rank's process on the CPU cores next to its GPU (a benchmark variant's lever, not yet a default).
 
 A training process that issues kernels from Python spends its host time in the interpreter, the
 dispatcher and the launch path: memory latency decides it. On a host with several NUMA nodes the

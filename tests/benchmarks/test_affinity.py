@@ -1,4 +1,4 @@
-"""lightning_perf.runtime.affinity: cpulists parsed as Linux writes them; the binding is the
+"""benchmarks/_affinity.py: cpulists parsed as Linux writes them; the binding is the
 intersection with the allowed cores, applied to this process and undone by the test."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lightning_perf.runtime.affinity import bind_to_device, device_local_cpus, parse_cpulist
+from _affinity import bind_to_device, device_local_cpus, parse_cpulist
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity calls")
 
@@ -44,7 +44,7 @@ def test_no_change_without_a_usable_node(restore_affinity) -> None:
 
 
 def test_sysfs_lookup_reads_the_device_node(tmp_path, monkeypatch) -> None:
-    import lightning_perf.runtime.affinity as affinity
+    import _affinity as affinity
 
     monkeypatch.setattr(affinity, "_pci_bus_id", lambda index: "0000:1b:00.0")
     (tmp_path / "0000:1b:00.0").mkdir()
