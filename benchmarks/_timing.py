@@ -273,6 +273,11 @@ class WallClockWindow(Callback):
             self.result["profile"] = self._profile.stop(trace)
         if os.environ.get("BENCH_GC_CENSUS") == "1":
             self.result["gc_census"] = gc_census()
+        if self.out and trainer.is_global_zero:  # the measurement is complete: kept should the fit not end
+            import json
+
+            with open(f"{self.out}.window", "w") as f:
+                json.dump(dict(self.result, finished=False), f, indent=2)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.sanity_checking:

@@ -123,3 +123,18 @@ def test_ratios_come_from_the_wall_clock_and_the_median_step_beside_them():
     assert rows[1]["vs_lightning_fsdp_dp8"] == pytest.approx(760 / 700)
     assert rows[1]["vs_lightning_fsdp_dp8_median_step"] == pytest.approx(836 / 800)
     assert rows[1]["tokens_per_s_per_gpu"] == pytest.approx(95.0)
+
+
+def test_a_recipe_child_killed_after_its_window_keeps_the_window(tmp_path) -> None:
+    import json
+
+    from bench_recipes import child_result
+
+    out = tmp_path / "_recipe-x.json"
+    (tmp_path / "_recipe-x.json.window").write_text(json.dumps({"tokens_per_s": 5.0, "finished": False}))
+    row = child_result(out, -9, "timed out after 280s", 300.0)
+    assert row["tokens_per_s"] == 5.0 and row["warning"].startswith("rc=-9 after the window")
+    assert not (tmp_path / "_recipe-x.json.window").exists()  # never read again by a later child
+    assert child_result(out, -9, "timed out", 1.0) == {"error": "timed out", "process_s": 1.0}
+    out.write_text(json.dumps({"tokens_per_s": 6.0}))
+    assert child_result(out, 0, "", 2.0) == {"tokens_per_s": 6.0, "process_s": 2.0}
