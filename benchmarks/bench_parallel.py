@@ -159,6 +159,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
            # three sequences per GPU: the per-step costs (optimizer, FP8 weight casts, launch) over more tokens
            "fp8_no_ac_gather_b3": {"fp8": "tensorwise", "fused_qkv": True, "ac": "none", "batch": 3,
                                    "zero": {"fp8_all_gather": True}},
+           # bf16 at three sequences per GPU (selective checkpointing: without it the third does not fit)
+           "bf16_b3": {"ac": "selective", "fused_qkv": True, "batch": 3},
            # gradients reduce-scattered in bf16 (half the bytes of the default fp32 reduction)
            "fp8_no_ac_gather_bf16_reduce": {"fp8": "tensorwise", "fused_qkv": True, "ac": "none",
                                             "zero": {"fp8_all_gather": True}, "reduce_dtype": "bf16"},
