@@ -27,7 +27,11 @@ keep only what differs:
   (:func:`lightning_perf.runtime.resume.resume_path`), never silently from step 0;
 - preemption: a :class:`~lightning_perf.callbacks.PreemptionCheckpoint` joins the fit's callbacks
   unless it has one: SIGTERM, SIGUSR1 and SIGINT stop every rank at the same step with a final
-  checkpoint.
+  checkpoint;
+- dead ranks: a :class:`~lightning_perf.callbacks.RankWatchdog` joins the fit's callbacks unless it
+  has one: a failed collective names the rank at fault and the flight recorder's dumps, and a rank
+  left blocked by a dead peer ends itself a collective ``timeout`` later instead of hanging the job
+  (attach your own ``RankWatchdog(...)`` for other settings).
 
 A strategy names where it differs by overriding the small methods below:
 ``_build_device_mesh`` (required), ``_check_world_size``, ``_check_before_launch``,
@@ -85,6 +89,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_perf.callbacks.garbage import DefaultCollection, GarbageCollection
+from lightning_perf.callbacks.watchdog import RankWatchdog
 from lightning_perf.kernels.torchao_fp8 import uses_delayed_fp8
 from lightning_perf.parallel.checkpointing import checkpoint as ckpt
 from lightning_perf.parallel.checkpointing.async_checkpoint import AsyncCheckpointer, async_save_supported
@@ -503,10 +508,13 @@ class PerfParallelStrategy(ParallelStrategy):
             callbacks.append(self._collection)
 
     def _join_trainer(self, trainer: Optional["pl.Trainer"]) -> None:
-        """A ``PreemptionCheckpoint`` for the fit unless it has one; ``last`` links moved by ``link_checkpoint``."""
+        """A ``PreemptionCheckpoint`` and a ``RankWatchdog`` for the fit unless it has them; ``last`` links
+        moved by ``link_checkpoint``."""
         if not isinstance(trainer, Trainer):
             return
         attach_preemption(trainer)
+        if not any(isinstance(c, RankWatchdog) for c in trainer.callbacks):
+            trainer.callbacks.append(RankWatchdog())
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):  # an instance attribute in place of the static method
                 callback._link_checkpoint = _link_through_strategy  # type: ignore[method-assign]

@@ -120,3 +120,22 @@ def test_exit_after_follows_the_strategys_timeout() -> None:
     for bad in (-1, "soon", True):
         with pytest.raises(ValueError, match="exit_after"):
             RankWatchdog(exit_after=bad)
+
+
+def test_pack_strategies_add_a_rank_watchdog_unless_the_fit_has_one() -> None:
+    import lightning as L
+
+    from lightning_perf.strategies import Parallel3DStrategy
+
+    for strategy in (ZeroStrategy(stage=3), Parallel3DStrategy()):
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False)
+        trainer.strategy._join_trainer(trainer)
+        trainer.strategy._join_trainer(trainer)  # a second fit: still one
+        added = [c for c in trainer.callbacks if isinstance(c, RankWatchdog)]
+        assert len(added) == 1 and added[0].exit_after == "timeout"
+    mine = RankWatchdog(dead_after=30, exit_after=None)
+    trainer = L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, callbacks=[mine])
+    trainer.strategy._join_trainer(trainer)
+    assert [c for c in trainer.callbacks if isinstance(c, RankWatchdog)] == [mine]
