@@ -44,6 +44,7 @@ stalls on a store whose host died with rank 0) then stops instead of hanging the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -372,16 +373,9 @@ class PeerWatchdog:
                 self.on_exit()
             except Exception as e:
                 _log.error("rank %d: before exiting: %s: %s", self.rank, type(e).__name__, e)
-        for handler in logging.getLogger().handlers + _log.handlers:
-            try:
-                handler.flush()
-            except Exception:
-                pass
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
+        for flushable in [*logging.getLogger().handlers, *_log.handlers, sys.stdout, sys.stderr]:
+            with contextlib.suppress(Exception):  # a closed stream must not keep the process alive
+                flushable.flush()
         self._exit(1)
 
     def _report_new_silence(self) -> None:
