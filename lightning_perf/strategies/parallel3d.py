@@ -34,15 +34,16 @@ import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_perf.parallel.layout.config_3d import Parallel3DConfig, check_model, check_model_config
+from lightning_perf.parallel.layout.config_3d import Parallel3DConfig, check_model, check_model_config, settle_pipeline
 from lightning_perf.parallel.layout.dims import ParallelDims, data_parallel_mesh
 from lightning_perf.parallel.layout.validate import check_data_layout, data_shape
 from lightning_perf.parallel.model_parallel.parallelize_3d import Parallelized3D, parallelize_3d
+from lightning_perf.parallel.model_parallel.pipeline import AUTO, MIN_MICROBATCH_TOKENS, PipelineChoice
 from lightning_perf.parallel.model_parallel.tensor_parallel import tp_sequence_check
 from lightning_perf.parallel.model_parallel.tied import check_tied_layout, tied_parameter_names
 from lightning_perf.parallel.sharding.fp8_all_gather import require_fp8_linears
@@ -86,10 +87,21 @@ class Parallel3DStrategy(PerfParallelStrategy):
             (gradients and optimizer state sharded: stage 1 gives stage 2 here);
             3 = FSDP2 resharding after forward (kept gathered under pipeline parallelism,
             where each microbatch would otherwise re-gather).
-        pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
-            ``"zero_bubble"`` (interleaved zero bubble) or ``"zbv_zero_bubble"`` (V placement).
-        num_microbatches: per step; ``None`` = the number of stages (at least pp).
-        stages_per_rank: model stages per pipeline rank (interleaved schedules).
+        pipeline_schedule: ``"auto"`` (default, see below), ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``,
+            ``"looped_bfs"``, ``"zero_bubble"`` (interleaved zero bubble) or ``"zbv_zero_bubble"`` (V placement).
+        num_microbatches: per step; ``"auto"`` (default, see below); ``None`` = the number of stages (at least pp).
+        stages_per_rank: model stages per pipeline rank (interleaved schedules); ``"auto"`` (default, see below).
+        min_microbatch_tokens: the smallest microbatch (sequences x sequence length) ``"auto"`` cuts a
+            batch into (default ``MIN_MICROBATCH_TOKENS`` = 8192, measured on H200 with gpt-1.3b).
+
+            ``"auto"`` (``parallel.model_parallel.pipeline.choose_schedule``): the most microbatches that
+            keep ``min_microbatch_tokens`` each (at least pp where the batch has pp sequences), then the
+            schedule of smallest theoretical bubble among 1F1B, GPipe and interleaved 1F1B on 2 stages
+            per rank (where the blocks fill ``2 * pp`` stages). Values set explicitly are kept. The stages
+            per rank are settled when the model is split, from the data module's ``batch_size`` and
+            ``seq_len`` where it has them (else 1 stage per rank unless set); the schedule and the
+            microbatches at the first batch, logged once at INFO with the theoretical bubble, and kept
+            in :attr:`pipeline_choice`. A later batch of another shape is refused (``drop_last=True``).
         sequence_parallel: under TP, shard the norms and the residual stream along the sequence
             (True), along the batch (``"batch"``: whole sequences per rank, so the all-gathers and
             reduce-scatters need no re-layout copies; a batch should divide by the TP size, a
@@ -159,9 +171,10 @@ class Parallel3DStrategy(PerfParallelStrategy):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         zero_stage: int = 2,
-        pipeline_schedule: str = "1f1b",
-        num_microbatches: Optional[int] = None,
-        stages_per_rank: int = 1,
+        pipeline_schedule: str = AUTO,
+        num_microbatches: Union[int, str, None] = AUTO,
+        stages_per_rank: Union[int, str] = AUTO,
+        min_microbatch_tokens: int = MIN_MICROBATCH_TOKENS,
         sequence_parallel: Union[bool, str] = True,
         async_tensor_parallel: bool = False,
         tp_overlap: str = "reorder",
@@ -199,6 +212,13 @@ class Parallel3DStrategy(PerfParallelStrategy):
         if self._parallel is None:
             raise RuntimeError("the model is parallelised in setup()")
         return self._parallel
+
+    @property
+    def pipeline_choice(self) -> Optional[PipelineChoice]:
+        """What the pipeline runs (schedule, microbatches, stages per rank, the batch it was chosen for, the
+        theoretical bubble), chosen or as set; ``None`` without a pipeline or before its first batch."""
+        runner = self._parallel.runner if self._parallel is not None else None
+        return runner.choice if runner is not None else None
 
     @property
     @override
@@ -249,28 +269,35 @@ class Parallel3DStrategy(PerfParallelStrategy):
         if module is None:
             return
         model_config = getattr(module, "config", None)
+        # the data module's numbers (a batch the pipeline cannot split would fail in a collective; "auto"
+        # settles the pipeline with them, as setup() will)
+        batch_size, seq_len = data_shape(datamodule)
         if not builds_in_configure_model(module):  # the network it will split: the protocol methods, as setup() checks them
             target = check_model(module, self.config)
-            pp_stages = self.config.pipeline.num_stages if self.config.pipeline_parallel_size > 1 else 1
+            settled = settle_pipeline(self.config, target, batch_size=batch_size, seq_len=seq_len)
+            config = settled.config
+            pp_stages = config.pipeline.num_stages if config.pipeline_parallel_size > 1 else 1  # type: ignore[union-attr]
             tied = bool(tied_parameter_names(target, pp_stages))
+            check_model_config(getattr(target, "config", None), config)
         else:  # built later: its config tells (GPTConfig.tie_embeddings)
+            settled = settle_pipeline(self.config, None, model_config, batch_size=batch_size, seq_len=seq_len)
+            config = settled.config
             tied = bool(getattr(model_config, "tie_embeddings", False))
         # a module that builds its network later still carries its numbers (GPTLightningModule.config)
-        check_model_config(model_config, self.config)
+        check_model_config(model_config, config)
         if tied:
-            check_tied_layout(self.config.pipeline, zero_sharded=self._fsdp_shards())
+            check_tied_layout(config.pipeline, zero_sharded=self._fsdp_shards())  # type: ignore[arg-type]
         self._check_fp8_all_gather(module)
         self._check_delayed_fp8(module, self._dtensor_weights())
-        # the data module's numbers too (a batch the pipeline cannot split would fail in a collective)
-        batch_size, seq_len = data_shape(datamodule)
         check_data_layout(
             batch_size=batch_size,
             seq_len=seq_len,
             model_config=getattr(module, "config", None),
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            sequence_parallel=self.config.sequence_parallel,
-            pipeline=self.config.pipeline,
-            context_parallel_size=self.config.context_parallel_size,
+            tensor_parallel_size=config.tensor_parallel_size,
+            sequence_parallel=config.sequence_parallel,
+            # microbatches still "auto" (no batch shape here) are checked at the first batch
+            pipeline=config.pipeline if settled.final else None,
+            context_parallel_size=config.context_parallel_size,
         )
 
     def _dtensor_weights(self) -> Optional[str]:
@@ -330,13 +357,15 @@ class Parallel3DStrategy(PerfParallelStrategy):
             require_fp8_linears(module)
         if self._parallel is None:  # once per strategy: fit then validate/test reuse the split model
             self._parallel = parallelize_3d(
-                module, self.config, self.device_mesh, device=self.root_device, mp_policy=precision.mp_policy()
+                module, self.config, self.device_mesh, device=self.root_device, mp_policy=precision.mp_policy(),
+                batch_shape=data_shape(trainer.datamodule),  # settles "auto" pipeline values as the launch check did
             )
         self._refresh_fp8_scales()
         precision.sharded_casting = self._parallel.fsdp and precision.is_mixed
         # norm clipping must see every stage's and every shard's gradients (not one rank's)
         precision.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if self._parallel.runner is not None:
+            self._parallel.runner.announce = rank_zero_info  # the pipeline's choice, once, on the Trainer's console
             self._install_pipeline_forward(self._parallel)
         self.model = precision.convert_module(module)
         self.model_to_device()
@@ -367,8 +396,10 @@ class Parallel3DStrategy(PerfParallelStrategy):
                     "under pipeline parallelism the model is called as model(inputs, targets) and returns the "
                     "loss; logits of the last stage never reach the other ranks"
                 )
+            # the schedule for this batch shape (chosen at the first batch), before any send/recv
+            pipeline = runner.prepare(inputs.shape[0], inputs.shape[-1])
             tp_sequence_check(inputs.shape[-1], strategy.config.tensor_parallel_size, strategy.config.sequence_parallel,
-                              batch=inputs.shape[0], microbatches=strategy.config.pipeline.num_microbatches or 1)
+                              batch=inputs.shape[0], microbatches=pipeline.num_microbatches or 1)
             with strategy._tp_loss_context():
                 if torch.is_grad_enabled():
                     scale = strategy.precision_plugin.scale_loss

@@ -109,7 +109,9 @@ def loader(per_rank_batch: int, reference: bool = False, shuffle: bool = True):
 
 def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "llama", ckpt_path=None,
         save_to=None, plugins: Any = None, inject_inf_at: Optional[int] = None, accumulate: int = 1,
-        val: bool = False, clip: Optional[float] = None, num_nodes: int = 1) -> dict:
+        val: bool = False, clip: Optional[float] = None, num_nodes: int = 1, datamodule: bool = False) -> dict:
+    """``datamodule``: the loaders come from a data module that states ``batch_size`` and ``seq_len`` (as
+    ``TokenDataModule`` does), so the strategy knows the batch shape before it splits the model."""
     import lightning as L
 
     L.seed_everything(0, verbose=False)
@@ -124,7 +126,11 @@ def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "l
     )
     # validation: the first global batch, forward only, unshuffled
     val_loader = loader(GLOBAL_B // dp, shuffle=False) if val else None
-    trainer.fit(module, loader(GLOBAL_B // dp, reference=world == 1), val_loader, ckpt_path=ckpt_path)
+    train_loader = loader(GLOBAL_B // dp, reference=world == 1)
+    if datamodule:
+        trainer.fit(module, datamodule=_ShapedData(train_loader, val_loader, GLOBAL_B // dp), ckpt_path=ckpt_path)
+    else:
+        trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt_path)
     # this rank's parameters, whole: DTensors gathered over their (tp / dp) mesh, in the same order
     # on every rank of a pipeline stage; a pipeline rank holds only its stages' names
     final = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
@@ -139,6 +145,23 @@ def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "l
     units = len({id(b._get_fsdp_state()) for b in blocks if isinstance(b, FSDPModule)})
     return {"losses": module.losses, "final": final, "precision": trainer.precision_plugin.state_dict(),
             "val": val_loss, "fsdp_units": units}
+
+
+def _ShapedData(train: Any, val: Any, batch_size: int) -> Any:
+    import lightning as L
+
+    class ShapedData(L.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size, self.seq_len = batch_size, T  # per data-parallel rank, as TokenDataModule's
+
+        def train_dataloader(self) -> Any:
+            return train
+
+    data = ShapedData()
+    if val is not None:
+        data.val_dataloader = lambda: val  # type: ignore[method-assign]
+    return data
 
 
 # ---- process harness --------------------------------------------------------------------------

@@ -8,12 +8,17 @@ states what it can do through the 3D model protocol: ``pipeline_stage`` and
 on its ``config``, which raises ``ValueError`` for a layout the model cannot be split into.
 Context parallelism needs ``enable_context_parallel`` and a ``forward`` that takes ``positions=``
 (see ``parallel.model_parallel.context_parallel``).
+
+The pipeline's ``"auto"`` values (schedule, microbatches, stages per rank; the defaults) are settled by
+:func:`settle_pipeline` from the model's blocks and, where known, the batch shape, with
+``parallel.model_parallel.pipeline.choose_schedule``'s rules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Union
 
 import torch.nn as nn
 
@@ -21,11 +26,20 @@ from lightning_perf.parallel.compute.activation_checkpointing import AC_MODES
 from lightning_perf.parallel.compute.compile import COMPILE_MODES, TP_OVERLAP_MODES
 from lightning_perf.parallel.layout.dims import ParallelDims, check_replicate_size, check_size, replicate_shape
 from lightning_perf.parallel.model_parallel.context_parallel import check_context_parallel_mode
-from lightning_perf.parallel.model_parallel.pipeline import PipelineConfig
+from lightning_perf.parallel.model_parallel.pipeline import (
+    AUTO,
+    INTERLEAVE_STAGES,
+    MIN_MICROBATCH_TOKENS,
+    PipelineChoice,
+    PipelineConfig,
+    check_pipeline_options,
+    choose_schedule,
+    settle_before_batch,
+)
 from lightning_perf.parallel.model_parallel.tensor_parallel import check_sequence_parallel, require_protocol
-from lightning_perf.parallel.sharding.fsdp import check_blocks_per_unit, find_model
+from lightning_perf.parallel.sharding.fsdp import check_blocks_per_unit, find_blocks, find_model
 
-__all__ = ["Parallel3DConfig", "check_model", "check_model_config"]
+__all__ = ["Parallel3DConfig", "SettledPipeline", "check_model", "check_model_config", "settle_pipeline"]
 
 # the zero-bubble schedules split each stage's backward into an input-gradient and a weight-gradient pass
 SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv_zero_bubble")
@@ -37,6 +51,9 @@ class Parallel3DConfig:
 
     ``Parallel3DStrategy`` builds it from its own constructor arguments, which carry the same names and
     defaults (see ``lightning_perf.strategies.Parallel3DStrategy`` for each option's meaning).
+
+    ``pipeline`` is the checked :class:`PipelineConfig`, or ``None`` while a pipeline (pp > 1) still has
+    ``"auto"`` values: :func:`settle_pipeline` gives a config without them.
     """
 
     data_parallel_size: Union[int, str] = "auto"
@@ -46,9 +63,10 @@ class Parallel3DConfig:
     context_parallel_size: int = 1
     context_parallel_mode: str = "allgather"
     zero_stage: int = 2
-    pipeline_schedule: str = "1f1b"
-    num_microbatches: Optional[int] = None
-    stages_per_rank: int = 1
+    pipeline_schedule: str = AUTO
+    num_microbatches: Union[int, str, None] = AUTO
+    stages_per_rank: Union[int, str] = AUTO
+    min_microbatch_tokens: int = MIN_MICROBATCH_TOKENS
     sequence_parallel: Union[bool, str] = True
     async_tensor_parallel: bool = False
     tp_overlap: str = "reorder"
@@ -66,13 +84,21 @@ class Parallel3DConfig:
         if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
             raise ValueError(f"data_parallel_size must be 'auto' or a positive integer, got {dp!r}")
         # the schedule (with the pipeline's sizes) is checked even without pipeline parallelism, so a typo
-        # never waits for a pp run
-        self.pipeline = PipelineConfig(
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            schedule=self.pipeline_schedule,
-            num_microbatches=self.num_microbatches,
-            stages_per_rank=self.stages_per_rank,
-        )
+        # never waits for a pp run; "auto" values are checked for what they can be combined with
+        check_size("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_pipeline_options(self.pipeline_parallel_size, self.pipeline_schedule, self.num_microbatches,
+                               self.stages_per_rank)
+        check_size("min_microbatch_tokens", self.min_microbatch_tokens)
+        if self.pipeline_parallel_size == 1 and self.stages_per_rank != AUTO and self.stages_per_rank > 1:  # type: ignore[operator]
+            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
+        self.pipeline = None
+        if not self.pipeline_auto:  # without a pipeline, "auto" is what the config used to default to
+            self.pipeline = PipelineConfig(
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                schedule="1f1b" if self.pipeline_schedule == AUTO else self.pipeline_schedule,
+                num_microbatches=None if self.num_microbatches == AUTO else self.num_microbatches,  # type: ignore[arg-type]
+                stages_per_rank=1 if self.stages_per_rank == AUTO else self.stages_per_rank,  # type: ignore[arg-type]
+            )
         for name in ("tensor_parallel_size", "context_parallel_size"):
             check_size(name, getattr(self, name))
         if self.zero_stage not in (0, 1, 2, 3):
@@ -108,8 +134,6 @@ class Parallel3DConfig:
                     f"data_parallel_size={self.data_parallel_size!r}")
         self._check_replicate_size()
         self._check_context_parallel()
-        if self.pipeline_parallel_size == 1 and self.stages_per_rank > 1:
-            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
         if (self.pipeline_parallel_size > 1 and self.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
                 and self.activation_checkpointing == "selective"):
             # torch's selective checkpointing allows one backward per region; the failure came in the first step
@@ -118,6 +142,17 @@ class Parallel3DConfig:
                 "gradients, then weight gradients), which selective activation checkpointing does not allow: "
                 "use activation_checkpointing='full' or 'none', or a schedule such as 'interleaved_1f1b'"
             )
+
+    @property
+    def pipeline_auto(self) -> bool:
+        """A pipeline (pp > 1) with a schedule, microbatch count or stages per rank still ``"auto"``."""
+        return self.pipeline_parallel_size > 1 and AUTO in (
+            self.pipeline_schedule, self.num_microbatches, self.stages_per_rank)
+
+    def with_pipeline(self, schedule: str, num_microbatches: Optional[int], stages_per_rank: int) -> "Parallel3DConfig":
+        """This config with these pipeline values (checked again)."""
+        return replace(self, pipeline_schedule=schedule, num_microbatches=num_microbatches,
+                       stages_per_rank=stages_per_rank)
 
     def _check_replicate_size(self) -> None:
         check_replicate_size(
@@ -190,8 +225,81 @@ def check_model_config(model_config: Any, config: Parallel3DConfig) -> None:
     if not callable(check):
         return
     pp = config.pipeline_parallel_size
+    stages = config.stages_per_rank
     check(
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=pp,
-        stages_per_rank=config.stages_per_rank if pp > 1 else 1,
+        # "auto" is at least 1 (the settled config is asked again with its own)
+        stages_per_rank=stages if pp > 1 and stages != AUTO else 1,
     )
+
+
+@dataclass(frozen=True)
+class SettledPipeline:
+    """What :func:`settle_pipeline` gives: a config whose pipeline has no ``"auto"`` left."""
+
+    config: Parallel3DConfig  # stages per rank final; schedule and microbatches provisional unless ``final``
+    choice: Optional[PipelineChoice] = None  # the choice, where the batch shape was known
+    # chooses at the first batch, (batch, seq_len) -> PipelineChoice, keeping the stages; None: nothing was "auto"
+    choose: Optional[Callable[[int, int], PipelineChoice]] = None
+    final: bool = True  # the schedule and microbatch count are known now (else at the first batch)
+
+
+def pipeline_blocks(target: Optional[nn.Module], model_config: Any, config: Parallel3DConfig) -> Optional[int]:
+    """Blocks a pipeline can interleave over: the model's repeated blocks (its config's ``n_layer`` or
+    ``num_hidden_layers`` before it is built), ``None`` where unknown or where the model's own
+    ``check_parallel_layout`` refuses ``INTERLEAVE_STAGES`` stages per rank."""
+    n: Optional[int] = len(find_blocks(target)) if target is not None else None
+    if not n:
+        for name in ("n_layer", "num_hidden_layers"):
+            value = getattr(model_config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                n = value
+                break
+    check = getattr(model_config, "check_parallel_layout", None)
+    if n and callable(check):
+        try:
+            check(tensor_parallel_size=config.tensor_parallel_size,
+                  pipeline_parallel_size=config.pipeline_parallel_size, stages_per_rank=INTERLEAVE_STAGES)
+        except ValueError:
+            return None
+    return n or None
+
+
+def settle_pipeline(config: Parallel3DConfig, target: Optional[nn.Module] = None, model_config: Any = None, *,
+                    batch_size: Optional[int] = None, seq_len: Optional[int] = None) -> SettledPipeline:
+    """``config`` with its pipeline's ``"auto"`` values settled, from numbers every rank has.
+
+    ``target``: the protocol module the pipeline splits (``None`` before it is built: ``model_config``
+    tells its blocks). With the per-replica ``batch_size`` and ``seq_len`` everything is chosen now
+    (``choose_schedule``). Without them the stages per rank are settled now (the model is split
+    before the first batch: ``settle_before_batch``), and ``choose`` picks the schedule and
+    microbatches at the first batch, keeping those stages. Called with the same numbers in the
+    launching process (a check) and in every rank's setup, it settles alike.
+    """
+    if not config.pipeline_auto:
+        return SettledPipeline(config)
+    pp = config.pipeline_parallel_size
+    n_blocks = pipeline_blocks(target, model_config if model_config is not None else getattr(target, "config", None),
+                               config)
+    schedule, m, s = config.pipeline_schedule, config.num_microbatches, config.stages_per_rank
+    choice = None
+    if batch_size is not None and seq_len is not None:
+        choice = choose_schedule(pp, batch_size, seq_len, n_blocks, schedule=schedule, num_microbatches=m,
+                                 stages_per_rank=s, min_microbatch_tokens=config.min_microbatch_tokens)
+        with warnings.catch_warnings():  # a chosen pipeline's bubble is logged with the choice, not warned
+            warnings.simplefilter("ignore")
+            settled = config.with_pipeline(choice.schedule, choice.num_microbatches, choice.stages_per_rank)
+    else:
+        name, count, stages, _ = settle_before_batch(pp, n_blocks, schedule=schedule, num_microbatches=m,
+                                                     stages_per_rank=s)
+        settled = config.with_pipeline(name, count, stages)
+    stages = settled.stages_per_rank
+
+    def choose(batch: int, seq: int) -> PipelineChoice:
+        # the same rules on the real batch, keeping the stages the model was split into
+        return choose_schedule(pp, batch, seq, n_blocks, schedule=schedule, num_microbatches=m,
+                               stages_per_rank=stages, min_microbatch_tokens=config.min_microbatch_tokens)
+
+    # with an explicit microbatch count nothing waits for the batch
+    return SettledPipeline(settled, choice, choose, final=choice is not None or m != AUTO)

@@ -1,6 +1,7 @@
 """Compose pipeline, tensor, context and data parallelism on one model, in a fixed order.
 
-    1. pipeline split   model.pipeline_stage(i, n) for this rank's stages
+    1. pipeline split   model.pipeline_stage(i, n) for this rank's stages ("auto" schedule values settled
+                        first: ``parallel.layout.config_3d.settle_pipeline``)
     2. activation ckpt  per block (parameter names unchanged)
     3. tensor parallel  model.tensor_parallel_plan(tp_mesh) on every stage
     4. context parallel attention over the "cp" ranks, forward cuts the sequence
@@ -30,7 +31,7 @@ import torch.nn as nn
 
 from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
 from lightning_perf.parallel.compute.compile import compile_blocks, compile_head_loss
-from lightning_perf.parallel.layout.config_3d import Parallel3DConfig, check_model
+from lightning_perf.parallel.layout.config_3d import Parallel3DConfig, check_model, check_model_config, settle_pipeline
 from lightning_perf.parallel.layout.dims import fsdp_mesh, mesh_size
 from lightning_perf.parallel.model_parallel.context_parallel import apply_context_parallel
 from lightning_perf.parallel.model_parallel.pipeline import (
@@ -79,13 +80,24 @@ def parallelize_3d(
     device: torch.device,
     mp_policy: Optional[Any] = None,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_cross_entropy,
+    batch_shape: tuple[Optional[int], Optional[int]] = (None, None),
 ) -> Parallelized3D:
     """Split, shard and (if built on meta) materialise ``model`` for this rank of ``mesh``.
 
     ``mesh`` is the (pp, dp, cp, tp) mesh of :meth:`ParallelDims.build_mesh`. With pipeline
-    parallelism ``model`` is pruned in place to this rank's stages (names unchanged).
+    parallelism ``model`` is pruned in place to this rank's stages (names unchanged). A pipeline's
+    ``"auto"`` values are settled from the model and ``batch_shape`` (sequences per replica, sequence
+    length; ``None`` where not known: the runner then chooses at the first batch).
     """
     target = check_model(model, config)
+    if config.pipeline_auto:
+        settled = settle_pipeline(config, target, batch_size=batch_shape[0], seq_len=batch_shape[1])
+        config = settled.config
+        check_model_config(getattr(target, "config", None), config)  # with the settled stages per rank
+        choose = settled.choose
+    else:
+        choose = None
+    assert config.pipeline is not None
     pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
     # parameters are replicated over "cp" as over "dp": FSDP2 shards over both
     use_fsdp = mesh_size(mesh, "dp", "cp") > 1 and config.zero_stage > 0
@@ -125,7 +137,8 @@ def parallelize_3d(
         tied.broadcast_()
     runner = None
     if pp > 1:
-        runner = PipelineRunner(config.pipeline, stages, mesh["pp"].get_group(), device, loss_fn=loss_fn, tied=tied)
+        runner = PipelineRunner(config.pipeline, stages, mesh["pp"].get_group(), device, loss_fn=loss_fn, tied=tied,
+                                choose=choose)
     return Parallelized3D(target=target, stages=stages, runner=runner, fsdp=use_fsdp, tied=tied)
 
 

@@ -15,14 +15,19 @@ the interleaved schedules); "v" placement gives rank ``r`` stages ``r`` and ``2p
 
 Bubble: with ``m`` microbatches a 1F1B/GPipe step idles ``(p-1)/(m+p-1)`` of the time;
 interleaving ``s`` stages per rank divides the bubble by about ``s``.
+
+Choosing: :func:`choose_schedule` picks the schedule, the microbatches and the stages per rank from
+numbers alone (pipeline size, batch shape, blocks); it is what ``"auto"`` means in
+``Parallel3DConfig`` (see its docstring for each rule and why).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -33,7 +38,13 @@ from lightning_perf.parallel.layout.dims import check_size
 
 __all__ = [
     "SCHEDULES",
+    "AUTO",
+    "MIN_MICROBATCH_TOKENS",
     "PipelineConfig",
+    "PipelineChoice",
+    "choose_schedule",
+    "settle_before_batch",
+    "check_pipeline_options",
     "PipelineRunner",
     "TiedGradients",
     "stage_indices",
@@ -54,6 +65,25 @@ SCHEDULES: dict[str, tuple[str, str, Optional[int]]] = {
     # the V-shaped variant: NCCL only on torch 2.11 (its gloo path self-sends)
     "zbv_zero_bubble": ("ScheduleZBVZeroBubble", "v", 2),
 }
+
+
+log = logging.getLogger(__name__)
+
+#: the value of ``pipeline_schedule``, ``num_microbatches`` and ``stages_per_rank`` that asks :func:`choose_schedule`
+AUTO = "auto"
+
+#: The smallest microbatch (in tokens: sequences x sequence length) that ``num_microbatches="auto"`` cuts a
+#: batch into. Measured on two H200 with gpt-1.3b (T=2048, 16 sequences per replica, pp2, eager): 1F1B with
+#: 4 microbatches of 8192 tokens ran at 0.70x dp2's throughput and with 8 microbatches of 4096 tokens at
+#: 0.69x, although its theoretical bubble fell from 20% to 11%: below 8192 tokens the cost of each extra
+#: microbatch (its kernel launches, its send/recv, smaller matmuls) ate the smaller bubble.
+MIN_MICROBATCH_TOKENS = 8192
+
+#: stages per rank of an interleaved schedule chosen by "auto": the fewest that interleave (bubble halved)
+INTERLEAVE_STAGES = 2
+
+#: the schedules "auto" considers, in the order that breaks a tie of equal bubbles
+AUTO_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
 
 def bubble_fraction(pp: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
@@ -138,6 +168,255 @@ class PipelineConfig:
         return stage_owner(self.num_stages - 1, self.pipeline_parallel_size, self.placement)
 
 
+def _config_or_error(pp: int, schedule: str, m: Optional[int], s: int) -> Union[PipelineConfig, str]:
+    """``PipelineConfig(...)`` of these numbers, or the reason it refuses them (its bubble warning silenced)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return PipelineConfig(pipeline_parallel_size=pp, schedule=schedule, num_microbatches=m, stages_per_rank=s)
+    except ValueError as e:
+        return str(e)
+
+
+def _stage_options(pp: int, schedule: str, stages_per_rank: Union[int, str], n_blocks: Optional[int],
+                   auto_schedule: bool) -> list[int]:
+    """The stages per rank ``schedule`` may run here (``[]``: none)."""
+    fixed = SCHEDULES[schedule][2]
+    if stages_per_rank != AUTO:
+        s = int(stages_per_rank)
+        if fixed is not None and s != fixed:
+            return []
+        if auto_schedule and fixed is None and s == 1:
+            return []  # an interleaving schedule on one stage per rank is 1F1B with more bookkeeping
+        return [s]
+    if fixed is not None:
+        return [fixed]
+    if n_blocks is not None and n_blocks % (pp * INTERLEAVE_STAGES) == 0:
+        return [INTERLEAVE_STAGES]
+    return [] if auto_schedule else [1]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choose(pp: int, batch_size: Optional[int], seq_len: Optional[int], n_blocks: Optional[int], *,
+            schedule: str, num_microbatches: Union[int, str, None], stages_per_rank: Union[int, str],
+            min_microbatch_tokens: int) -> tuple[str, int, int]:
+    """``(schedule, num_microbatches, stages_per_rank)``; see :func:`choose_schedule`.
+
+    ``batch_size`` may be ``None`` only with an explicit ``num_microbatches``: then nothing else depends on it.
+    """
+    auto_schedule = schedule == AUTO
+    names = AUTO_SCHEDULES if auto_schedule else (schedule,)
+    best: Optional[tuple[tuple[bool, float, int], str, int, int]] = None
+    reasons: list[str] = []
+    for order, name in enumerate(names):
+        for s in _stage_options(pp, name, stages_per_rank, n_blocks, auto_schedule):
+            if num_microbatches != AUTO:
+                m = num_microbatches if num_microbatches is not None else max(pp, pp * s)
+                checked = _config_or_error(pp, name, m, s)
+                if isinstance(checked, str):
+                    reasons.append(checked)
+                    continue
+                if batch_size is not None and batch_size % m:
+                    reasons.append(
+                        f"batch size {batch_size} is not divisible by num_microbatches {m} ({batch_size} / {m} = "
+                        f"{batch_size / m:.3g}); use a per-rank batch size that is a multiple of {m}")
+                    continue
+                meets = True
+            else:
+                assert batch_size is not None and seq_len is not None
+                # at least pp microbatches where the batch has them: fewer leave a stage idle all step long
+                # (a bubble of at least 50% at pp=2), more than any per-microbatch cost measured here
+                least = min(pp, batch_size)
+                valid = [m for m in _divisors(batch_size)
+                         if m >= least and not isinstance(_config_or_error(pp, name, m, s), str)]
+                if not valid:
+                    reasons.append(
+                        f"pipeline_schedule={name!r} with {s} stage(s) per rank needs at least pp={pp} microbatches "
+                        f"(and, interleaved, whole rounds of pp), which a batch of {batch_size} sequence(s) per "
+                        "replica cannot give: use a larger batch, or pipeline_schedule='auto' / 'gpipe'")
+                    continue
+                floor = [m for m in valid if (batch_size // m) * seq_len >= min_microbatch_tokens]
+                m, meets = (max(floor), True) if floor else (min(valid), False)
+            key = (not meets, bubble_fraction(pp, m, s), order)
+            if best is None or key < best[0]:
+                best = (key, name, m, s)
+    if best is None:
+        if not reasons:  # no stage count the schedule runs: the explicit values disagree
+            fixed = SCHEDULES[names[0]][2] if not auto_schedule else None
+            reasons.append(f"pipeline_schedule={schedule!r} runs exactly {fixed} stage(s) per rank, got "
+                           f"stages_per_rank={stages_per_rank}" if fixed is not None else
+                           f"no pipeline schedule runs stages_per_rank={stages_per_rank} with pp={pp}")
+        raise ValueError(reasons[0])
+    return best[1], best[2], best[3]
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The schedule a pipeline runs, and the batch it was chosen for (see :func:`choose_schedule`)."""
+
+    schedule: str
+    num_microbatches: int
+    stages_per_rank: int
+    pipeline_parallel_size: int
+    batch_size: int  # sequences per data-parallel replica
+    seq_len: int
+    auto: bool = True  # chosen by "auto" (False: every value as set)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.num_microbatches
+
+    @property
+    def microbatch_tokens(self) -> int:
+        return self.microbatch_size * self.seq_len
+
+    @property
+    def bubble(self) -> float:
+        """The theoretical idle fraction of a step, :func:`bubble_fraction`."""
+        return bubble_fraction(self.pipeline_parallel_size, self.num_microbatches, self.stages_per_rank)
+
+    def config(self) -> PipelineConfig:
+        """The :class:`PipelineConfig` of this choice (a chosen one without the few-microbatches warning:
+        the choice's log line states the bubble)."""
+        with warnings.catch_warnings():
+            if self.auto:
+                warnings.simplefilter("ignore")
+            return PipelineConfig(pipeline_parallel_size=self.pipeline_parallel_size, schedule=self.schedule,
+                                  num_microbatches=self.num_microbatches, stages_per_rank=self.stages_per_rank)
+
+    def describe(self) -> str:
+        """``pipeline: interleaved_1f1b, 2 stages per rank, 4 microbatches of 4 sequences (8192 tokens); ...``"""
+        s, m, b = self.stages_per_rank, self.num_microbatches, self.microbatch_size
+        return (f"pipeline{'' if self.auto else ' (as set)'}: {self.schedule}, {s} stage{'s' if s > 1 else ''} per "
+                f"rank, {m} microbatch{'es' if m > 1 else ''} of {b} sequence{'s' if b > 1 else ''} "
+                f"({self.microbatch_tokens} tokens); theoretical bubble {self.bubble:.0%}"
+                + (" by the 1F1B formula (the split backward fills part of it)"
+                   if self.schedule in ("zero_bubble", "zbv_zero_bubble") else ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain numbers, for a benchmark's record."""
+        return {"schedule": self.schedule, "num_microbatches": self.num_microbatches,
+                "stages_per_rank": self.stages_per_rank, "pipeline_parallel_size": self.pipeline_parallel_size,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "microbatch_tokens": self.microbatch_tokens,
+                "bubble_theory": self.bubble, "auto": self.auto}
+
+
+def choose_schedule(
+    pp: int,
+    batch_size: int,
+    seq_len: int,
+    n_blocks: Optional[int],
+    *,
+    schedule: str = AUTO,
+    num_microbatches: Union[int, str, None] = AUTO,
+    stages_per_rank: Union[int, str] = AUTO,
+    min_microbatch_tokens: int = MIN_MICROBATCH_TOKENS,
+) -> PipelineChoice:
+    """The pipeline schedule, microbatches and stages per rank for batches of ``batch_size`` x ``seq_len``.
+
+    A pure function of numbers every rank has, so every rank chooses alike. Values other than ``"auto"``
+    are kept (``num_microbatches=None``: one per stage, at least pp, as :class:`PipelineConfig`); the
+    rules fill in the rest:
+
+    1. Microbatches: the most that divide the batch while each keeps at least ``min_microbatch_tokens``
+       tokens (:data:`MIN_MICROBATCH_TOKENS`, measured: smaller microbatches cost more per microbatch
+       than their smaller bubble saves). But at least ``pp`` of them where the batch has ``pp``
+       sequences, even below that floor: with fewer, some stage idles all step long (a bubble of at
+       least ``(p-1)/(2p-1)``, 1/3 at pp=2, and 50% with one microbatch), far more than the
+       per-microbatch cost measured. Interleaved schedules also need whole rounds of ``pp``
+       (:class:`PipelineConfig`'s check); each schedule gets the most microbatches it accepts
+       under these rules.
+    2. Schedule: of 1F1B, GPipe and interleaved 1F1B, the one with the smallest theoretical bubble
+       :func:`bubble_fraction`, preferring one whose microbatches keep the floor; at equal bubbles
+       1F1B (it holds at most ``pp`` microbatches' activations, GPipe all of them), then GPipe,
+       then interleaved. So GPipe runs only when the batch has fewer than ``pp`` sequences (1F1B
+       needs ``pp`` microbatches), and interleaved 1F1B wins wherever it can run: at the same
+       microbatch size it halves the bubble (measured, gpt-1.3b pp2 m=4 eager: 0.72x dp2 against
+       1F1B's 0.70x). It holds more microbatches' activations (of half-size stages) during warm-up.
+    3. Stages per rank: interleaving runs ``INTERLEAVE_STAGES = 2`` per rank, the fewest that halve
+       the bubble, where ``n_blocks`` fill ``pp * 2`` stages (``None``: the model cannot tell or
+       refuses, so no interleaving). More stages per rank shrink the bubble further but add a
+       send/recv and a stage call per microbatch each, unmeasured here.
+
+    Not chosen by default: ``looped_bfs`` (GPipe's memory: every microbatch's activations at once)
+    and the zero-bubble schedules. ``zero_bubble`` / ``zbv_zero_bubble`` split each backward into an
+    input-gradient and a weight-gradient pass, which keeps more activations and gradients alive,
+    refuses selective activation checkpointing, and (V placement) cannot shard a tied head under
+    ZeRO; no GPU measurement of them exists here, so they stay an explicit choice. Since "auto"
+    picks only single- or loop-placed schedules, a tied embedding and head (held by the first and
+    the last stage's ranks) never constrains it.
+
+    Raises ``ValueError`` (with the numbers) when the explicit values cannot run this batch.
+    """
+    check_pipeline_options(pp, schedule, num_microbatches, stages_per_rank)
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("min_microbatch_tokens",
+                                                                           min_microbatch_tokens)):
+        check_size(name, value)
+    name, m, s = _choose(pp, batch_size, seq_len, n_blocks, schedule=schedule, num_microbatches=num_microbatches,
+                         stages_per_rank=stages_per_rank, min_microbatch_tokens=min_microbatch_tokens)
+    auto = AUTO in (schedule, num_microbatches, stages_per_rank)
+    return PipelineChoice(schedule=name, num_microbatches=m, stages_per_rank=s, pipeline_parallel_size=pp,
+                          batch_size=batch_size, seq_len=seq_len, auto=auto)
+
+
+def settle_before_batch(pp: int, n_blocks: Optional[int], *, schedule: str = AUTO,
+                        num_microbatches: Union[int, str, None] = AUTO,
+                        stages_per_rank: Union[int, str] = AUTO) -> tuple[str, Optional[int], int, bool]:
+    """``(schedule, num_microbatches, stages_per_rank, final)`` before the batch shape is known.
+
+    The model is split before the first batch, so the stages per rank must be settled without it.
+    With an explicit ``num_microbatches`` nothing depends on the batch (beyond dividing it): all three
+    are :func:`choose_schedule`'s, ``final`` is True. Otherwise the stages per rank are the explicit
+    value, or 2 for an explicit interleaving schedule where the blocks fill ``pp * 2`` stages, else 1,
+    and the schedule (provisional: ``"gpipe"`` or ``"interleaved_1f1b"`` for "auto") and the
+    microbatches (``None``) are chosen at the first batch with those stages. So "auto" interleaves by
+    default only where the batch shape is known before the split (a data module with ``batch_size``
+    and ``seq_len``), or with an explicit ``stages_per_rank``.
+    """
+    if num_microbatches != AUTO:
+        name, m, s = _choose(pp, None, None, n_blocks, schedule=schedule, num_microbatches=num_microbatches,
+                             stages_per_rank=stages_per_rank, min_microbatch_tokens=MIN_MICROBATCH_TOKENS)
+        return name, m, s, True
+    if stages_per_rank != AUTO:
+        s = int(stages_per_rank)
+    elif schedule != AUTO:
+        s = _stage_options(pp, schedule, AUTO, n_blocks, auto_schedule=False)[0]
+    else:
+        s = 1
+    if schedule == AUTO:
+        schedule = "gpipe" if s == 1 else "interleaved_1f1b"
+    return schedule, None, s, False
+
+
+def check_pipeline_options(pp: int, schedule: str, num_microbatches: Union[int, str, None],
+                           stages_per_rank: Union[int, str]) -> None:
+    """Raise for pipeline options that no batch and no model can run, before anything is built.
+
+    ``"auto"`` is allowed for each; explicit values must be valid alone and together.
+    """
+    if schedule != AUTO and schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline_schedule {schedule!r}; choose 'auto' or one of {sorted(SCHEDULES)}")
+    if stages_per_rank != AUTO:
+        check_size("stages_per_rank", stages_per_rank)
+    m = num_microbatches
+    if m != AUTO and m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ValueError(f"num_microbatches must be 'auto', None or a positive integer, got {m!r}")
+    if pp == 1:
+        return
+    if m == AUTO:
+        if schedule != AUTO and stages_per_rank != AUTO:
+            checked = _config_or_error(pp, schedule, None, int(stages_per_rank))  # the schedule's stage count
+            if isinstance(checked, str):
+                raise ValueError(checked)
+        return
+    # an explicit count: some schedule must take it, on any number of blocks
+    _choose(pp, None, None, pp * INTERLEAVE_STAGES, schedule=schedule, num_microbatches=m,
+            stages_per_rank=stages_per_rank, min_microbatch_tokens=MIN_MICROBATCH_TOKENS)
+
+
 def stage_indices(pp_rank: int, pp: int, stages_per_rank: int, placement: str) -> list[int]:
     """Global stage indices run by ``pp_rank``, in increasing order."""
     if placement == "v":
@@ -194,6 +473,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def _log_on_rank_zero(message: str) -> None:
+    if dist.get_rank() == 0:
+        log.info(message)
+
+
 class TiedGradients(Protocol):
     """What the runner needs of parameters two stages share (``parallel.model_parallel.tied.TiedParameters``): their
     gradients set aside before a training step's backward, and summed over both stages after it."""
@@ -214,6 +498,15 @@ class PipelineRunner:
         loss_fn: ``(last stage output, targets) -> mean loss`` of one microbatch.
         tied: the copies of parameters the first and the last stage share (``parallel.model_parallel.tied``): their
             gradients are summed over the embedding group after each training step's backward.
+        choose: ``(batch_size, seq_len) -> PipelineChoice``, called at the first batch where the schedule and the
+            microbatches are chosen then (``"auto"``); ``config`` is then provisional, its stages and placement
+            final. Without it the schedule is ``config``'s, built here.
+
+    The first batch fixes the batch shape: the stages' send/recv buffers are sized for its microbatches, so a
+    batch of another shape later (a shorter last batch) is refused with a ``ValueError`` on every pipeline
+    rank, before any send/recv. :attr:`choice` holds what runs (``None`` before the first batch); its line
+    (:meth:`PipelineChoice.describe`) goes to :attr:`announce`, by default this module's logger at INFO on
+    global rank 0.
     """
 
     def __init__(
@@ -224,8 +517,9 @@ class PipelineRunner:
         device: torch.device,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_cross_entropy,
         tied: Optional[TiedGradients] = None,
+        choose: Optional[Callable[[int, int], PipelineChoice]] = None,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage, schedules
+        from torch.distributed.pipelining import PipelineStage
 
         self.config = config
         self.loss_fn = loss_fn
@@ -239,15 +533,61 @@ class PipelineRunner:
         self.has_first = any(idx == 0 for idx in stage_modules)
         self.has_last = any(idx == n - 1 for idx in stage_modules)
         self.last_global_rank = dist.get_global_rank(pp_group, config.last_stage_rank())
+        self._choose = choose
+        self.announce: Callable[[str], None] = _log_on_rank_zero
+        self.choice: Optional[PipelineChoice] = None
+        self._shape: Optional[tuple[int, int]] = None
+        self.schedule: Any = None if choose is not None else self._build_schedule(config)
+        self._factor = 1.0
+        self._scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        self._raw: list[torch.Tensor] = []
+
+    def _build_schedule(self, config: PipelineConfig) -> Any:
+        from torch.distributed.pipelining import schedules
+
         cls_name, placement, _ = SCHEDULES[config.schedule]
         cls = getattr(schedules, cls_name)
         kwargs: dict[str, Any] = {"n_microbatches": config.num_microbatches, "loss_fn": self._loss}
         if "scale_grads" in inspect.signature(cls.__init__).parameters:
             kwargs["scale_grads"] = False  # the loss is scaled here, identically on every torch version
-        self.schedule = cls(self.stages[0] if placement == "single" else self.stages, **kwargs)
-        self._factor = 1.0
-        self._scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-        self._raw: list[torch.Tensor] = []
+        return cls(self.stages[0] if placement == "single" else self.stages, **kwargs)
+
+    def prepare(self, batch_size: int, seq_len: int) -> PipelineConfig:
+        """The schedule for batches of this shape: chosen (and logged) at the first batch, checked after.
+
+        Raises ``ValueError`` for a batch the microbatches do not divide and for a batch shape other than
+        the first batch's; every pipeline rank sees the same batch, so all raise alike, before any send/recv.
+        """
+        shape = (int(batch_size), int(seq_len))
+        if self._shape is not None:
+            if shape != self._shape:
+                b, t = self._shape
+                raise ValueError(
+                    f"a batch of {shape[0]} sequences x {shape[1]} tokens after batches of {b} x {t}: the pipeline's "
+                    f"stages were set up for microbatches of the first batch's shape ({self.config.num_microbatches} "
+                    f"microbatches of {b // (self.config.num_microbatches or 1)} x {t}) and cannot take another; use "
+                    "one batch shape for training and validation (drop_last=True, so the last batch is full)"
+                )
+            return self.config
+        if self._choose is not None:
+            choice = self._choose(*shape)
+            config = choice.config()
+            if (config.num_stages, config.placement) != (self.config.num_stages, self.config.placement):
+                raise RuntimeError(f"the pipeline chosen at the first batch ({config}) does not run the stages "
+                                   f"built at setup ({self.config})")
+            self.config = config
+            self.schedule = self._build_schedule(config)
+            self._choose = None
+        else:
+            assert self.config.num_microbatches is not None
+            choice = PipelineChoice(schedule=self.config.schedule, num_microbatches=self.config.num_microbatches,
+                                    stages_per_rank=self.config.stages_per_rank,
+                                    pipeline_parallel_size=self.config.pipeline_parallel_size,
+                                    batch_size=shape[0], seq_len=shape[1], auto=False)
+        self.config.check_batch(shape[0])
+        self.choice, self._shape = choice, shape
+        self.announce(choice.describe())
+        return self.config
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         raw = self.loss_fn(output, target)
@@ -265,7 +605,6 @@ class PipelineRunner:
         return loss
 
     def _run(self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        self.config.check_batch(inputs.shape[0])
         args = (inputs,) if self.has_first else ()
         kwargs: dict[str, Any] = {"target": targets if self.has_last else None}
         if "return_outputs" in inspect.signature(run).parameters:
@@ -289,6 +628,7 @@ class PipelineRunner:
         ``scale_loss`` (fp16 loss scaling). Tied copies (``tied``) get the sum of both stages'
         gradients. Returns the unscaled batch-mean loss (detached) on every pipeline rank.
         """
+        self.prepare(inputs.shape[0], inputs.shape[-1])  # before any send/recv
         self._raw = []
         self._factor = loss_factor / float(self.config.num_microbatches or 1)
         self._scale = scale_loss or (lambda t: t)
@@ -305,6 +645,7 @@ class PipelineRunner:
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only over all microbatches; the batch-mean loss on every pipeline rank."""
+        self.prepare(inputs.shape[0], inputs.shape[-1])  # before any send/recv
         self._raw = []
         self._factor = 1.0
         if hasattr(self.schedule, "eval"):
