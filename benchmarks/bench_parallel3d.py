@@ -13,6 +13,10 @@ same global batch of 16 x 2048 tokens per step in every layout:
 - ``tp2``: 16 sequences, both GPUs split every layer (sequence parallel);
 - ``pp2_<schedule>_m<m>``: 16 sequences in ``m`` microbatches through 2 stages, for
   1F1B (m = 4 and 8), GPipe and interleaved 1F1B (2 stages per GPU) at m = 4;
+- ``pp2_auto``: the strategy's default pipeline (schedule, microbatches and stages per GPU
+  ``"auto"``, chosen from the batch shape the data module states: interleaved 1F1B, 2 stages per
+  GPU, 4 microbatches of 8192 tokens at this shape); the choice is recorded in the row
+  (``schedule``, ``microbatches``, ``stages_per_rank``, ``pipeline_choice``);
 - ``*_compile``: dp2, tp2 and pp2 1F1B m=4 again with the strategy's ``compile="default"``
   (inductor per block, under TP with the TP hooks inside the graph; after TP and before
   FSDP2), against their eager runs in the same group (eager DTensor dispatch starves tp2's
@@ -21,8 +25,9 @@ same global batch of 16 x 2048 tokens per step in every layout:
   the residual stream sharded along the batch instead of the sequence (``_batch``), q/k/v from one
   matmul (``_fused_qkv``, dp2 too); ``_fp8``: FP8 linears (dp2 also gathers its weights in FP8).
 
-Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 and tp2
-with full activation checkpointing, 4 x 2048 tokens per step.
+Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 (1F1B with 4
+microbatches, and ``llama8b_pp2_auto``: the default pipeline) and tp2 with full activation
+checkpointing, 4 x 2048 tokens per step.
 
 Per variant: ``--warmup`` steps, then a window of ``--steps`` steps timed by
 ``_timing.WallClockWindow`` (a device synchronisation and a barrier on every rank at both ends
@@ -77,6 +82,8 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "pp2_1f1b_m8": {"pp": 2, "schedule": "1f1b", "m": 8},
     "pp2_gpipe_m4": {"pp": 2, "schedule": "gpipe", "m": 4},
     "pp2_interleaved_1f1b_m4": {"pp": 2, "schedule": "interleaved_1f1b", "m": 4, "spr": 2},
+    # the strategy's default: schedule, microbatches and stages per rank chosen from the batch and the model
+    "pp2_auto": {"pp": 2, "auto": True},
     # compiled (first step compiles: covered by the warm-up steps)
     "dp2_compile": {"dp": 2, "compile": "default"},
     "tp2_compile": {"tp": 2, "compile": "default"},
@@ -102,6 +109,7 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
     "tp2_compile_sublayer": {"tp": 2, "compile": "default", "tp_compile_scope": "sublayer"},
     "tp2_async_compile_sublayer": {"tp": 2, "compile": "default", "async_tp": True, "tp_compile_scope": "sublayer"},
     "pp2_1f1b_m4_compile": {"pp": 2, "schedule": "1f1b", "m": 4, "compile": "default"},
+    "pp2_auto_compile": {"pp": 2, "auto": True, "compile": "default"},
     # FP8 linears (GPTConfig(fp8=True)): per-shard FP8 matmuls under TP, FP8 weight gathers under dp
     "dp2_compile_fp8": {"dp": 2, "compile": "default", "fp8": True, "fp8_all_gather": True},
     "tp2_compile_batch_fp8": {"tp": 2, "compile": "default", "sp": "batch", "fp8": True},
@@ -112,6 +120,7 @@ GPT_VARIANTS: dict[str, dict[str, Any]] = {
 }
 LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
     "llama8b_pp2": {"pp": 2, "schedule": "1f1b", "m": 4, "ac": "full"},
+    "llama8b_pp2_auto": {"pp": 2, "auto": True, "ac": "full"},
     "llama8b_tp2": {"tp": 2, "ac": "full"},
 }
 
@@ -135,7 +144,11 @@ def _gc_callbacks(spec: dict) -> list:
     return [GarbageCollection(every_n_steps=int(spec["gc"]))]
 
 
-def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor") -> Any:
+def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor",
+              min_microbatch_tokens: Optional[int] = None) -> Any:
+    """``spec["auto"]``: the pipeline's schedule, microbatches and stages per rank left to the strategy
+    ("auto"), with ``min_microbatch_tokens`` (``None``: the strategy's default)."""
+    from lightning_perf.parallel.model_parallel.pipeline import AUTO, MIN_MICROBATCH_TOKENS
     from lightning_perf.strategies import Parallel3DStrategy
 
     if spec.get("strategy") == "lightning_fsdp":  # Lightning's own FSDPStrategy, FULL_SHARD per block
@@ -146,14 +159,16 @@ def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor
         return FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, state_dict_type="sharded",
                             activation_checkpointing_policy={Block} if spec.get("ac", "none") != "none" else None)
     pp, tp = spec.get("pp", 1), spec.get("tp", 1)
+    auto = spec.get("auto", False)
     return Parallel3DStrategy(
         data_parallel_size=world // (pp * tp),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         zero_stage=spec.get("zero", 2),
-        pipeline_schedule=spec.get("schedule", "1f1b"),
-        num_microbatches=spec.get("m"),
-        stages_per_rank=spec.get("spr", 1),
+        pipeline_schedule=AUTO if auto else spec.get("schedule", "1f1b"),
+        num_microbatches=AUTO if auto else spec.get("m"),
+        stages_per_rank=AUTO if auto else spec.get("spr", 1),
+        min_microbatch_tokens=min_microbatch_tokens or MIN_MICROBATCH_TOKENS,
         activation_checkpointing=spec.get("ac", "none"),
         meta_init=True,
         compile=spec.get("compile"),
@@ -277,6 +292,22 @@ def _collective_census() -> Any:
 from lightning_perf.parallel.compute.compile import compile_targets as _COMPILE_TARGETS  # noqa: E402
 
 
+def _datamodule(loader: Any, batch_size: int, seq_len: int) -> Any:
+    """A data module of ``loader`` that states its ``batch_size`` (per replica) and ``seq_len``, as
+    ``TokenDataModule`` does: the strategy then knows the batch shape before it splits the model."""
+    import lightning as L
+
+    class Batches(L.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size, self.seq_len = batch_size, seq_len
+
+        def train_dataloader(self) -> Any:
+            return loader
+
+    return Batches()
+
+
 def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir: str) -> dict[str, Any]:
     import lightning as L
     from torch.utils.data import DataLoader, Dataset
@@ -320,14 +351,21 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
     module = GPTLightningModule(config, warmup_steps=0)
     timer = _timer(args["warmup"], args["steps"], trace_dir)
     window = WallClockWindow(warmup=args["warmup"], steps=args["steps"], checkpoint=False)
+    # the smoke run's tiny batch: the microbatch floor scaled by its sequence length (the GPU runs' 2048)
+    floor = None
+    if smoke:
+        from lightning_perf.parallel.model_parallel.pipeline import MIN_MICROBATCH_TOKENS
+
+        floor = max(1, MIN_MICROBATCH_TOKENS * T // 2048)
+    strategy = _strategy(spec, world, args["compile_backend"], min_microbatch_tokens=floor)
     trainer = L.Trainer(
-        accelerator="cpu" if smoke else "gpu", devices=world, strategy=_strategy(spec, world, args["compile_backend"]),
+        accelerator="cpu" if smoke else "gpu", devices=world, strategy=strategy,
         precision="32-true" if smoke else "bf16-mixed", max_steps=args["warmup"] + args["steps"] + 1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, window] + _gc_callbacks(spec),
     )
     t0 = time.perf_counter()
-    trainer.fit(module, DataLoader(Tokens(), batch_size=B, pin_memory=not smoke))
+    trainer.fit(module, datamodule=_datamodule(DataLoader(Tokens(), batch_size=B, pin_memory=not smoke), B, T))
     times = timer.step_times()
     step = statistics.median(times)
     tokens_per_s_median_step = global_batch * T / step
@@ -356,6 +394,11 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "mfu_attention_twice": config.flops_per_token_full_attention(T) * tokens_per_s / world / PEAK_BF16,
         "fit_s": time.perf_counter() - t0,
     })
+    choice = getattr(trainer.strategy, "pipeline_choice", None)
+    if choice is not None:  # what the pipeline ran, chosen ("auto") or as set
+        out.update(schedule=choice.schedule, microbatches=choice.num_microbatches,
+                   stages_per_rank=choice.stages_per_rank, pipeline_choice=choice.as_dict(),
+                   pipeline=choice.describe())
     if census is not None:  # what async TP managed to fuse (per compiled graph, forward and backward)
         out["collectives_in_compiled_graphs"] = dict(census.counts)
         from torch._inductor import config as inductor_config
@@ -536,6 +579,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         bound = f"{100 * r['share_of_bubble_bound']:.0f}%" if r.get("share_of_bubble_bound") is not None else "-"
         print(f"{r['variant']:28s} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% {mem:>6s} "
               f"{pct('exposed_comm_pct'):>8s} {pct('compute_idle_pct'):>6s} {vs:>7s} {bub:>13s} {bound:>8s}")
+    for r in results:
+        if r.get("ok") and r.get("pipeline_choice", {}).get("auto"):
+            print(f"{r['variant']:28s} {r['pipeline']}")
     print("vs dp2 and bubble: against dp2 in the same mode (dp2_compile for *_compile variants)")
     print("bubble = measured (1 - t_dp2 / t_pp) / theory (p-1)/(s*m+p-1)")
     print(f"\nwrote {path}")

@@ -119,3 +119,121 @@ def test_stage_split_balances_the_lm_head() -> None:
         model = GPT(cfg.replace(n_layer=24))
     stages = [model.pipeline_stage(i, 2) for i in range(2)]
     assert [list(s.blocks) for s in stages] == [[str(i) for i in range(13)], [str(i) for i in range(13, 24)]]
+
+
+# ---- "auto": choose_schedule, by hand ---------------------------------------------------------------
+
+
+def _picked(*args, **kwargs) -> tuple[str, int, int]:
+    from lightning_perf.parallel.model_parallel.pipeline import choose_schedule
+
+    c = choose_schedule(*args, **kwargs)
+    return c.schedule, c.num_microbatches, c.stages_per_rank
+
+
+def test_auto_on_the_recipes_shapes() -> None:
+    from lightning_perf.parallel.model_parallel.pipeline import choose_schedule
+
+    # gpt-1.3b-pp2: 24 blocks, 16 x 2048 per replica. 8192-token floor: at most 4 microbatches (of 4
+    # sequences); 24 blocks fill 2 * 2 stages, so interleaved 1F1B: bubble 1 / (2*4 + 1) = 11% (1F1B: 1/5)
+    gpt = choose_schedule(2, 16, 2048, 24)
+    assert (gpt.schedule, gpt.num_microbatches, gpt.stages_per_rank) == ("interleaved_1f1b", 4, 2)
+    assert (gpt.microbatch_size, gpt.microbatch_tokens) == (4, 8192) and gpt.bubble == pytest.approx(1 / 9)
+    assert gpt.describe() == ("pipeline: interleaved_1f1b, 2 stages per rank, 4 microbatches of 4 sequences "
+                              "(8192 tokens); theoretical bubble 11%")
+    # llama-8b-3d: 32 blocks, pp2 (x tp2 x dp2), 8 x 4096 per replica: 4 microbatches of 2 sequences
+    assert _picked(2, 8, 4096, 32) == ("interleaved_1f1b", 4, 2)
+    # the recipes as they were set by hand stay accepted as explicit values
+    assert _picked(2, 16, 2048, 24, schedule="1f1b", num_microbatches=8, stages_per_rank=1) == ("1f1b", 8, 1)
+    assert _picked(2, 8, 4096, 32, schedule="interleaved_1f1b", num_microbatches=8,
+                   stages_per_rank=2) == ("interleaved_1f1b", 8, 2)
+
+
+def test_auto_microbatch_rules_by_hand() -> None:
+    # a smaller floor: 8 microbatches of 2 x 2048 (interleaved rounds: 8 // 2 = 4, 8 % 4 == 0)
+    assert _picked(2, 16, 2048, 24, min_microbatch_tokens=4096) == ("interleaved_1f1b", 8, 2)
+    # 2 x 2048 tokens, below the floor: still pp microbatches (one would idle a stage half the step)
+    assert _picked(2, 2, 2048, 24) == ("interleaved_1f1b", 2, 2)
+    # fewer sequences than stages: only GPipe runs fewer microbatches than pp; as many as there are
+    assert _picked(4, 2, 2048, 32) == ("gpipe", 2, 1)
+    assert _picked(2, 1, 2048, 24) == ("gpipe", 1, 1)
+    # blocks that do not fill 2 * pp stages (or a model that cannot tell): one stage per rank, 1F1B
+    assert _picked(2, 16, 2048, 22) == ("1f1b", 4, 1)
+    assert _picked(2, 16, 2048, None) == ("1f1b", 4, 1)
+    # 20 x 2048: the floor allows 5 microbatches, which interleaving cannot take in rounds of 2 (5 % 2);
+    # interleaved at 4 (bubble 1/9) still beats 1F1B at 5 (1/6)
+    assert _picked(2, 20, 2048, 24) == ("interleaved_1f1b", 4, 2)
+    # pp4, 44 x 2048: 1F1B at the floor's 11 microbatches (bubble 3/14) beats interleaved, whose rounds of 4
+    # allow only 4 of the divisors up to 11 (3/11)
+    assert _picked(4, 44, 2048, 32) == ("1f1b", 11, 1)
+    # 6 x 2048: no microbatch of at least pp keeps the floor; the fewest microbatches each schedule takes
+    assert _picked(2, 6, 2048, 24) == ("interleaved_1f1b", 2, 2)
+
+
+def test_auto_keeps_explicit_values() -> None:
+    assert _picked(2, 16, 2048, 24, schedule="1f1b") == ("1f1b", 4, 1)
+    assert _picked(2, 16, 2048, 24, schedule="gpipe") == ("gpipe", 4, 1)
+    assert _picked(2, 16, 2048, 24, stages_per_rank=1) == ("1f1b", 4, 1)
+    assert _picked(2, 16, 2048, 24, num_microbatches=8) == ("interleaved_1f1b", 8, 2)
+    # None: one microbatch per stage, as PipelineConfig; interleaved (4 stages, 4 microbatches) wins
+    assert _picked(2, 16, 2048, 24, num_microbatches=None) == ("interleaved_1f1b", 4, 2)
+    # zero bubble only where asked for: the same microbatches, 2 stages per rank where the blocks allow
+    assert _picked(2, 16, 2048, 24, schedule="zero_bubble") == ("zero_bubble", 4, 2)
+    assert _picked(2, 16, 2048, 22, schedule="zero_bubble") == ("zero_bubble", 4, 1)
+    assert _picked(2, 16, 2048, 24, schedule="zbv_zero_bubble") == ("zbv_zero_bubble", 4, 2)
+    assert _picked(2, 16, 2048, 24, schedule="1f1b", num_microbatches=2, stages_per_rank=1) == ("1f1b", 2, 1)
+    from lightning_perf.parallel.model_parallel.pipeline import choose_schedule
+
+    assert not choose_schedule(2, 16, 2048, 24, schedule="1f1b", num_microbatches=4, stages_per_rank=1).auto
+    assert choose_schedule(2, 16, 2048, 24, schedule="1f1b").auto
+
+
+def test_auto_refuses_what_the_batch_cannot_run() -> None:
+    from lightning_perf.parallel.model_parallel.pipeline import choose_schedule
+
+    with pytest.raises(ValueError, match=r"pipeline_schedule='1f1b' with 1 stage\(s\) per rank needs at least pp=2 "
+                                         r"microbatches .* a batch of 1 sequence"):
+        choose_schedule(2, 1, 2048, 24, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"needs at least pp=2 microbatches"):
+        choose_schedule(2, 1, 2048, 24, stages_per_rank=2)
+    with pytest.raises(ValueError, match=r"batch size 16 is not divisible by num_microbatches 3"):
+        choose_schedule(2, 16, 2048, 24, num_microbatches=3)
+    with pytest.raises(ValueError, match=r"needs num_microbatches >= pp: 1 < 2"):
+        choose_schedule(2, 16, 2048, 24, num_microbatches=1, stages_per_rank=2)
+    with pytest.raises(ValueError, match=r"runs exactly 1 stage\(s\) per rank, got stages_per_rank=2"):
+        choose_schedule(2, 16, 2048, 24, schedule="1f1b", stages_per_rank=2)
+    with pytest.raises(ValueError, match=r"unknown pipeline_schedule 'zb'"):
+        choose_schedule(2, 16, 2048, 24, schedule="zb")
+    with pytest.raises(ValueError, match=r"batch_size must be a positive integer"):
+        choose_schedule(2, 0, 2048, 24)
+
+
+def test_auto_choice_is_kept_at_the_first_batch_and_runs() -> None:
+    """The first batch chooses again with the stages the model was split into: on the same batch shape the
+    choice is the same. Every choice is a schedule PipelineConfig takes and divides the batch."""
+    from lightning_perf.parallel.model_parallel.pipeline import choose_schedule
+
+    for pp in (2, 4):
+        for batch in range(1, 33):
+            for seq_len in (512, 2048):
+                for blocks in (None, 24, 22, 32):
+                    first = choose_schedule(pp, batch, seq_len, blocks)
+                    again = choose_schedule(pp, batch, seq_len, blocks, stages_per_rank=first.stages_per_rank)
+                    assert again == first, (pp, batch, seq_len, blocks)
+                    config = first.config()
+                    config.check_batch(batch)
+                    assert first.num_microbatches >= min(pp, batch)
+                    assert first.schedule != "gpipe" or batch < pp
+
+
+def test_stages_are_settled_before_the_batch() -> None:
+    from lightning_perf.parallel.model_parallel.pipeline import settle_before_batch
+
+    # the batch decides whether to interleave: one stage per rank until it is known
+    assert settle_before_batch(2, 24) == ("gpipe", None, 1, False)
+    assert settle_before_batch(2, 24, schedule="interleaved_1f1b") == ("interleaved_1f1b", None, 2, False)
+    assert settle_before_batch(2, 22, schedule="interleaved_1f1b") == ("interleaved_1f1b", None, 1, False)
+    assert settle_before_batch(2, 24, stages_per_rank=2) == ("interleaved_1f1b", None, 2, False)
+    # an explicit microbatch count leaves nothing to the batch
+    assert settle_before_batch(2, 24, num_microbatches=8) == ("interleaved_1f1b", 8, 2, True)
+    assert settle_before_batch(2, 24, num_microbatches=1) == ("gpipe", 1, 1, True)

@@ -26,6 +26,10 @@ def _meta_gpt(**kw) -> GPT:
     "kwargs, match",
     [
         (dict(pipeline_schedule="zb1p"), "unknown pipeline_schedule 'zb1p'"),
+        (dict(pipeline_parallel_size=2, num_microbatches="all"), "num_microbatches must be 'auto', None or a"),
+        (dict(pipeline_parallel_size=2, stages_per_rank=2, num_microbatches=1), r"needs num_microbatches >= pp: 1 < 2"),
+        (dict(pipeline_parallel_size=2, pipeline_schedule="gpipe", stages_per_rank=2), r"runs exactly 1 stage"),
+        (dict(pipeline_parallel_size=2, min_microbatch_tokens=-1), "min_microbatch_tokens must be a positive"),
         (dict(pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b", stages_per_rank=2,
               num_microbatches=2), r"needs num_microbatches >= pp: 2 < 4"),
         (dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
@@ -155,3 +159,32 @@ def test_module_config_is_checked_before_the_process_group() -> None:
         strategy._check_before_launch(bad, None)
     ok = Parallel3DStrategy(tensor_parallel_size=2, parallel_devices=cpus[:2])
     ok._check_before_launch(GPTLightningModule("tiny-llama"), None)  # 4 heads, 2 kv heads: fine for tp=2
+
+
+def test_auto_pipeline_is_settled_and_checked_before_the_process_group() -> None:
+    """With a data module's batch shape, "auto" is settled in the launching process, and explicit values it
+    cannot combine with that batch are refused there."""
+    from types import SimpleNamespace
+
+    from lightning_perf.models.gpt.module import GPTLightningModule
+
+    cpus = [torch.device("cpu")] * 2
+    module = GPTLightningModule(GPTConfig.from_name("tiny-llama", tie_embeddings=False))  # 4 blocks
+    Parallel3DStrategy(pipeline_parallel_size=2, parallel_devices=cpus)._check_before_launch(
+        module, SimpleNamespace(batch_size=1, seq_len=16))  # one sequence: GPipe, one microbatch
+    with pytest.raises(ValueError, match=r"pipeline_schedule='1f1b' with 1 stage\(s\) per rank needs at least pp=2 "
+                                         r"microbatches"):
+        Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="1f1b", parallel_devices=cpus
+                           )._check_before_launch(module, SimpleNamespace(batch_size=1, seq_len=16))
+    with pytest.raises(ValueError, match=r"batch size 6 is not divisible by num_microbatches 4"):
+        Parallel3DStrategy(pipeline_parallel_size=2, num_microbatches=4, parallel_devices=cpus
+                           )._check_before_launch(module, SimpleNamespace(batch_size=6, seq_len=16))
+    # 2 stages per rank asked for, which 6 blocks cannot fill: the model's check, before launch
+    six = GPTLightningModule(GPTConfig.from_name("tiny-llama", tie_embeddings=False, n_layer=6))
+    with pytest.raises(ValueError, match=r"n_layer \(6\) is not divisible by pipeline stages: pp\(2\) \* "
+                                         r"stages_per_rank\(2\) = 4"):
+        Parallel3DStrategy(pipeline_parallel_size=2, stages_per_rank=2, parallel_devices=cpus
+                           )._check_before_launch(six, SimpleNamespace(batch_size=8, seq_len=16))
+    # left to "auto", those 6 blocks run one stage per rank
+    Parallel3DStrategy(pipeline_parallel_size=2, parallel_devices=cpus)._check_before_launch(
+        six, SimpleNamespace(batch_size=8, seq_len=16))
