@@ -2,6 +2,7 @@
 
     python benchmarks/bench_8gpu.py --out DIR                  # part "main", ~9 min on 8x H200
     python benchmarks/bench_8gpu.py --out DIR --part compile   # compiled llama-8b layouts, ~9 min
+    python benchmarks/bench_8gpu.py --out DIR --part auto      # the default pipeline against 1F1B m=8
     python benchmarks/bench_8gpu.py --smoke                    # same code paths, tiny models, CPU/gloo
 
 Every variant trains inside Lightning's ``Trainer.fit`` (bf16-mixed, AdamW, random tokens,
@@ -26,6 +27,10 @@ Part ``compile``: the llama-8b dp8 and pp2 x tp2 x dp2 layouts with the strategy
 ``compile="default"`` (Inductor per block; first steps compile inside the warm-up), dp8 ZeRO-2 with
 FP8 linears whose weights are gathered in FP8 (the MFU then counts bf16 FLOPs against the bf16 peak), and
 Lightning's FSDPStrategy on dp8 for llama-8b (selective is ours only: full checkpointing there).
+
+Part ``auto``: llama-8b pp2 x dp4 and pp2 x tp2 x dp2 with the strategy's default pipeline
+(``"auto"``: schedule, microbatches and stages per rank chosen from the batch and the model; the
+row records the choice), beside the hand-set 1F1B with 8 microbatches in the same group.
 
 Reported per variant: tokens/s in all and per GPU, MFU per GPU (causal attention counted once,
 989 TFLOP/s dense bf16; ``mfu_attention_twice`` over the full square), peak allocated memory (max
@@ -81,6 +86,13 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
         "llama8b_pp2_tp2_dp2_compile": dict(LLAMA, pp=2, tp=2, zero=1, schedule="1f1b", m=8, compile="default"),
         "llama8b_dp8_lightning_fsdp": dict(LLAMA, strategy="lightning_fsdp", ac="full"),
     }),
+    # the default pipeline ("auto": here interleaved 1F1B, 2 stages per rank, microbatches of 2 x 4096)
+    ("auto", "llama8b_8gpu_auto", 8, {
+        "llama8b_pp2_dp4": dict(LLAMA, pp=2, zero=2, schedule="1f1b", m=8),
+        "llama8b_pp2_dp4_auto": dict(LLAMA, pp=2, zero=2, auto=True),
+        "llama8b_pp2_tp2_dp2": dict(LLAMA, pp=2, tp=2, zero=1, schedule="1f1b", m=8),
+        "llama8b_pp2_tp2_dp2_auto": dict(LLAMA, pp=2, tp=2, zero=1, auto=True),
+    }),
     # Python's garbage collector on a fixed schedule on every rank (GarbageCollection every 10 steps):
     # how much of a layout's exposed communication comes from one rank's collector pauses
     ("gc", "gpt13b_dp8_gc", 8, {
@@ -94,7 +106,8 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
 ]
 
 # a group's deadline: seconds per variant plus the group's start (spawn, imports, NCCL)
-PER_VARIANT_S = {"llama8b_8gpu": 85.0, "llama8b_8gpu_compile": 150.0, "llama8b_8gpu_gc": 85.0}
+PER_VARIANT_S = {"llama8b_8gpu": 85.0, "llama8b_8gpu_compile": 150.0, "llama8b_8gpu_gc": 85.0,
+                 "llama8b_8gpu_auto": 85.0}
 DEFAULT_PER_VARIANT_S = 35.0
 GROUP_START_S = 30.0
 
@@ -190,7 +203,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--part", choices=("main", "compile", "gc", "all"), default="main")
+    parser.add_argument("--part", choices=("main", "compile", "gc", "auto", "all"), default="main")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU processes (gloo)")
     parser.add_argument("--gpus", type=int, default=8, help="largest world; groups needing more are skipped")
     parser.add_argument("--warmup", type=int, default=2)

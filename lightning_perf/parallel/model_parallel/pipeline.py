@@ -75,8 +75,8 @@ AUTO = "auto"
 #: The smallest microbatch (in tokens: sequences x sequence length) that ``num_microbatches="auto"`` cuts a
 #: batch into. Measured on two H200 with gpt-1.3b (T=2048, 16 sequences per replica, pp2, eager): 1F1B with
 #: 4 microbatches of 8192 tokens ran at 0.70x dp2's throughput and with 8 microbatches of 4096 tokens at
-#: 0.69x, although its theoretical bubble fell from 20% to 11%: below 8192 tokens the cost of each extra
-#: microbatch (its kernel launches, its send/recv, smaller matmuls) ate the smaller bubble.
+#: 0.69x, although its theoretical bubble fell from 20% to 11%: the extra microbatches' own cost ate the
+#: smaller bubble.
 MIN_MICROBATCH_TOKENS = 8192
 
 #: stages per rank of an interleaved schedule chosen by "auto": the fewest that interleave (bubble halved)
@@ -227,8 +227,8 @@ def _choose(pp: int, batch_size: Optional[int], seq_len: Optional[int], n_blocks
                 meets = True
             else:
                 assert batch_size is not None and seq_len is not None
-                # at least pp microbatches where the batch has them: fewer leave a stage idle all step long
-                # (a bubble of at least 50% at pp=2), more than any per-microbatch cost measured here
+                # at least pp microbatches where the batch has them: with fewer the bubble is at least half
+                # the step, more than any per-microbatch cost measured here
                 least = min(pp, batch_size)
                 valid = [m for m in _divisors(batch_size)
                          if m >= least and not isinstance(_config_or_error(pp, name, m, s), str)]
@@ -324,18 +324,18 @@ def choose_schedule(
     1. Microbatches: the most that divide the batch while each keeps at least ``min_microbatch_tokens``
        tokens (:data:`MIN_MICROBATCH_TOKENS`, measured: smaller microbatches cost more per microbatch
        than their smaller bubble saves). But at least ``pp`` of them where the batch has ``pp``
-       sequences, even below that floor: with fewer, some stage idles all step long (a bubble of at
-       least ``(p-1)/(2p-1)``, 1/3 at pp=2, and 50% with one microbatch), far more than the
-       per-microbatch cost measured. Interleaved schedules also need whole rounds of ``pp``
-       (:class:`PipelineConfig`'s check); each schedule gets the most microbatches it accepts
-       under these rules.
+       sequences, even below that floor: with fewer than ``p`` the bubble ``(p-1)/(m+p-1)`` is at
+       least half the step, far more than the per-microbatch cost measured (halving 8192-token
+       microbatches cost about the 9 points of bubble it saved). Interleaved schedules also need
+       whole rounds of ``pp`` (:class:`PipelineConfig`'s check); each schedule gets the most
+       microbatches it accepts under these rules.
     2. Schedule: of 1F1B, GPipe and interleaved 1F1B, the one with the smallest theoretical bubble
        :func:`bubble_fraction`, preferring one whose microbatches keep the floor; at equal bubbles
        1F1B (it holds at most ``pp`` microbatches' activations, GPipe all of them), then GPipe,
        then interleaved. So GPipe runs only when the batch has fewer than ``pp`` sequences (1F1B
        needs ``pp`` microbatches), and interleaved 1F1B wins wherever it can run: at the same
        microbatch size it halves the bubble (measured, gpt-1.3b pp2 m=4 eager: 0.72x dp2 against
-       1F1B's 0.70x). It holds more microbatches' activations (of half-size stages) during warm-up.
+       1F1B's 0.70x).
     3. Stages per rank: interleaving runs ``INTERLEAVE_STAGES = 2`` per rank, the fewest that halve
        the bubble, where ``n_blocks`` fill ``pp * 2`` stages (``None``: the model cannot tell or
        refuses, so no interleaving). More stages per rank shrink the bubble further but add a
