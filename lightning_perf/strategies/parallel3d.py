@@ -276,7 +276,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
             target = check_model(module, self.config)
             settled = settle_pipeline(self.config, target, batch_size=batch_size, seq_len=seq_len)
             config = settled.config
-            pp_stages = config.pipeline.num_stages if config.pipeline_parallel_size > 1 else 1  # type: ignore[union-attr]
+            assert config.pipeline is not None  # settled
+            pp_stages = config.pipeline.num_stages if config.pipeline_parallel_size > 1 else 1
             tied = bool(tied_parameter_names(target, pp_stages))
             check_model_config(getattr(target, "config", None), config)
         else:  # built later: its config tells (GPTConfig.tie_embeddings)

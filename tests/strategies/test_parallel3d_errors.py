@@ -27,7 +27,8 @@ def _meta_gpt(**kw) -> GPT:
     [
         (dict(pipeline_schedule="zb1p"), "unknown pipeline_schedule 'zb1p'"),
         (dict(pipeline_parallel_size=2, num_microbatches="all"), "num_microbatches must be 'auto', None or a"),
-        (dict(pipeline_parallel_size=2, stages_per_rank=2, num_microbatches=1), r"needs num_microbatches >= pp: 1 < 2"),
+        (dict(pipeline_parallel_size=2, stages_per_rank=2, num_microbatches=1),
+         r"needs num_microbatches >= pp: 1 < 2"),
         (dict(pipeline_parallel_size=2, pipeline_schedule="gpipe", stages_per_rank=2), r"runs exactly 1 stage"),
         (dict(pipeline_parallel_size=2, min_microbatch_tokens=-1), "min_microbatch_tokens must be a positive"),
         (dict(pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b", stages_per_rank=2,

@@ -89,15 +89,16 @@ class Parallel3DConfig:
         check_pipeline_options(self.pipeline_parallel_size, self.pipeline_schedule, self.num_microbatches,
                                self.stages_per_rank)
         check_size("min_microbatch_tokens", self.min_microbatch_tokens)
-        if self.pipeline_parallel_size == 1 and self.stages_per_rank != AUTO and self.stages_per_rank > 1:  # type: ignore[operator]
-            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs pipeline_parallel_size > 1")
+        stages, m = self.stages_per_rank, self.num_microbatches
+        if self.pipeline_parallel_size == 1 and stages != AUTO and stages > 1:  # type: ignore[operator]
+            raise ValueError(f"stages_per_rank={stages} needs pipeline_parallel_size > 1")
         self.pipeline = None
-        if not self.pipeline_auto:  # without a pipeline, "auto" is what the config used to default to
+        if not self.pipeline_auto:  # nothing to settle; without a pipeline "auto" stands for the former defaults
             self.pipeline = PipelineConfig(
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 schedule="1f1b" if self.pipeline_schedule == AUTO else self.pipeline_schedule,
-                num_microbatches=None if self.num_microbatches == AUTO else self.num_microbatches,  # type: ignore[arg-type]
-                stages_per_rank=1 if self.stages_per_rank == AUTO else self.stages_per_rank,  # type: ignore[arg-type]
+                num_microbatches=None if m == AUTO else m,  # type: ignore[arg-type]
+                stages_per_rank=1 if stages == AUTO else stages,  # type: ignore[arg-type]
             )
         for name in ("tensor_parallel_size", "context_parallel_size"):
             check_size(name, getattr(self, name))
