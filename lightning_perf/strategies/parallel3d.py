@@ -397,10 +397,14 @@ class Parallel3DStrategy(PerfParallelStrategy):
                     "under pipeline parallelism the model is called as model(inputs, targets) and returns the "
                     "loss; logits of the last stage never reach the other ranks"
                 )
-            # the schedule for this batch shape (chosen at the first batch), before any send/recv
-            pipeline = runner.prepare(inputs.shape[0], inputs.shape[-1])
+            # the schedule for this batch shape (chosen at the first batch; an evaluation batch of another
+            # shape gets a forward-only one of its own), before any send/recv
+            if torch.is_grad_enabled():
+                microbatches = runner.prepare(inputs.shape[0], inputs.shape[-1]).num_microbatches or 1
+            else:
+                microbatches = runner.eval_microbatches(inputs.shape[0], inputs.shape[-1])
             tp_sequence_check(inputs.shape[-1], strategy.config.tensor_parallel_size, strategy.config.sequence_parallel,
-                              batch=inputs.shape[0], microbatches=pipeline.num_microbatches or 1)
+                              batch=inputs.shape[0], microbatches=microbatches)
             with strategy._tp_loss_context():
                 if torch.is_grad_enabled():
                     scale = strategy.precision_plugin.scale_loss

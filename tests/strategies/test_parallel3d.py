@@ -109,9 +109,12 @@ def loader(per_rank_batch: int, reference: bool = False, shuffle: bool = True):
 
 def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "llama", ckpt_path=None,
         save_to=None, plugins: Any = None, inject_inf_at: Optional[int] = None, accumulate: int = 1,
-        val: bool = False, clip: Optional[float] = None, num_nodes: int = 1, datamodule: bool = False) -> dict:
+        val: bool = False, clip: Optional[float] = None, num_nodes: int = 1, datamodule: bool = False,
+        val_sequences: Optional[int] = None) -> dict:
     """``datamodule``: the loaders come from a data module that states ``batch_size`` and ``seq_len`` (as
-    ``TokenDataModule`` does), so the strategy knows the batch shape before it splits the model."""
+    ``TokenDataModule`` does), so the strategy knows the batch shape before it splits the model.
+    ``val_sequences``: validate on that many sequences in training-size batches, all of them (the last one
+    shorter where they do not divide)."""
     import lightning as L
 
     L.seed_everything(0, verbose=False)
@@ -121,11 +124,17 @@ def fit(strategy, world: int, *, dp: int = 1, steps: int = STEPS, kind: str = "l
         max_epochs=steps // PER_EPOCH,
         plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=1 if val else 0, accumulate_grad_batches=accumulate,
+        num_sanity_val_steps=0, limit_val_batches=(1.0 if val_sequences else 1) if val or val_sequences else 0,
+        accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
     )
     # validation: the first global batch, forward only, unshuffled
     val_loader = loader(GLOBAL_B // dp, shuffle=False) if val else None
+    if val_sequences:
+        from torch.utils.data import DataLoader, Subset
+
+        val = True
+        val_loader = DataLoader(Subset(loader(1).dataset, range(val_sequences)), batch_size=GLOBAL_B // dp)
     train_loader = loader(GLOBAL_B // dp, reference=world == 1)
     if datamodule:
         trainer.fit(module, datamodule=_ShapedData(train_loader, val_loader, GLOBAL_B // dp), ckpt_path=ckpt_path)

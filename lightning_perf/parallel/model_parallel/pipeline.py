@@ -503,8 +503,9 @@ class PipelineRunner:
             final. Without it the schedule is ``config``'s, built here.
 
     The first batch fixes the batch shape: the stages' send/recv buffers are sized for its microbatches, so a
-    batch of another shape later (a shorter last batch) is refused with a ``ValueError`` on every pipeline
-    rank, before any send/recv. :attr:`choice` holds what runs (``None`` before the first batch); its line
+    training batch of another shape later (a shorter last batch) is refused with a ``ValueError`` on every
+    pipeline rank, before any send/recv; an evaluation batch of another shape runs through a forward-only
+    schedule of its own (:meth:`eval_step`). :attr:`choice` holds what runs (``None`` before the first batch); its line
     (:meth:`PipelineChoice.describe`) goes to :attr:`announce`, by default this module's logger at INFO on
     global rank 0.
     """
@@ -537,6 +538,7 @@ class PipelineRunner:
         self.announce: Callable[[str], None] = _log_on_rank_zero
         self.choice: Optional[PipelineChoice] = None
         self._shape: Optional[tuple[int, int]] = None
+        self._eval_schedules: dict[tuple[int, int], tuple[Any, int]] = {}
         self.schedule: Any = None if choose is not None else self._build_schedule(config)
         self._factor = 1.0
         self._scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
@@ -594,10 +596,11 @@ class PipelineRunner:
         self._raw.append(_local(raw.detach()).float())
         return self._scale(raw * self._factor)
 
-    def _batch_loss(self) -> torch.Tensor:
+    def _batch_loss(self, num_microbatches: Optional[int] = None) -> torch.Tensor:
         if self.has_last:
             # the first step may also call the loss on a shape-inference dry run: keep the real m
-            loss = torch.stack(self._raw[-(self.config.num_microbatches or 1) :]).mean().to(self.device)
+            m = num_microbatches or self.config.num_microbatches or 1
+            loss = torch.stack(self._raw[-m:]).mean().to(self.device)
         else:
             loss = torch.zeros((), device=self.device, dtype=torch.float32)
         self._raw = []
@@ -642,19 +645,65 @@ class PipelineRunner:
             self.tied.reduce_grads_(held)
         return self._batch_loss()
 
+    def _eval_schedule(self, batch_size: int, seq_len: int) -> tuple[Any, int]:
+        """A forward-only schedule of its own for an evaluation batch of another shape than the training
+        batches (a shorter last validation batch): new stages (their buffers sized for this shape) over the
+        same modules, microbatches of equal size (the most that divide the batch, at most the training
+        schedule's). Built once per shape; every pipeline rank sees the same batch, so all build alike."""
+        shape = (int(batch_size), int(seq_len))
+        cached = self._eval_schedules.get(shape)
+        if cached is not None:
+            return cached
+        if self.config.placement == "v":
+            b, t = self._shape or shape
+            raise ValueError(
+                f"an evaluation batch of {shape[0]} sequences x {shape[1]} tokens after batches of {b} x {t}: "
+                f"pipeline_schedule={self.config.schedule!r} places its stages in a V, which only its own schedule "
+                "runs, and that was set up for the first batch's shape; use one batch shape for training and "
+                "validation (drop_last=True, so the last batch is full)")
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        limit = max(1, min(self.config.num_microbatches or 1, shape[0]))
+        m = max(d for d in range(1, limit + 1) if shape[0] % d == 0)
+        n = self.config.num_stages
+        stages = [PipelineStage(s.submod, s.stage_index, n, self.device, group=self.pp_group) for s in self.stages]
+        if self.config.placement == "single":
+            schedule = schedules.ScheduleGPipe(stages[0], n_microbatches=m, loss_fn=self._loss)
+        else:  # loop placement: every microbatch through the local stages in turn, forward only
+            schedule = schedules.ScheduleLoopedBFS(stages, n_microbatches=m, loss_fn=self._loss)
+        self._eval_schedules[shape] = (schedule, m)
+        return schedule, m
+
+    def eval_microbatches(self, batch_size: int, seq_len: int) -> int:
+        """The microbatches :meth:`eval_step` cuts a batch of this shape into (its schedule set up, before any
+        send/recv): the training schedule's for the first batch's shape, else those of its own schedule."""
+        shape = (int(batch_size), int(seq_len))
+        if self._shape is not None and shape != self._shape:
+            return self._eval_schedule(*shape)[1]
+        return self.prepare(*shape).num_microbatches or 1
+
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only over all microbatches; the batch-mean loss on every pipeline rank."""
-        self.prepare(inputs.shape[0], inputs.shape[-1])  # before any send/recv
+        """Forward only over all microbatches; the batch-mean loss on every pipeline rank.
+
+        A batch of another shape than the first (a shorter last validation batch) runs through a
+        forward-only schedule built for it (:meth:`_eval_schedule`), so validation needs no
+        ``drop_last``; the loss is the mean over microbatches of equal size, as for a full batch."""
+        shape = (int(inputs.shape[0]), int(inputs.shape[-1]))
+        if self._shape is not None and shape != self._shape:
+            schedule, m = self._eval_schedule(*shape)  # before any send/recv
+        else:
+            self.prepare(*shape)  # before any send/recv
+            schedule, m = self.schedule, self.config.num_microbatches or 1
         self._raw = []
         self._factor = 1.0
-        if hasattr(self.schedule, "eval"):
-            self._run(self.schedule.eval, inputs, targets)
+        if hasattr(schedule, "eval"):
+            self._run(schedule.eval, inputs, targets)
         else:  # older torch: no eval(); a step without backward
-            has_backward = self.schedule._has_backward
-            self.schedule._has_backward = False
+            has_backward = schedule._has_backward
+            schedule._has_backward = False
             try:
-                self._run(self.schedule.step, inputs, targets)
+                self._run(schedule.step, inputs, targets)
             finally:
-                self.schedule._has_backward = has_backward
-        return self._batch_loss()
+                schedule._has_backward = has_backward
+        return self._batch_loss(m)
