@@ -121,6 +121,94 @@ def gather_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     return _global_order(list(parts.unbind(0)), dim)
 
 
+# ---- the K / V all-gather of the "allgather" mode: a custom op -----------------------------------
+#
+# A custom op (rather than functional collectives) so selective activation checkpointing can keep its
+# output by name (``parallel.compute.activation_checkpointing._SAVE_OP_NAMES``): a block's
+# recomputation then reads the gathered K / V instead of gathering them again. torch.compile traces it
+# as one call. The process group travels by name.
+
+
+def _group(group_name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    # all_gather_single where it exists (all_gather_into_tensor is deprecated there)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
+@torch.library.custom_op("lightning_perf::cp_all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """(group_size, *x.shape): every rank's ``x``, rank-major."""
+    x = x.contiguous()
+    out = x.new_empty((group_size, *x.shape))
+    _all_gather_into(out.view(group_size * x.shape[0], *x.shape[1:]), x, _group(group_name))
+    return out
+
+
+@_all_gather_op.register_fake
+def _(x, group_name, group_size):
+    return x.new_empty((group_size, *x.shape))
+
+
+@torch.library.custom_op("lightning_perf::cp_reduce_scatter", mutates_args=())
+def _reduce_scatter_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """x (group_size, *shape) on every rank -> the sum over ranks of their ``x[rank]`` (shape)."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[1:])
+    _reduce_scatter_into(out, x.view(x.shape[0] * x.shape[1], *x.shape[2:]), _group(group_name))
+    return out
+
+
+@_reduce_scatter_op.register_fake
+def _(x, group_name):
+    return x.new_empty(x.shape[1:])
+
+
+def _gather_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.group_name = inputs[1]
+
+
+def _gather_backward(ctx: Any, grad: torch.Tensor):
+    return _reduce_scatter_op(grad, ctx.group_name), None, None
+
+
+_all_gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+def _flash_lower_right(q: torch.Tensor) -> bool:
+    """Whether SDPA's CUDA flash kernel takes ``q``: its ``is_causal`` aligns the mask to the bottom right."""
+    hd = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256
+            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_properties(q.device).major >= 8)
+
+
+def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of ``q`` (the last ``Tq`` of the ``Tk`` positions) over ``k`` / ``v``: query ``i``
+    sees keys up to ``Tk - Tq + i``. GQA heads as they are.
+
+    Without torch's ``CausalBias`` tensor subclass, which can be built neither under selective
+    checkpointing's dispatch mode nor inside a compiled graph: on a GPU SDPA's flash kernel (its
+    ``is_causal`` is bottom-right aligned when the lengths differ; an op selective checkpointing keeps),
+    otherwise SDPA with the boolean mask built.
+    """
+    Tq, Tk = q.shape[2], k.shape[2]
+    kw = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if Tq == Tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+    if _flash_lower_right(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence's keys.
 
@@ -129,21 +217,17 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``out_g = softmax(q_g K[:(g+1)c]^T / sqrt(hd) + M) V[:(g+1)c]`` with ``M[i, j] = -inf`` for
     ``j > g c + i``. Returns (B, nh, 2c, hd) in the local order.
     """
-    from torch.nn.attention.bias import causal_lower_right
-
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     c = q.shape[2] // 2
-    # one collective for K and V: (2, B, nkv, 2c, hd) per rank
-    kv = gather_sequence(torch.stack([k, v]), group, dim=3)  # (2, B, nkv, T, hd)
+    # one collective for K and V: (2, B, nkv, 2c, hd) per rank -> (cp, 2, B, nkv, 2c, hd); the
+    # backward reduce-scatters dK and dV
+    parts = _all_gather_op(torch.stack([k, v]), group.group_name, cp)
+    kv = _global_order(list(parts.unbind(0)), dim=3)  # (2, B, nkv, T, hd)
     k_all, v_all = kv[0], kv[1]
-    gqa = k.shape[1] != q.shape[1]
     out = []
     for i, g in enumerate((rank, 2 * cp - 1 - rank)):
-        q_g = q[:, :, i * c : (i + 1) * c]
         end = (g + 1) * c
-        kw = {"enable_gqa": True} if gqa else {}
-        out.append(F.scaled_dot_product_attention(q_g, k_all[:, :, :end], v_all[:, :, :end],
-                                                  attn_mask=causal_lower_right(c, end), **kw))
+        out.append(_causal_lower_right(q[:, :, i * c : (i + 1) * c], k_all[:, :, :end], v_all[:, :, :end]))
     return torch.cat(out, dim=2)
 
 
