@@ -12,13 +12,14 @@ Inputs, targets and position ids are cut this way on every cp rank (all cp ranks
 data-parallel replica load the same batch); the model runs on its ``2c`` tokens with their
 global positions, and only attention needs the other ranks:
 
-- :func:`context_parallel_attention` all-gathers K and V over the cp group (autograd-aware:
-  the backward reduce-scatters dK and dV), puts the chunks back in global order and computes
-  each local query chunk's causal attention against the keys before and up to it: one SDPA
-  call per chunk, keys ``[0, (g + 1) c)`` for global chunk ``g``, with a causal mask aligned to
-  the bottom right (``causal_lower_right``: the query block is the last ``c`` rows, so its
-  ``i``-th query sees keys up to ``g c + i``; SDPA's memory-efficient kernel applies it without
-  building a mask). Grouped-query attention gathers the ``n_kv_head`` heads as they are.
+- :func:`context_parallel_attention` all-gathers K and V over the cp group (the custom op
+  ``lightning_perf::cp_all_gather``; its backward reduce-scatters dK and dV), puts the chunks back
+  in global order and computes each local query chunk's causal attention against the keys before
+  and up to it: one SDPA call per chunk, keys ``[0, (g + 1) c)`` for global chunk ``g``, with a
+  causal mask aligned to the bottom right (the query block is the last ``c`` rows, so its ``i``-th
+  query sees keys up to ``g c + i``; on a GPU SDPA's flash kernel applies it without building a
+  mask, elsewhere the boolean mask is built). Grouped-query attention gathers the ``n_kv_head``
+  heads as they are.
 - :class:`ContextParallelForward` wraps the model's ``forward(idx, targets)``: it cuts the
   batch, calls the model with ``positions=`` (the global positions of the local tokens, for
   rotary and learned position embeddings) and returns the mean loss over every token of the
@@ -36,6 +37,13 @@ Two ways to reach the other ranks' keys (``mode`` of :func:`apply_context_parall
 ``"allgather"`` (above: each chunk waits for the whole all-gather, the default) and ``"ring"``
 (:mod:`lightning_perf.parallel.model_parallel.ring_attention`: K / V pairs passed between neighbours while the
 block already held is computed, partial outputs merged by their log-sum-exp).
+
+Under selective activation checkpointing (``parallel.compute.activation_checkpointing``) the
+policy keeps the ring op's output and log-sum-exp, or the all-gathered K / V and SDPA's outputs, so
+a block's recomputation communicates nothing over "cp" and does not recompute attention; the
+all-gather mode pays for it with the whole sequence's K / V kept per block. Under full
+checkpointing the recomputation runs the forward's communication again. Both modes trace under
+torch.compile without graph breaks (the communication runs inside the custom ops).
 """
 
 from __future__ import annotations

@@ -23,6 +23,11 @@ after ``n`` steps the accumulator of rank r's keys arrives back at rank r.
 
 Blocks are c x c: on a GPU the pack's Triton flash-attention kernel (which returns the LSE and takes
 it back in its backward) where it supports the shape, otherwise a float32 math block.
+
+The forward and backward are the custom ops ``lightning_perf::ring_attention`` (returning the
+output and the LSE) and ``lightning_perf::ring_attention_backward``: selective activation
+checkpointing keeps the forward op's outputs, so recomputing a block neither runs the ring again nor
+recomputes attention, and torch.compile calls the ops from inside a compiled graph (no graph break).
 """
 
 from __future__ import annotations
