@@ -65,7 +65,7 @@ after ``--warmup`` steps (the first ring call autotunes the Triton blocks). Peak
 (after the warm-up steps, so optimizer states are in it). Tokens/s counts every GPU's tokens, and
 ``tokens_per_s_per_gpu`` divides by the GPUs; on a GPU one more step runs under the profiler on
 rank 0 and ``gpu_time`` says where it went (matmuls, attention, communication, idle:
-``perf.gpu_time``). Each (what, T, mode) runs in a fresh process group with a deadline; a failure
+``perf.gpu_time``; ``--no-profile`` skips it). Each (what, T, mode) runs in a fresh process group with a deadline; a failure
 (an out-of-memory leg, say) is recorded with its error and the run goes on. The JSON
 (``bench_context_parallel_<gpus>x<device>_<date>.json`` under ``--out``) is rewritten after every
 variant; ``ratios`` holds ring / all-gather time per (what, T) and, per T, every cp mode's tokens/s
@@ -215,9 +215,9 @@ def _model(rank: int, world: int, args: dict, mode: str, T: int, device, dtype, 
     row = {"times": times, "tokens_per_step": world * T, "tokens_per_s": world * T / statistics.mean(times),
            "tokens_per_s_per_gpu": T / statistics.mean(times), "layout": layout, "cp": 1 if layout == "dp" else world,
            "activation_checkpointing": ac}
-    if cuda and rank == 0:  # one more step on every rank, profiled on rank 0
+    if cuda and args["profile"] and rank == 0:  # one more step on every rank, profiled on rank 0
         row["gpu_time"] = gpu_time_of(step, top=15)
-    elif cuda:
+    elif cuda and args["profile"]:
         step()
     return row
 
@@ -282,9 +282,9 @@ def _llama8b(rank: int, world: int, args: dict, mode: str, T: int, device, dtype
            "losses": [float(v) for v in losses]}
     if cuda:
         row["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
-    if cuda and rank == 0:  # one more step on every rank, profiled on rank 0
+    if cuda and args["profile"] and rank == 0:  # one more step on every rank, profiled on rank 0
         row["gpu_time"] = gpu_time_of(step, top=15)
-    elif cuda:
+    elif cuda and args["profile"]:
         step()
     return row
 
@@ -356,6 +356,8 @@ def main(argv: Any = None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="default 3 (llama-8b: 2)")
     p.add_argument("--reps", type=int, default=None, help="default 10 (llama-8b: 3)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per variant (default 420; llama-8b 560)")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the profiled step (and its gpu_time breakdown)")
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
@@ -387,7 +389,7 @@ def main(argv: Any = None) -> int:
         if T % (2 * cp):
             p.error(f"T={T} must divide into 2 * cp = {2 * cp} chunks")
     args = {"smoke": a.smoke, "layers": a.layers, "warmup": a.warmup, "reps": a.reps, "model": a.model,
-            "cp": a.cp, "batch": a.batch, "fp8": a.fp8, "compile": a.compile}
+            "cp": a.cp, "batch": a.batch, "fp8": a.fp8, "compile": a.compile, "profile": a.profile}
     whats = [a.only] if a.only else (["model"] if llama else ["attention", "model"])
     date = dt.datetime.now(dt.timezone.utc)
     out = Path(a.out)
