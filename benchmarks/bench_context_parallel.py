@@ -8,7 +8,7 @@ llama-8b at a 128k-token sequence.
     python benchmarks/bench_context_parallel.py --model llama-8b --gpus 4 \
         --model-modes ring_full                                                    # llama-8b, T 131072, cp4, ZeRO-3
     python benchmarks/bench_context_parallel.py --smoke                             # CPU, gloo, tiny
-    python benchmarks/bench_context_parallel.py --smoke --model llama-8b            # the llama-8b wiring, tiny
+    python benchmarks/bench_context_parallel.py --smoke --model llama-8b            # the llama-8b wiring, tiny, 4 modes
 
 Each sequence is shared by ``--gpus`` cp ranks (the load-balanced chunks of
 ``parallel.model_parallel.context_parallel``). For every T it times:
@@ -62,11 +62,12 @@ Each sequence is shared by ``--gpus`` cp ranks (the load-balanced chunks of
 
 Times are wall clock per step (barrier, then synchronised), mean / median / p90 over ``--reps``
 after ``--warmup`` steps (the first ring call autotunes the Triton blocks). Peak memory is rank 0's
-(after the warm-up steps, so optimizer states are in it). Tokens/s counts every GPU's tokens, and
-``tokens_per_s_per_gpu`` divides by the GPUs; on a GPU one more step runs under the profiler on
-rank 0 and ``gpu_time`` says where it went (matmuls, attention, communication, idle:
-``perf.gpu_time``; ``--no-profile`` skips it). Each (what, T, mode) runs in a fresh process group with a deadline; a failure
-(an out-of-memory leg, say) is recorded with its error and the run goes on. The JSON
+(llama-8b: counted from after the warm-up steps, with the optimizer states allocated). Tokens/s
+counts every GPU's tokens, and ``tokens_per_s_per_gpu`` divides by the GPUs; on a GPU one more
+step runs under the profiler on rank 0 and ``gpu_time`` says where it went (matmuls, attention,
+communication, idle: ``perf.gpu_time``; ``--no-profile`` skips it). Each (what, T, mode) runs in a
+fresh process group with a deadline; a failure (an out-of-memory leg, say) is recorded with its
+error and the run goes on. The JSON
 (``bench_context_parallel_<gpus>x<device>_<date>.json`` under ``--out``) is rewritten after every
 variant; ``ratios`` holds ring / all-gather time per (what, T) and, per T, every cp mode's tokens/s
 and peak memory over each dp mode's (``model_T32768_ring_selective_tokens_per_s_over_dp``: cp2 ring
@@ -98,6 +99,7 @@ LAYOUTS = (*MODES, "dp")
 CHECKPOINTING = ("none", "selective", "full")
 MODEL_MODES = ("allgather", "ring", "allgather_selective", "ring_selective", "dp", "dp_selective")
 LLAMA8B_MODES = ("ring_full",)
+LLAMA8B_SMOKE_MODES = ("ring_full", "ring_selective", "allgather_selective", "dp_full")  # the wiring of each
 MODELS = ("gpt-1.3b", "llama-8b")
 
 
@@ -347,7 +349,7 @@ def main(argv: Any = None) -> int:
                    help="gpt-1.3b: DDP, cp against dp; llama-8b: parallelize_3d with ZeRO-3 (default T 131072)")
     p.add_argument("--model-modes", default=None,
                    help=f"comma-separated <layout>[_<checkpointing>] (default {','.join(MODEL_MODES)}; llama-8b: "
-                        f"{','.join(LLAMA8B_MODES)})")
+                        f"{','.join(LLAMA8B_MODES)}, under --smoke {','.join(LLAMA8B_SMOKE_MODES)})")
     p.add_argument("--cp", type=int, default=None, help="llama-8b: cp ranks per sequence (default: every GPU)")
     p.add_argument("--batch", type=int, default=1, help="llama-8b: sequences per dp replica")
     p.add_argument("--fp8", action="store_true", help="llama-8b: FP8 tensorwise linears (torchao), fused q/k/v")
@@ -370,7 +372,8 @@ def main(argv: Any = None) -> int:
     a.timeout = a.timeout or (560.0 if llama else 420.0)
     if a.smoke:
         a.seq_lens, a.layers, a.warmup, a.reps, a.timeout = "64", 2 if llama else 1, 1, 2, 180.0
-    model_modes = (a.model_modes.split(",") if a.model_modes else list(LLAMA8B_MODES if llama else MODEL_MODES))
+    default_modes = (LLAMA8B_SMOKE_MODES if a.smoke else LLAMA8B_MODES) if llama else MODEL_MODES
+    model_modes = a.model_modes.split(",") if a.model_modes else list(default_modes)
     seq_lens = [int(t) for t in a.seq_lens.split(",")]
     # bad input fails here, before any process starts
     for mode in model_modes:

@@ -142,8 +142,8 @@ def _reference() -> dict:
 
 
 def test_selective_policy_keeps_the_cp_ops() -> None:
+    import lightning_perf.parallel.model_parallel.context_parallel  # noqa: F401 (defines the ops)
     from lightning_perf.parallel.compute.activation_checkpointing import _selective_policy
-    from lightning_perf.parallel.model_parallel import context_parallel, ring_attention  # noqa: F401 (define the ops)
 
     for op in (torch.ops.lightning_perf.ring_attention.default, torch.ops.lightning_perf.cp_all_gather.default,
                torch.ops.aten.mm.default):
