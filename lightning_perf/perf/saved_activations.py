@@ -31,9 +31,11 @@ import torch.nn as nn
 __all__ = ["SavedActivations", "SavedTensorCounter", "producer_of", "KEPT_BY_SELECTIVE"]
 
 # autograd node names of the ops whose outputs selective checkpointing saves
-# (lightning_perf.parallel.compute.activation_checkpointing._SAVE_OPS)
+# (lightning_perf.parallel.compute.activation_checkpointing._SAVE_OPS and _SAVE_OP_NAMES: the custom
+# ops' nodes are named after the op)
 KEPT_BY_SELECTIVE = ("MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "ScaledMmBackward",
-                     "ScaledDotProduct")
+                     "ScaledDotProduct", "GeneratedBackwardFor_lightning_perf_ring_attention_",
+                     "GeneratedBackwardFor_lightning_perf_cp_all_gather_")
 _VIEWS = ("ViewBackward", "UnsafeViewBackward", "TransposeBackward", "TBackward", "PermuteBackward",
           "SplitBackward", "SplitWithSizesBackward", "SliceBackward", "SelectBackward", "ExpandBackward",
           "AsStridedBackward", "ReshapeAliasBackward", "UnsqueezeBackward", "SqueezeBackward", "UnbindBackward",

@@ -135,3 +135,39 @@ def test_attention_and_gpt_under_cp2_equal_one_process(tmp_path) -> None:
         torch.testing.assert_close(*res["loss"], rtol=1e-5, atol=0)
         for name, (got, want) in res["grads"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank 0 ignored, {name}: {m}")
+
+
+@pytest.mark.gpu(cpu=True)
+def test_bottom_right_causal_attention_equals_the_last_rows_of_full_causal() -> None:
+    """The all-gather mode's per-chunk attention: queries that are the last ``Tq`` of ``Tk`` positions
+    (GQA 4:2), forward and gradients, against the same rows of causal SDPA over all ``Tk`` queries.
+    On the CPU the mask is built; on a GPU in bf16 SDPA's flash kernel takes it (checked)."""
+    import torch.nn.functional as F
+    from _gpu import ON_GPU
+
+    from lightning_perf.parallel.model_parallel.context_parallel import _causal_lower_right, _flash_lower_right
+
+    device, dtype = ("cuda", torch.bfloat16) if ON_GPU else ("cpu", torch.float32)
+    g = torch.Generator(device=device).manual_seed(0)
+    Tk, hd = 96, 64
+    q_all = torch.randn(2, 4, Tk, hd, generator=g, device=device, dtype=dtype)
+    k, v = (torch.randn(2, 2, Tk, hd, generator=g, device=device, dtype=dtype) for _ in range(2))
+    grad = torch.randn(2, 4, Tk, hd, generator=g, device=device, dtype=dtype)
+    tol = dict(rtol=2e-2, atol=2e-2) if ON_GPU else dict(rtol=1e-5, atol=1e-6)
+    for Tq in (32, 64, 96):
+        q = q_all[:, :, Tk - Tq:].clone().requires_grad_()
+        kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
+        assert _flash_lower_right(q) == ON_GPU
+        y = _causal_lower_right(q, kk, vv)
+        y.backward(grad[:, :, Tk - Tq:])
+        # reference: every query, causal from the top left; the last Tq rows are the ones wanted
+        ref_q = q_all.clone().requires_grad_()
+        rk, rv = k.clone().requires_grad_(), v.clone().requires_grad_()
+        ref = F.scaled_dot_product_attention(ref_q, rk, rv, is_causal=True, enable_gqa=True)
+        mask = torch.zeros_like(grad)
+        mask[:, :, Tk - Tq:] = 1
+        ref.backward(grad * mask)
+        torch.testing.assert_close(y, ref[:, :, Tk - Tq:], **tol)
+        torch.testing.assert_close(q.grad, ref_q.grad[:, :, Tk - Tq:], **tol)
+        torch.testing.assert_close(kk.grad, rk.grad, **tol)
+        torch.testing.assert_close(vv.grad, rv.grad, **tol)

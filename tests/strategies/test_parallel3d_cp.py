@@ -6,7 +6,8 @@ every layout must give the single-process losses (rtol 1e-4) and final parameter
 
 - 2 ranks: cp2 with ZeRO 2 (FSDP2 over the flattened dp x cp ranks) and forward-only validation,
   cp2 with ZeRO 0 (gradients all-reduced), cp2 of the GPT-2 shapes, a checkpoint saved under cp2
-  and resumed under dp2;
+  and resumed under dp2; cp2 under selective activation checkpointing (ring and all-gather, ZeRO 2
+  and 3) and under full checkpointing (the ring, its recomputation passing K / V again);
 - 4 ranks: dp2 x cp2 (ZeRO 2 and ZeRO 0, and ZeRO 2 with ring attention), mesh coordinates and
   sampler ranks; cp2 x tp2 of both GPT shapes, and with ring attention.
 """
@@ -66,6 +67,18 @@ def _worker4(rank: int, world: int, out: Path) -> dict:
     return res
 
 
+def _worker2_checkpointing(rank: int, world: int, out: Path) -> dict:
+    res: dict[str, Any] = {}
+    for mode in ("ring", "allgather"):
+        res[f"cp2_{mode}_selective"] = fit(S(context_parallel_size=2, context_parallel_mode=mode,
+                                             activation_checkpointing="selective"), world)
+    res["cp2_ring_selective_zero3"] = fit(S(context_parallel_size=2, context_parallel_mode="ring", zero_stage=3,
+                                            activation_checkpointing="selective"), world)
+    res["cp2_ring_full"] = fit(S(context_parallel_size=2, context_parallel_mode="ring",
+                                 activation_checkpointing="full"), world)
+    return res
+
+
 @pytest.fixture(scope="module")
 def references():
     from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -90,6 +103,13 @@ def test_cp2_layouts_and_resume(references, tmp_path) -> None:
     losses = torch.tensor([r["cp2_save"]["losses"] for r in results]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(ref["losses"][:PER_EPOCH]), rtol=1e-4, atol=0)
     _check_run(results, "cp2_to_dp2", ref, first=PER_EPOCH)
+
+
+@pytest.mark.slow
+def test_cp2_under_activation_checkpointing(references, tmp_path) -> None:
+    results = spawn(_worker2_checkpointing, 2, tmp_path, timeout=300.0)
+    for key in ("cp2_ring_selective", "cp2_allgather_selective", "cp2_ring_selective_zero3", "cp2_ring_full"):
+        _check_run(results, key, references["llama"])
 
 
 @pytest.mark.slow

@@ -3,6 +3,14 @@
 The block's ``forward`` is replaced on the instance (no wrapper module), so parameter
 names do not change: checkpoints, FSDP wrapping and tensor-parallel plans keyed by
 name keep working after it.
+
+``"selective"`` runs torch's selective checkpointing with a policy that keeps the outputs of
+matmuls and attention kernels (``_SAVE_OPS``) and of the pack's own ops whose recomputation would
+repeat communication or attention (``_SAVE_OP_NAMES``): under context parallelism the ring
+attention op (its output and log-sum-exp) and the K / V all-gather of the ``"allgather"`` mode
+(``parallel.model_parallel.context_parallel``), so a block's recomputation runs no cp
+communication. ``"full"`` keeps only the block input and recomputes everything, cp
+communication included.
 """
 
 from __future__ import annotations
@@ -30,10 +38,18 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+# the pack's custom ops kept by name (their modules define them on import): recomputing them would
+# pass K / V around the cp ring again, or all-gather them again, and recompute the attention
+_SAVE_OP_NAMES = frozenset({
+    "lightning_perf::ring_attention",  # output and LSE; its backward runs the ring itself
+    "lightning_perf::cp_all_gather",  # the gathered K / V that the attention's backward reads
+})
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in _SAVE_OPS or (getattr(op, "namespace", None) == "lightning_perf" and op.name() in _SAVE_OP_NAMES):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _checkpointed_forward(module: nn.Module, original: Callable, mode: str, *args, **kwargs):  # noqa: ANN202
@@ -48,8 +64,9 @@ def _checkpointed_forward(module: nn.Module, original: Callable, mode: str, *arg
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> None:
     """Recompute each block's activations in backward.
 
-    ``full`` keeps only the block input; ``selective`` keeps matmul and attention outputs
-    and recomputes norms and elementwise ops. The block's ``forward`` is replaced on the
+    ``full`` keeps only the block input; ``selective`` keeps matmul and attention outputs (and,
+    under context parallelism, the cp attention's output and LSE, or its gathered K / V) and
+    recomputes norms and elementwise ops. The block's ``forward`` is replaced on the
     instance, so parameter names do not change.
     """
     if mode not in AC_MODES:

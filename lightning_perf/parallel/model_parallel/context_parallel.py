@@ -12,13 +12,14 @@ Inputs, targets and position ids are cut this way on every cp rank (all cp ranks
 data-parallel replica load the same batch); the model runs on its ``2c`` tokens with their
 global positions, and only attention needs the other ranks:
 
-- :func:`context_parallel_attention` all-gathers K and V over the cp group (autograd-aware:
-  the backward reduce-scatters dK and dV), puts the chunks back in global order and computes
-  each local query chunk's causal attention against the keys before and up to it: one SDPA
-  call per chunk, keys ``[0, (g + 1) c)`` for global chunk ``g``, with a causal mask aligned to
-  the bottom right (``causal_lower_right``: the query block is the last ``c`` rows, so its
-  ``i``-th query sees keys up to ``g c + i``; SDPA's memory-efficient kernel applies it without
-  building a mask). Grouped-query attention gathers the ``n_kv_head`` heads as they are.
+- :func:`context_parallel_attention` all-gathers K and V over the cp group (the custom op
+  ``lightning_perf::cp_all_gather``; its backward reduce-scatters dK and dV), puts the chunks back
+  in global order and computes each local query chunk's causal attention against the keys before
+  and up to it: one SDPA call per chunk, keys ``[0, (g + 1) c)`` for global chunk ``g``, with a
+  causal mask aligned to the bottom right (the query block is the last ``c`` rows, so its ``i``-th
+  query sees keys up to ``g c + i``; on a GPU SDPA's flash kernel applies it without building a
+  mask, elsewhere the boolean mask is built). Grouped-query attention gathers the ``n_kv_head``
+  heads as they are.
 - :class:`ContextParallelForward` wraps the model's ``forward(idx, targets)``: it cuts the
   batch, calls the model with ``positions=`` (the global positions of the local tokens, for
   rotary and learned position embeddings) and returns the mean loss over every token of the
@@ -36,6 +37,13 @@ Two ways to reach the other ranks' keys (``mode`` of :func:`apply_context_parall
 ``"allgather"`` (above: each chunk waits for the whole all-gather, the default) and ``"ring"``
 (:mod:`lightning_perf.parallel.model_parallel.ring_attention`: K / V pairs passed between neighbours while the
 block already held is computed, partial outputs merged by their log-sum-exp).
+
+Under selective activation checkpointing (``parallel.compute.activation_checkpointing``) the
+policy keeps the ring op's output and log-sum-exp, or the all-gathered K / V and SDPA's outputs, so
+a block's recomputation communicates nothing over "cp" and does not recompute attention; the
+all-gather mode pays for it with the whole sequence's K / V kept per block. Under full
+checkpointing the recomputation runs the forward's communication again. Both modes trace under
+torch.compile without graph breaks (the communication runs inside the custom ops).
 """
 
 from __future__ import annotations
@@ -121,6 +129,94 @@ def gather_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     return _global_order(list(parts.unbind(0)), dim)
 
 
+# ---- the K / V all-gather of the "allgather" mode: a custom op -----------------------------------
+#
+# A custom op (rather than functional collectives) so selective activation checkpointing can keep its
+# output by name (``parallel.compute.activation_checkpointing._SAVE_OP_NAMES``): a block's
+# recomputation then reads the gathered K / V instead of gathering them again. torch.compile traces it
+# as one call. The process group travels by name.
+
+
+def _group(group_name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    # all_gather_single where it exists (all_gather_into_tensor is deprecated there)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
+@torch.library.custom_op("lightning_perf::cp_all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """(group_size, *x.shape): every rank's ``x``, rank-major."""
+    x = x.contiguous()
+    out = x.new_empty((group_size, *x.shape))
+    _all_gather_into(out.view(group_size * x.shape[0], *x.shape[1:]), x, _group(group_name))
+    return out
+
+
+@_all_gather_op.register_fake
+def _(x, group_name, group_size):
+    return x.new_empty((group_size, *x.shape))
+
+
+@torch.library.custom_op("lightning_perf::cp_reduce_scatter", mutates_args=())
+def _reduce_scatter_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """x (group_size, *shape) on every rank -> the sum over ranks of their ``x[rank]`` (shape)."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[1:])
+    _reduce_scatter_into(out, x.view(x.shape[0] * x.shape[1], *x.shape[2:]), _group(group_name))
+    return out
+
+
+@_reduce_scatter_op.register_fake
+def _(x, group_name):
+    return x.new_empty(x.shape[1:])
+
+
+def _gather_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.group_name = inputs[1]
+
+
+def _gather_backward(ctx: Any, grad: torch.Tensor):
+    return _reduce_scatter_op(grad, ctx.group_name), None, None
+
+
+_all_gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+def _flash_lower_right(q: torch.Tensor) -> bool:
+    """Whether SDPA's CUDA flash kernel takes ``q``: its ``is_causal`` aligns the mask to the bottom right."""
+    hd = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256
+            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_properties(q.device).major >= 8)
+
+
+def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of ``q`` (the last ``Tq`` of the ``Tk`` positions) over ``k`` / ``v``: query ``i``
+    sees keys up to ``Tk - Tq + i``. GQA heads as they are.
+
+    Without torch's ``CausalBias`` tensor subclass, which can be built neither under selective
+    checkpointing's dispatch mode nor inside a compiled graph: on a GPU SDPA's flash kernel (its
+    ``is_causal`` is bottom-right aligned when the lengths differ; an op selective checkpointing keeps),
+    otherwise SDPA with the boolean mask built.
+    """
+    Tq, Tk = q.shape[2], k.shape[2]
+    kw = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if Tq == Tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+    if _flash_lower_right(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence's keys.
 
@@ -129,21 +225,17 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``out_g = softmax(q_g K[:(g+1)c]^T / sqrt(hd) + M) V[:(g+1)c]`` with ``M[i, j] = -inf`` for
     ``j > g c + i``. Returns (B, nh, 2c, hd) in the local order.
     """
-    from torch.nn.attention.bias import causal_lower_right
-
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     c = q.shape[2] // 2
-    # one collective for K and V: (2, B, nkv, 2c, hd) per rank
-    kv = gather_sequence(torch.stack([k, v]), group, dim=3)  # (2, B, nkv, T, hd)
+    # one collective for K and V: (2, B, nkv, 2c, hd) per rank -> (cp, 2, B, nkv, 2c, hd); the
+    # backward reduce-scatters dK and dV
+    parts = _all_gather_op(torch.stack([k, v]), group.group_name, cp)
+    kv = _global_order(list(parts.unbind(0)), dim=3)  # (2, B, nkv, T, hd)
     k_all, v_all = kv[0], kv[1]
-    gqa = k.shape[1] != q.shape[1]
     out = []
     for i, g in enumerate((rank, 2 * cp - 1 - rank)):
-        q_g = q[:, :, i * c : (i + 1) * c]
         end = (g + 1) * c
-        kw = {"enable_gqa": True} if gqa else {}
-        out.append(F.scaled_dot_product_attention(q_g, k_all[:, :, :end], v_all[:, :, :end],
-                                                  attn_mask=causal_lower_right(c, end), **kw))
+        out.append(_causal_lower_right(q[:, :, i * c : (i + 1) * c], k_all[:, :, :end], v_all[:, :, :end]))
     return torch.cat(out, dim=2)
 
 

@@ -23,6 +23,11 @@ after ``n`` steps the accumulator of rank r's keys arrives back at rank r.
 
 Blocks are c x c: on a GPU the pack's Triton flash-attention kernel (which returns the LSE and takes
 it back in its backward) where it supports the shape, otherwise a float32 math block.
+
+The forward and backward are the custom ops ``lightning_perf::ring_attention`` (returning the
+output and the LSE) and ``lightning_perf::ring_attention_backward``: selective activation
+checkpointing keeps the forward op's outputs, so recomputing a block neither runs the ring again nor
+recomputes attention, and torch.compile calls the ops from inside a compiled graph (no graph break).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["ring_attention", "RingAttentionFunction", "ring_steps", "block_attention", "block_attention_backward"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_steps", "block_attention",
+           "block_attention_backward"]
 
 _LN2 = math.log(2.0)
 
@@ -151,65 +157,117 @@ def _halves(x: torch.Tensor) -> list[torch.Tensor]:
     return list(x.chunk(2, dim=2))
 
 
-class RingAttentionFunction(torch.autograd.Function):
-    """Forward and backward of :func:`ring_attention`; saves q, k, v, the merged output and LSE."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
-        ring = _Ring(group)
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        qh = _halves(q)
-        out: list[Optional[torch.Tensor]] = [None, None]
-        lse: list[Optional[torch.Tensor]] = [None, None]
-        kv = torch.stack([k, v]).contiguous()  # one message per step: (2, B, Hkv, 2c, D)
-        for s, (_, blocks) in enumerate(ring_steps(rank, cp)):
-            pending = ring.start(kv) if s + 1 < cp else None
-            kh, vh = _halves(kv[0]), _halves(kv[1])
-            for i, j, causal in blocks:
-                o_b, l_b = block_attention(qh[i], kh[j], vh[j], causal, scale)
-                if out[i] is None:
-                    out[i], lse[i] = o_b, l_b
-                else:
-                    new = torch.logaddexp(lse[i], l_b)
-                    out[i] = out[i] * (lse[i] - new).exp().unsqueeze(-1) + o_b * (l_b - new).exp().unsqueeze(-1)
-                    lse[i] = new
-            if pending is not None:
-                kv = ring.wait(pending)
-        o = torch.cat(out, dim=2).to(q.dtype)
-        ctx.group, ctx.scale = group, scale
-        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2))
-        return o
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor):
-        q, k, v, o, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        ring = _Ring(group)
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        qh, oh, lh, dh = _halves(q), _halves(o), _halves(lse), _halves(dout.contiguous())
-        dq = [torch.zeros_like(t, dtype=torch.float32) for t in qh]
-        kv = torch.stack([k, v]).contiguous()
-        dkv_pending = None
-        for s, (_, blocks) in enumerate(ring_steps(rank, cp)):
-            kv_pending = ring.start(kv) if s + 1 < cp else None
-            kh, vh = _halves(kv[0]), _halves(kv[1])
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this rank's share for these keys
-            dk, dv = _halves(dkv[0]), _halves(dkv[1])
-            for i, j, causal in blocks:
-                dq_b, dk_b, dv_b = block_attention_backward(qh[i], kh[j], vh[j], oh[i], lh[i], dh[i], causal, scale)
-                dq[i] += dq_b
-                dk[j] += dk_b
-                dv[j] += dv_b
-            if dkv_pending is not None:  # the shares of the ranks before this one
-                dkv += ring.wait(dkv_pending)
-            dkv_pending = ring.start(dkv)
-            if kv_pending is not None:
-                kv = ring.wait(kv_pending)
-        dkv = ring.wait(dkv_pending)  # this rank's own keys, every rank's share added
-        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's forward: (O (B, H, 2c, D) in q's dtype, L fp32 (B, H, 2c)), the merged output and LSE."""
+    ring = _Ring(group)
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    qh = _halves(q)
+    out: list[Optional[torch.Tensor]] = [None, None]
+    lse: list[Optional[torch.Tensor]] = [None, None]
+    kv = torch.stack([k, v]).contiguous()  # one message per step: (2, B, Hkv, 2c, D)
+    for s, (_, blocks) in enumerate(ring_steps(rank, cp)):
+        pending = ring.start(kv) if s + 1 < cp else None
+        kh, vh = _halves(kv[0]), _halves(kv[1])
+        for i, j, causal in blocks:
+            o_b, l_b = block_attention(qh[i], kh[j], vh[j], causal, scale)
+            if out[i] is None:
+                out[i], lse[i] = o_b, l_b
+            else:
+                new = torch.logaddexp(lse[i], l_b)
+                out[i] = out[i] * (lse[i] - new).exp().unsqueeze(-1) + o_b * (l_b - new).exp().unsqueeze(-1)
+                lse[i] = new
+        if pending is not None:
+            kv = ring.wait(pending)
+    # new tensors (never views of the inputs): the custom op's outputs may not alias them
+    return torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
 
 
-@torch.compiler.disable  # point-to-point requests are not traceable: compiled blocks call it eagerly
+def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                  dout: torch.Tensor, group: Any, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring's backward from the merged output and LSE: (dQ, dK, dV) in the inputs' dtypes."""
+    ring = _Ring(group)
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    qh, oh, lh, dh = _halves(q), _halves(o), _halves(lse), _halves(dout.contiguous())
+    dq = [torch.zeros_like(t, dtype=torch.float32) for t in qh]
+    kv = torch.stack([k, v]).contiguous()
+    dkv_pending = None
+    for s, (_, blocks) in enumerate(ring_steps(rank, cp)):
+        kv_pending = ring.start(kv) if s + 1 < cp else None
+        kh, vh = _halves(kv[0]), _halves(kv[1])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this rank's share for these keys
+        dk, dv = _halves(dkv[0]), _halves(dkv[1])
+        for i, j, causal in blocks:
+            dq_b, dk_b, dv_b = block_attention_backward(qh[i], kh[j], vh[j], oh[i], lh[i], dh[i], causal, scale)
+            dq[i] += dq_b
+            dk[j] += dk_b
+            dv[j] += dv_b
+        if dkv_pending is not None:  # the shares of the ranks before this one
+            dkv += ring.wait(dkv_pending)
+        dkv_pending = ring.start(dkv)
+        if kv_pending is not None:
+            kv = ring.wait(kv_pending)
+    dkv = ring.wait(dkv_pending)  # this rank's own keys, every rank's share added
+    # copies: dK and dV are two outputs of one op and may not share the received buffer
+    return (torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True))
+
+
+# ---- the op: one node for autograd, selective checkpointing and torch.compile --------------------
+#
+# The ring is a custom op rather than an autograd.Function so that (a) selective activation
+# checkpointing (``parallel.compute.activation_checkpointing``) recognises it and keeps its output
+# and LSE: the recomputation of a block then neither passes K / V around the ring again nor
+# recomputes attention; and (b) torch.compile traces it as one opaque call instead of breaking the
+# graph around point-to-point requests. The process group travels by name.
+
+
+def _group(group_name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+@torch.library.custom_op("lightning_perf::ring_attention", mutates_args=())
+def _ring_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return ring_forward(q, k, v, _group(group_name), scale)
+
+
+@_ring_op.register_fake
+def _(q, k, v, group_name, scale):
+    B, H, T, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("lightning_perf::ring_attention_backward", mutates_args=())
+def _ring_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                      dout: torch.Tensor, group_name: str,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ring_backward(q, k, v, o, lse, dout, _group(group_name), scale)
+
+
+@_ring_backward_op.register_fake
+def _(q, k, v, o, lse, dout, group_name, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, group_name, scale = inputs
+    o, lse = output
+    ctx.group_name, ctx.scale = group_name, scale
+    ctx.save_for_backward(q, k, v, o, lse)
+
+
+def _backward(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]):
+    q, k, v, o, lse = ctx.saved_tensors
+    # the LSE is returned for saving, never used downstream: its gradient is zero
+    dq, dk, dv = _ring_backward_op(q, k, v, o, lse, dout, ctx.group_name, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_ring_op.register_autograd(_backward, setup_context=_setup)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
                    softmax_scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence, K / V passed around the ring.
@@ -228,4 +286,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         from lightning_perf.kernels.ops.flash_attention import attention_reference
 
         return attention_reference(q, k, v, causal=True, softmax_scale=scale)
-    return RingAttentionFunction.apply(q, k, v, group, scale)
+    return _ring_op(q, k, v, group.group_name, scale)[0]
