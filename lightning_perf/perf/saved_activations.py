@@ -35,7 +35,8 @@ __all__ = ["SavedActivations", "SavedTensorCounter", "producer_of", "KEPT_BY_SEL
 # ops' nodes are named after the op)
 KEPT_BY_SELECTIVE = ("MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "ScaledMmBackward",
                      "ScaledDotProduct", "GeneratedBackwardFor_lightning_perf_ring_attention_",
-                     "GeneratedBackwardFor_lightning_perf_cp_all_gather_")
+                     "GeneratedBackwardFor_lightning_perf_cp_all_gather_",
+                     "GeneratedBackwardFor_lightning_perf_flash_attn_")
 _VIEWS = ("ViewBackward", "UnsafeViewBackward", "TransposeBackward", "TBackward", "PermuteBackward",
           "SplitBackward", "SplitWithSizesBackward", "SliceBackward", "SelectBackward", "ExpandBackward",
           "AsStridedBackward", "ReshapeAliasBackward", "UnsqueezeBackward", "SqueezeBackward", "UnbindBackward",

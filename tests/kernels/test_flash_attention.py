@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -263,3 +264,41 @@ def test_ring_blocks_merge_by_lse_into_causal_attention(use_triton, close, devic
            torch.cat([dv0 + dv0a, dv1], dim=2))
     for name, g, w in zip("qkv", got, want):
         close(g, w, 1e-4, 1e-4, f"d{name}")
+
+
+@pytest.mark.parametrize("mode, forwards_in_backward", [("selective", 0), ("full", 1)])
+def test_selective_checkpointing_keeps_the_attention(mode, forwards_in_backward, monkeypatch, close, device):
+    """Selective activation checkpointing keeps the Triton attention's output and LSE, as it keeps SDPA's:
+    the backward's recomputation of the block runs no attention forward (full checkpointing runs one)."""
+    import lightning_perf.kernels.ops.flash_attention as fa
+    from lightning_perf.parallel.compute.activation_checkpointing import apply_activation_checkpointing
+
+    calls = {"forward": 0}
+    forward = fa.flash_attn_fwd
+
+    def counted(*args, **kwargs):
+        calls["forward"] += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(fa, "flash_attn_fwd", counted)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 3 * 16, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, H, T, 16) -> same
+            q, k, v = self.proj(x).chunk(3, dim=-1)
+            return flash_attention(q.tanh(), k, v, causal=True) * 2
+
+    torch.manual_seed(0)
+    block = Block().to(device)
+    reference = copy.deepcopy(block)
+    apply_activation_checkpointing([block], mode)
+    x = torch.randn(1, 2, 24, 16, device=device)
+    y = block(x)
+    assert calls["forward"] == 1
+    y.square().sum().backward()
+    assert calls["forward"] == 1 + forwards_in_backward
+    reference(x).square().sum().backward()
+    close(block.proj.weight.grad, reference.proj.weight.grad, 1e-5, 1e-5, "dW")

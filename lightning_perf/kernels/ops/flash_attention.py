@@ -30,7 +30,7 @@ from lightning_perf.kernels.ops.flash_attention_launch import (
     flash_attn_fwd,
 )
 
-__all__ = ["flash_attention", "attention_reference", "FlashAttentionFunction", "flash_attention_supported"]
+__all__ = ["flash_attention", "attention_reference", "flash_attention_supported"]
 
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -77,23 +77,6 @@ def _backward(ctx, do, dlse):
 
 
 _flash_op.register_autograd(_backward, setup_context=_setup)
-
-
-class FlashAttentionFunction(torch.autograd.Function):
-    """Eager path; saves q, k, v, o, the fp32 LSE (B, H, T) and the document ids (or None)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, doc_ids: Optional[torch.Tensor] = None):
-        o, lse = flash_attn_fwd(q, k, v, causal, scale, doc_ids=doc_ids)
-        ctx.causal, ctx.scale = causal, scale
-        ctx.save_for_backward(q, k, v, o, lse, doc_ids)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, doc_ids = ctx.saved_tensors
-        dq, dk, dv = flash_attn_bwd(q, k, v, o, lse, do, ctx.causal, ctx.scale, doc_ids=doc_ids)
-        return dq, dk, dv, None, None, None
 
 
 # ---- reference and public function -------------------------------------------------------------
@@ -156,6 +139,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         if not causal:
             raise ValueError("doc_ids gives document-causal attention; causal=False cannot be combined with it")
         check_doc_ids(doc_ids, q)
-    if torch.compiler.is_compiling():
-        return _flash_op(q, k, v, causal, scale, doc_ids)[0]
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, doc_ids)
+    # the custom op in eager mode too: selective activation checkpointing sees it and keeps its output and
+    # LSE (an autograd.Function's kernels are invisible to it, so its forward would run again in the backward)
+    return _flash_op(q, k, v, causal, scale, doc_ids)[0]

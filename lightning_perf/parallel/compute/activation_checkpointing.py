@@ -43,6 +43,7 @@ _SAVE_OPS = {
 _SAVE_OP_NAMES = frozenset({
     "lightning_perf::ring_attention",  # output and LSE; its backward runs the ring itself
     "lightning_perf::cp_all_gather",  # the gathered K / V that the attention's backward reads
+    "lightning_perf::flash_attn",  # the Triton attention's output and LSE, as SDPA's outputs above
 })
 
 
