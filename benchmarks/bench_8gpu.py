@@ -3,6 +3,7 @@
     python benchmarks/bench_8gpu.py --out DIR                  # part "main", ~9 min on 8x H200
     python benchmarks/bench_8gpu.py --out DIR --part compile   # compiled llama-8b layouts, ~9 min
     python benchmarks/bench_8gpu.py --out DIR --part auto      # the default pipeline against 1F1B m=8
+    python benchmarks/bench_8gpu.py --out DIR --part 4gpu --gpus 4   # llama-8b layouts on 4 GPUs, ~9 min
     python benchmarks/bench_8gpu.py --smoke                    # same code paths, tiny models, CPU/gloo
 
 Every variant trains inside Lightning's ``Trainer.fit`` (bf16-mixed, AdamW, random tokens,
@@ -32,6 +33,11 @@ Part ``auto``: llama-8b pp2 x dp4 and pp2 x tp2 x dp2 with the strategy's defaul
 (``"auto"``: schedule, microbatches and stages per rank chosen from the batch and the model; the
 row records the choice), beside the hand-set 1F1B with 8 microbatches in the same group.
 
+Part ``4gpu`` (four GPUs): llama-8b at T=8192, 8 sequences per step (2 per GPU), FP8 tensorwise with
+fused q / k / v, the pack's kernels, compiled blocks and selective checkpointing, as ZeRO-3 dp4 (weights
+gathered in FP8), tp2 x dp2 (batch-sharded sequence parallelism, ZeRO-3 over dp; synchronous and async
+TP) and pp2 x dp2 (the default pipeline, ZeRO-3 over dp): each 3D layout against ZeRO-3 on the same GPUs.
+
 Reported per variant: tokens/s in all and per GPU, MFU per GPU (causal attention counted once,
 989 TFLOP/s dense bf16; ``mfu_attention_twice`` over the full square), peak allocated memory (max
 over ranks), exposed communication % (NCCL kernel time under no compute kernel, over the
@@ -59,6 +65,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_parallel3d as b3  # noqa: E402
 
 LLAMA = {"preset": "llama-8b", "seq_len": 4096, "global_batch": 32}
+# llama-8b at T=8192, 2 sequences per GPU on 4 GPUs, as the ZeRO-3 figures of bench_parallel.py: FP8 tensorwise,
+# q / k / v from one matmul, the pack's kernels, attention "auto", compiled blocks, selective checkpointing
+LLAMA_4GPU = {"preset": "llama-8b", "seq_len": 8192, "global_batch": 8, "fp8": True, "fused_qkv": True,
+              "kernels": "triton", "attention": "auto", "compile": "default", "ac": "selective"}
 GPT13 = {"preset": "gpt-1.3b", "seq_len": 2048}
 
 # (part, group name, world, {variant: spec}); groups run in this order
@@ -93,6 +103,13 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
         "llama8b_pp2_tp2_dp2": dict(LLAMA, pp=2, tp=2, zero=1, schedule="1f1b", m=8),
         "llama8b_pp2_tp2_dp2_auto": dict(LLAMA, pp=2, tp=2, zero=1, auto=True),
     }),
+    # the 3D layouts on four GPUs against ZeRO-3 over all four (weights gathered in FP8), same model and tokens
+    ("4gpu", "llama8b_4gpu", 4, {
+        "llama8b_dp4_zero3_fp8": dict(LLAMA_4GPU, zero=3, fp8_all_gather=True),
+        "llama8b_tp2_dp2_fp8": dict(LLAMA_4GPU, tp=2, zero=3, sp="batch"),
+        "llama8b_tp2_dp2_fp8_async": dict(LLAMA_4GPU, tp=2, zero=3, sp="batch", async_tp=True),
+        "llama8b_pp2_dp2_fp8_auto": dict(LLAMA_4GPU, pp=2, zero=3, auto=True),
+    }),
     # Python's garbage collector on a fixed schedule on every rank (GarbageCollection every 10 steps):
     # how much of a layout's exposed communication comes from one rank's collector pauses
     ("gc", "gpt13b_dp8_gc", 8, {
@@ -107,7 +124,7 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
 
 # a group's deadline: seconds per variant plus the group's start (spawn, imports, NCCL)
 PER_VARIANT_S = {"llama8b_8gpu": 85.0, "llama8b_8gpu_compile": 150.0, "llama8b_8gpu_gc": 85.0,
-                 "llama8b_8gpu_auto": 85.0}
+                 "llama8b_8gpu_auto": 85.0, "llama8b_4gpu": 130.0}
 DEFAULT_PER_VARIANT_S = 35.0
 GROUP_START_S = 30.0
 
@@ -147,6 +164,11 @@ def add_figures(results: list[dict]) -> None:
         if fsdp is not None and r.get("ok") and r["variant"].startswith("gpt13b_dp8"):
             r["vs_lightning_fsdp_dp8"] = r["tokens_per_s"] / fsdp["tokens_per_s"]
             r["vs_lightning_fsdp_dp8_median_step"] = r["tokens_per_s_median_step"] / fsdp["tokens_per_s_median_step"]
+    zero3_4 = next((r for r in results if r.get("ok") and r["variant"] == "llama8b_dp4_zero3_fp8"), None)
+    for r in results:  # the 4-GPU 3D layouts against ZeRO-3 on the same four GPUs
+        if zero3_4 is not None and r.get("ok") and r.get("group") == "llama8b_4gpu":
+            r["vs_zero3_dp4"] = r["tokens_per_s"] / zero3_4["tokens_per_s"]
+            r["vs_zero3_dp4_median_step"] = r["tokens_per_s_median_step"] / zero3_4["tokens_per_s_median_step"]
     lfsdp8b = next((r for r in results if r.get("ok") and r["variant"] == "llama8b_dp8_lightning_fsdp"), None)
     for r in results:
         if lfsdp8b is not None and r.get("ok") and r["variant"].startswith("llama8b"):
@@ -203,7 +225,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--part", choices=("main", "compile", "gc", "auto", "all"), default="main")
+    parser.add_argument("--part", choices=("main", "compile", "gc", "auto", "4gpu", "all"), default="main")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU processes (gloo)")
     parser.add_argument("--gpus", type=int, default=8, help="largest world; groups needing more are skipped")
     parser.add_argument("--warmup", type=int, default=2)

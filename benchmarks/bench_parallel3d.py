@@ -324,6 +324,7 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
     small = "tiny-llama" if "llama" in preset else "tiny"
     config = GPTConfig.from_name(small if smoke else preset, block_size=max(T, 16), tie_embeddings=False,
                                  fused_qkv=spec.get("fused_qkv", False), fp8=spec.get("fp8", False),
+                                 kernels=spec.get("kernels", "torch"), attention=spec.get("attention", "sdpa"),
                                  **(spec.get("smoke_config", {}) if smoke else {}))  # e.g. heads for tp8
     pool = torch.randint(0, config.vocab_size, (64, T + 1), generator=torch.Generator().manual_seed(rank))
 

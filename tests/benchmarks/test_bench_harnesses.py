@@ -124,6 +124,14 @@ def test_ratios_come_from_the_wall_clock_and_the_median_step_beside_them():
     assert rows[1]["vs_lightning_fsdp_dp8_median_step"] == pytest.approx(836 / 800)
     assert rows[1]["tokens_per_s_per_gpu"] == pytest.approx(95.0)
 
+    # the 4-GPU llama-8b layouts against ZeRO-3 dp4 of the same group
+    four = [_row("llama8b_dp4_zero3_fp8", 400.0, 440.0, world=4), _row("llama8b_tp2_dp2_fp8", 300.0, 352.0, world=4)]
+    for r in four:
+        r["group"] = "llama8b_4gpu"
+    bench_8gpu.add_figures(four)
+    assert four[1]["vs_zero3_dp4"] == pytest.approx(0.75) and four[0]["vs_zero3_dp4"] == pytest.approx(1.0)
+    assert four[1]["vs_zero3_dp4_median_step"] == pytest.approx(0.8)
+
 
 def test_a_recipe_child_killed_after_its_window_keeps_the_window(tmp_path) -> None:
     import json
