@@ -36,7 +36,8 @@ row records the choice), beside the hand-set 1F1B with 8 microbatches in the sam
 Part ``4gpu`` (four GPUs): llama-8b at T=8192, 8 sequences per step (2 per GPU), FP8 tensorwise with
 fused q / k / v, the pack's kernels, compiled blocks and selective checkpointing, as ZeRO-3 dp4 (weights
 gathered in FP8), tp2 x dp2 (batch-sharded sequence parallelism, ZeRO-3 over dp; synchronous and async
-TP) and pp2 x dp2 (the default pipeline, ZeRO-3 over dp): each 3D layout against ZeRO-3 on the same GPUs.
+TP) and pp2 x dp2 (the default pipeline, and interleaved 1F1B on 4 stages per rank; ZeRO-3 over dp):
+each 3D layout against ZeRO-3 on the same GPUs.
 
 Reported per variant: tokens/s in all and per GPU, MFU per GPU (causal attention counted once,
 989 TFLOP/s dense bf16; ``mfu_attention_twice`` over the full square), peak allocated memory (max
@@ -109,6 +110,8 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
         "llama8b_tp2_dp2_fp8": dict(LLAMA_4GPU, tp=2, zero=3, sp="batch"),
         "llama8b_tp2_dp2_fp8_async": dict(LLAMA_4GPU, tp=2, zero=3, sp="batch", async_tp=True),
         "llama8b_pp2_dp2_fp8_auto": dict(LLAMA_4GPU, pp=2, zero=3, auto=True),
+        # 4 stages of 4 blocks per rank: a bubble of 1/17 instead of auto's 1/9 at the same 4 microbatches
+        "llama8b_pp2_dp2_fp8_spr4": dict(LLAMA_4GPU, pp=2, zero=3, schedule="interleaved_1f1b", m=4, spr=4),
     }),
     # Python's garbage collector on a fixed schedule on every rank (GarbageCollection every 10 steps):
     # how much of a layout's exposed communication comes from one rank's collector pauses
