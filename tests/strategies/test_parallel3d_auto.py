@@ -91,6 +91,10 @@ def _shape_worker(rank: int, world: int, out: Path) -> dict:
         stages = build_stage_modules(model, rank, config)
         runner = PipelineRunner(config, stages, dist.group.WORLD, torch.device("cpu"), choose=choose)
         x = torch.randint(0, 64, (GLOBAL_B, T))
+        # evaluation before any training (Lightning's sanity check) on a short batch: it must not fix the
+        # training batches' shape (nor, under "auto", choose their schedule)
+        with torch.no_grad():
+            before = (runner.eval_step(x[:3], x[:3]).item(), reference(x[:3], x[:3]).item())
         res[name] = [runner.train_step(x, x).item()]
         try:  # half a batch: divisible by the 2 microbatches, but not the shape the stages were set up for
             runner.train_step(x[: GLOBAL_B // 2], x[: GLOBAL_B // 2])
@@ -103,6 +107,8 @@ def _shape_worker(rank: int, world: int, out: Path) -> dict:
             for short in (x[:3], x[:, : T // 2]):
                 res[name].append((runner.eval_step(short, short).item(), reference(short, short).item()))
         res[name].append(runner.train_step(x, x).item())  # training goes on with its own schedule
+        res[name].append(before)
+        res[name].append(runner.choice.as_dict())
     return res
 
 
@@ -110,7 +116,10 @@ def _shape_worker(rank: int, world: int, out: Path) -> dict:
 def test_a_batch_of_another_shape_is_refused_in_training_and_evaluated_in_validation(tmp_path) -> None:
     results = spawn(_shape_worker, 2, tmp_path, timeout=120.0, init_group=True)
     for name in ("as_set", "auto", "interleaved"):
-        (loss0, error0, eval0, *short0, again0), (loss1, error1, eval1, *short1, again1) = (r[name] for r in results)
+        (loss0, error0, eval0, *short0, again0, before0, choice0), (loss1, error1, eval1, *short1, again1, before1,
+                                                                  choice1) = (r[name] for r in results)
+        assert choice0 == choice1 and choice0["batch_size"] == GLOBAL_B and choice0["num_microbatches"] == 2
+        assert before0 == before1 and before0[0] == pytest.approx(before0[1], rel=1e-5)
         assert loss0 == loss1 and eval0 == eval1 and 4.0 < eval0 < 5.5, results
         assert again0 == again1 == pytest.approx(loss0, rel=1e-6)
         assert error0 == error1

@@ -647,23 +647,17 @@ class PipelineRunner:
 
     def _eval_schedule(self, batch_size: int, seq_len: int) -> tuple[Any, int]:
         """A forward-only schedule of its own for an evaluation batch of another shape than the training
-        batches (a shorter last validation batch): new stages (their buffers sized for this shape) over the
-        same modules, microbatches of equal size (the most that divide the batch, at most the training
-        schedule's). Built once per shape; every pipeline rank sees the same batch, so all build alike."""
+        batches (a shorter last validation batch, or any before training's first): new stages (their
+        buffers sized for this shape) over the same modules, microbatches of equal size (the most that
+        divide the batch, at most the training schedule's, or pp before it is chosen). Built once per
+        shape; every pipeline rank sees the same batch, so all build alike."""
         shape = (int(batch_size), int(seq_len))
         cached = self._eval_schedules.get(shape)
         if cached is not None:
             return cached
-        if self.config.placement == "v":
-            b, t = self._shape or shape
-            raise ValueError(
-                f"an evaluation batch of {shape[0]} sequences x {shape[1]} tokens after batches of {b} x {t}: "
-                f"pipeline_schedule={self.config.schedule!r} places its stages in a V, which only its own schedule "
-                "runs, and that was set up for the first batch's shape; use one batch shape for training and "
-                "validation (drop_last=True, so the last batch is full)")
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        limit = max(1, min(self.config.num_microbatches or 1, shape[0]))
+        limit = max(1, min(self.config.num_microbatches or self.config.pipeline_parallel_size, shape[0]))
         m = max(d for d in range(1, limit + 1) if shape[0] % d == 0)
         n = self.config.num_stages
         stages = [PipelineStage(s.submod, s.stage_index, n, self.device, group=self.pp_group) for s in self.stages]
@@ -674,27 +668,39 @@ class PipelineRunner:
         self._eval_schedules[shape] = (schedule, m)
         return schedule, m
 
+    def _eval_target(self, batch_size: int, seq_len: int) -> tuple[Any, int]:
+        """The schedule and microbatches for an evaluation batch: the training schedule's for the training
+        batches' shape; for any other shape, and before the first training batch (Lightning's sanity
+        check validates first), a forward-only schedule of its own, so that evaluation never fixes the
+        shape (or, under "auto", the schedule) training runs with."""
+        shape = (int(batch_size), int(seq_len))
+        if self._shape is not None and shape == self._shape:
+            return self.schedule, self.config.num_microbatches or 1
+        if self.config.placement == "v":  # only its own schedule runs V-placed stages: the first batch decides
+            if self._shape is None:
+                return self.schedule, self.prepare(*shape).num_microbatches or 1
+            b, t = self._shape
+            raise ValueError(
+                f"an evaluation batch of {shape[0]} sequences x {shape[1]} tokens after batches of {b} x {t}: "
+                f"pipeline_schedule={self.config.schedule!r} places its stages in a V, which only its own schedule "
+                "runs, and that was set up for the first batch's shape; use one batch shape for training and "
+                "validation (drop_last=True, so the last batch is full)")
+        return self._eval_schedule(*shape)
+
     def eval_microbatches(self, batch_size: int, seq_len: int) -> int:
         """The microbatches :meth:`eval_step` cuts a batch of this shape into (its schedule set up, before any
-        send/recv): the training schedule's for the first batch's shape, else those of its own schedule."""
-        shape = (int(batch_size), int(seq_len))
-        if self._shape is not None and shape != self._shape:
-            return self._eval_schedule(*shape)[1]
-        return self.prepare(*shape).num_microbatches or 1
+        send/recv)."""
+        return self._eval_target(batch_size, seq_len)[1]
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only over all microbatches; the batch-mean loss on every pipeline rank.
 
-        A batch of another shape than the first (a shorter last validation batch) runs through a
-        forward-only schedule built for it (:meth:`_eval_schedule`), so validation needs no
-        ``drop_last``; the loss is the mean over microbatches of equal size, as for a full batch."""
-        shape = (int(inputs.shape[0]), int(inputs.shape[-1]))
-        if self._shape is not None and shape != self._shape:
-            schedule, m = self._eval_schedule(*shape)  # before any send/recv
-        else:
-            self.prepare(*shape)  # before any send/recv
-            schedule, m = self.schedule, self.config.num_microbatches or 1
+        A batch of another shape than training's (a shorter last validation batch), or any batch before
+        the first training batch, runs through a forward-only schedule built for its shape
+        (:meth:`_eval_schedule`), so validation needs no ``drop_last`` and never decides the training
+        schedule; the loss is the mean over microbatches of equal size, as for a full batch."""
+        schedule, m = self._eval_target(inputs.shape[0], inputs.shape[-1])  # before any send/recv
         self._raw = []
         self._factor = 1.0
         if hasattr(schedule, "eval"):
