@@ -195,7 +195,7 @@ def _flash_lower_right(q: torch.Tensor) -> bool:
     """Whether SDPA's CUDA flash kernel takes ``q``: its ``is_causal`` aligns the mask to the bottom right."""
     hd = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256
-            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_properties(q.device).major >= 8)
+            and torch.cuda.get_device_properties(q.device).major >= 8)
 
 
 def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -608,7 +608,9 @@ class PipelineRunner:
         return loss
 
     def _run(self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        args = (inputs,) if self.has_first else ()
+        # contiguous: torch 2.11's first stage checks each microbatch's strides against the first one's copy on
+        # the meta device, which is contiguous where the batch is a strided slice (x[:, :T])
+        args = (inputs.contiguous(),) if self.has_first else ()
         kwargs: dict[str, Any] = {"target": targets if self.has_last else None}
         if "return_outputs" in inspect.signature(run).parameters:
             # only the loss is needed: by default the last stage keeps every microbatch's logits
