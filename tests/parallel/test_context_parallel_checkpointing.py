@@ -141,6 +141,14 @@ def _reference() -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+def test_the_cp_ops_stay_out_of_cuda_graphs() -> None:
+    import lightning_perf.parallel.model_parallel.context_parallel  # noqa: F401 (defines the ops)
+
+    ops = torch.ops.lightning_perf
+    for op in (ops.ring_attention, ops.ring_attention_backward, ops.cp_all_gather, ops.cp_reduce_scatter):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags, op
+
+
 def test_selective_policy_keeps_the_cp_ops() -> None:
     import lightning_perf.parallel.model_parallel.context_parallel  # noqa: F401 (defines the ops)
     from lightning_perf.parallel.compute.activation_checkpointing import _selective_policy

@@ -43,6 +43,10 @@ __all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_steps", "blo
 
 _LN2 = math.log(2.0)
 
+# the ops that communicate between the cp ranks are kept out of CUDA graphs (compile="reduce-overhead"):
+# their send / receive and all-gather under graph capture have not been verified
+COLLECTIVE_TAGS = (torch.Tag.cudagraph_unsafe,)
+
 
 def ring_steps(rank: int, cp: int) -> list[tuple[int, list[tuple[int, int, bool]]]]:
     """Per step, the source rank of the held keys and the (query half, key half, causal) blocks to compute."""
@@ -227,7 +231,7 @@ def _group(group_name: str) -> Any:
     return _resolve_process_group(group_name)
 
 
-@torch.library.custom_op("lightning_perf::ring_attention", mutates_args=())
+@torch.library.custom_op("lightning_perf::ring_attention", mutates_args=(), tags=COLLECTIVE_TAGS)
 def _ring_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return ring_forward(q, k, v, _group(group_name), scale)
@@ -239,7 +243,7 @@ def _(q, k, v, group_name, scale):
     return q.new_empty(q.shape), q.new_empty((B, H, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("lightning_perf::ring_attention_backward", mutates_args=())
+@torch.library.custom_op("lightning_perf::ring_attention_backward", mutates_args=(), tags=COLLECTIVE_TAGS)
 def _ring_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                       dout: torch.Tensor, group_name: str,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
