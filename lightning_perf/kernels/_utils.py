@@ -35,7 +35,33 @@ def launch_device(kernel: Any) -> str:
     Dynamo wraps a compiled Triton kernel in a variable whose Python type it cannot take, so asking
     the kernel object inside a traced function (``type(kernel)``) fails on the GPU.
     """
-    return "cpu" if is_interpreted(kernel) else "cuda"
+    if is_interpreted(kernel):
+        interpreter_scalar_index()
+        return "cpu"
+    return "cuda"
+
+
+def interpreter_scalar_index() -> None:
+    """Let Triton's CPU interpreter use a scalar argument as a Python int (``range(0, V, BLOCK)``).
+
+    Triton 3.6's interpreter holds scalars in one-element 1-D NumPy arrays and converts them with
+    ``int(array)``, which NumPy 2.4 refuses; Triton 3.9 squeezes the array first. On older
+    interpreters this does the same (once, idempotent). Kernels compiled for a GPU are unaffected.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - no Triton: nothing is interpreted
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "squeezes_scalars", False):
+        return
+
+    def patched(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.squeezes_scalars = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
 
 
 def can_launch(device_type: str, *tensors: torch.Tensor) -> bool:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -43,7 +44,12 @@ from lightning_perf.parallel.layout.config_3d import Parallel3DConfig, check_mod
 from lightning_perf.parallel.layout.dims import ParallelDims, data_parallel_mesh
 from lightning_perf.parallel.layout.validate import check_data_layout, data_shape
 from lightning_perf.parallel.model_parallel.parallelize_3d import Parallelized3D, parallelize_3d
-from lightning_perf.parallel.model_parallel.pipeline import AUTO, MIN_MICROBATCH_TOKENS, PipelineChoice
+from lightning_perf.parallel.model_parallel.pipeline import (
+    AUTO,
+    MIN_MICROBATCH_TOKENS,
+    PipelineChoice,
+    check_schedule_backend,
+)
 from lightning_perf.parallel.model_parallel.tensor_parallel import tp_sequence_check
 from lightning_perf.parallel.model_parallel.tied import check_tied_layout, tied_parameter_names
 from lightning_perf.parallel.sharding.fp8_all_gather import require_fp8_linears
@@ -315,6 +321,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
     @override
     def _check_before_process_group(self) -> None:
         super()._check_before_process_group()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        check_schedule_backend(self.config.pipeline_schedule, self.config.pipeline_parallel_size, backend)
         dims = self.layout()
         if (
             self.root_device.type == "cuda"

@@ -53,29 +53,10 @@ if not ON_GPU:
         _reload(_name)
 
 
-def _index_of_one_element_blocks() -> None:
-    """Triton 3.6's interpreter converts a scalar to a Python int with ``int(array)``; NumPy 2.4 refuses
-    that for the one-element 1-D arrays the interpreter holds scalars in (``range(lo, hi)`` with a
-    runtime bound raises). Triton 3.9 squeezes first; do the same on older interpreters. Kernels
-    compiled for a GPU are unaffected."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_lp_squeezes", False):
-        return
+if not ON_GPU:  # the kernels' modules apply it at import too; a whole-suite run may have imported them first
+    from lightning_perf.kernels._utils import interpreter_scalar_index
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patched._lp_squeezes = True
-    interpreter._patch_lang_tensor = patched
-
-
-if not ON_GPU:
-    _index_of_one_element_blocks()
+    interpreter_scalar_index()
 
 
 @pytest.fixture

@@ -24,8 +24,15 @@ CASES = [
 _REAL = """
 import sys, torch
 cases = torch.load(sys.argv[1])
-out = [torch._scaled_mm(c["a"], c["b"], scale_a=c["sa"], scale_b=c["sb"], bias=c["bias"], out_dtype=c["dtype"])
-       for c in cases]
+out = []
+for c in cases:
+    try:
+        out.append(torch._scaled_mm(c["a"], c["b"], scale_a=c["sa"], scale_b=c["sb"], bias=c["bias"],
+                                    out_dtype=c["dtype"]))
+    except RuntimeError as e:  # torch 2.11's CPU kernel takes per-tensor scales only
+        if c["sa"].numel() == 1 or "per-tensor" not in str(e):
+            raise
+        out.append(None)
 torch.save(out, sys.argv[2])
 """
 
@@ -53,7 +60,12 @@ def test_equals_pytorchs_cpu_kernel_to_rounding(tmp_path):
                   fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     real = torch.load(tmp_path / "real.pt")
+    compared = 0
     for spec, c, want in zip(CASES, cases, real):
+        if want is None:  # rowwise scales: PyTorch's CPU kernel has them from 2.13 on
+            assert spec[5] and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13), spec
+            continue
+        compared += 1
         got = scaled_mm(c["a"], c["b"], c["sa"], c["sb"], bias=c["bias"], out_dtype=c["dtype"])
         assert got.dtype == want.dtype == c["dtype"] and got.shape == want.shape, spec
         size = (c["a"].float().abs() * c["sa"]) @ (c["b"].float().abs() * c["sb"])  # sum of |products|
@@ -65,6 +77,7 @@ def test_equals_pytorchs_cpu_kernel_to_rounding(tmp_path):
         assert (err <= bound).all(), (spec, err.max().item())
         if c["dtype"] != torch.float32:  # the same products: rounded to 16 bits, nearly all are equal
             assert (err > 0).float().mean() < 0.05, spec
+    assert compared >= sum(not spec[5] for spec in CASES)
 
 
 def test_the_tests_run_it_in_place_of_pytorchs():

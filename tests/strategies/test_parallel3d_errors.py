@@ -189,3 +189,26 @@ def test_auto_pipeline_is_settled_and_checked_before_the_process_group() -> None
     # left to "auto", those 6 blocks run one stage per rank
     Parallel3DStrategy(pipeline_parallel_size=2, parallel_devices=cpus)._check_before_launch(
         six, SimpleNamespace(batch_size=8, seq_len=16))
+
+
+@pytest.mark.parametrize("version, refused", [("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", False)])
+def test_zbv_on_gloo_is_refused_before_any_process_group(monkeypatch, version, refused) -> None:
+    """Before torch 2.13 the V-shaped zero-bubble schedule sends to its own rank, which gloo refuses with
+    "Pair is not connected" in the first step: the strategy says so before any process group instead."""
+    import lightning as L
+
+    from lightning_perf.parallel.model_parallel.pipeline import check_schedule_backend
+
+    monkeypatch.setattr(torch, "__version__", version)
+    strategy = Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="zbv_zero_bubble", stages_per_rank=2,
+                                  num_microbatches=4)
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    if refused:
+        with pytest.raises(ValueError, match="zbv_zero_bubble.*needs NCCL"):
+            strategy._check_before_process_group()
+    else:
+        strategy._check_before_process_group()
+    assert not dist.is_initialized()
+    check_schedule_backend("zbv_zero_bubble", 2, "nccl")  # NCCL runs it on every torch
+    check_schedule_backend("zero_bubble", 2, "gloo")
+    check_schedule_backend("zbv_zero_bubble", 1, "gloo")  # no pipeline: nothing to refuse

@@ -27,6 +27,10 @@ from test_parallel3d import PER_EPOCH, S, fit, make_module, tiny_config
 TIED = "model.tok_emb.weight"
 
 
+# torch runs the V-shaped zero-bubble schedule on gloo from 2.13 on (before, the strategy refuses it there:
+# test_zbv_on_gloo_is_refused_before_any_process_group)
+ZBV_ON_GLOO = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
 def _worker2(rank: int, world: int, out: Path) -> dict:
     from lightning_perf.models.gpt import GPT
     from lightning_perf.parallel.checkpointing.checkpoint import consolidate, load_checkpoint
@@ -39,8 +43,9 @@ def _worker2(rank: int, world: int, out: Path) -> dict:
     # the sum over the embedding group adds each micro-step's gradients once to what accumulated before
     res["pp2_accumulate2"] = fit(S(pipeline_parallel_size=2), world, kind="gpt2", accumulate=2)
     # stages 0 and 3 on rank 0 (one parameter, no group), stages 1 and 2 on rank 1
-    res["pp2_zbv"] = fit(S(pipeline_parallel_size=2, pipeline_schedule="zbv_zero_bubble", stages_per_rank=2,
-                           num_microbatches=4), world, kind="gpt2_l4")
+    zbv = S(pipeline_parallel_size=2, pipeline_schedule="zbv_zero_bubble", stages_per_rank=2, num_microbatches=4)
+    if ZBV_ON_GLOO:
+        res["pp2_zbv"] = fit(zbv, world, kind="gpt2_l4")
     res["pp2_fp16"] = fit(S(pipeline_parallel_size=2), world, kind="gpt2", plugins=[PerfPrecision("16-mixed")])
     # each rank draws its own values on meta init: the copies must still start (and end) equal
     meta = S(pipeline_parallel_size=2, meta_init=True)
@@ -116,14 +121,16 @@ def test_tied_head_two_ranks(references, tmp_path) -> None:
     ref = references["gpt2"]
     _check(results, "pp2", references["epoch"])
     _check(results, "pp2_resumed", ref, first=PER_EPOCH)
-    _check(results, "pp2_zbv", references["l4"])
+    if ZBV_ON_GLOO:
+        _check(results, "pp2_zbv", references["l4"])
     # one weight element of 4096 with a near-zero gradient differs by ~1.6e-4: Adam scales rounding noise up
     _check(results, "pp2_accumulate2", references["accumulate2"], atol=3e-4)
     assert [r["clipped"] for r in results] == [[0.5], [0.5]]
     _check(results, "pp2_fp16", ref, rtol=2e-2)
     for key in ("pp2", "pp2_resumed", "pp2_accumulate2", "pp2_fp16", "pp2_meta"):
         _copies(results, key, [(0, 1)])
-    assert TIED in results[0]["pp2_zbv"]["final"] and TIED not in results[1]["pp2_zbv"]["final"]
+    if ZBV_ON_GLOO:
+        assert TIED in results[0]["pp2_zbv"]["final"] and TIED not in results[1]["pp2_zbv"]["final"]
     # one process -> pp2: both ranks hold the reference's values
     for r in results:
         torch.testing.assert_close(r["from_one"][TIED], references["epoch"]["final"][TIED], rtol=0, atol=0)

@@ -52,6 +52,7 @@ __all__ = [
     "prune_to_stages",
     "lm_cross_entropy",
     "bubble_fraction",
+    "check_schedule_backend",
 ]
 
 # name -> (torch class name, placement, stages per rank: None = any, else exactly this)
@@ -84,6 +85,19 @@ INTERLEAVE_STAGES = 2
 
 #: the schedules "auto" considers, in the order that breaks a tie of equal bubbles
 AUTO_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+
+
+def check_schedule_backend(schedule: str, pipeline_parallel_size: int, backend: str) -> None:
+    """Raise before any process group where torch's schedule cannot run on this backend: before torch 2.13
+    the V-shaped zero-bubble schedule sends to its own rank, which gloo cannot."""
+    if pipeline_parallel_size <= 1 or schedule != "zbv_zero_bubble" or "gloo" not in backend.split(":")[-1]:
+        return
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if (major, minor) < (2, 13):
+        raise ValueError(
+            f"pipeline_schedule='zbv_zero_bubble' needs NCCL on torch {torch.__version__} (its gloo path sends to "
+            f"the rank itself, which gloo refuses; torch 2.13 runs it): use a GPU, or 'zero_bubble' / "
+            "'interleaved_1f1b' on CPU")
 
 
 def bubble_fraction(pp: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
