@@ -137,9 +137,13 @@ class MemoryMonitor(Callback):
         try:
             torch.cuda.memory._dump_snapshot(path)
             with open(path, "rb") as f:
-                return path, pickle.load(f)
+                snapshot = pickle.load(f)
         except Exception:  # no CUDA allocator in this build, or the dump failed: report without it
             return None, None
+        if not snapshot.get("segments") and not any(snapshot.get("device_traces") or []):
+            os.remove(path)  # a CUDA build on a run without CUDA memory dumps an empty snapshot: nothing to show
+            return None, None
+        return path, snapshot
 
     def _write_sites(self, trainer: Trainer, tag: str, title: str, snapshot: dict, *, at_peak: bool,
                      extra: Optional[dict] = None) -> list[str]:
@@ -290,7 +294,8 @@ class MemoryMonitor(Callback):
                 lines.append("Allocations have no stack traces: history was not being recorded at this step; "
                              "MemoryMonitor(record_history='always') records it through the whole fit.")
         else:
-            lines.append("No CUDA memory snapshot could be taken (no CUDA allocator in this process).")
+            lines.append("No CUDA memory snapshot could be taken (the fit does not run on a CUDA device, or this "
+                         "process has no CUDA allocator).")
         lines += [f"- {t.text}" for t in tips[:3]]
         self.oom_message = "\n".join(lines)
         if hasattr(exception, "add_note"):

@@ -37,7 +37,7 @@ it), ``.to(<host>, non_blocking=True)`` of pageable memory and ``torch.cpu.synch
 ``SyncWatch`` composes the detectors for a run's device (``detector_plan``).
 
 A site is the innermost stack frame outside torch, the standard library and the detectors; its ``owner`` is
-``"lightning"`` (Lightning, Fabric), ``"lightning_perf"`` (this package) or ``"user"``. For a
+``"lightning"`` (Lightning, Fabric, torchmetrics), ``"lightning_perf"`` (this package) or ``"user"``. For a
 framework site the first user frame above it is kept as ``user_location``.
 """
 
@@ -96,8 +96,9 @@ _STDLIB = tuple(
 
 
 def _owner_dirs() -> tuple[tuple[str, str], ...]:
+    # torchmetrics is Lightning's metric library: its logged results reset and reduce through it
     dirs = [(_dir_of(m), "lightning") for m in ("lightning", "pytorch_lightning", "lightning_fabric",
-                                                 "lightning_utilities")]
+                                                 "lightning_utilities", "torchmetrics")]
     return tuple((d, owner) for d, owner in dirs if d) + ((_PACKAGE_DIR, "lightning_perf"),)
 
 
