@@ -473,13 +473,13 @@ class PerfParallelStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
         self._check_before_process_group()  # a bad configuration never reaches a collective
         self._join_trainer(getattr(self.lightning_module, "_trainer", None))
         self.precision_plugin.device_type = self.root_device.type
         reset_seed()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device

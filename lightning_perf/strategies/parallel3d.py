@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -321,8 +320,9 @@ class Parallel3DStrategy(PerfParallelStrategy):
     @override
     def _check_before_process_group(self) -> None:
         super()._check_before_process_group()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        check_schedule_backend(self.config.pipeline_schedule, self.config.pipeline_parallel_size, backend)
+        assert self._process_group_backend is not None  # resolved before this check (setup_environment)
+        check_schedule_backend(self.config.pipeline_schedule, self.config.pipeline_parallel_size,
+                               self._process_group_backend)
         dims = self.layout()
         if (
             self.root_device.type == "cuda"

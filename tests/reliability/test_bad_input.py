@@ -64,7 +64,6 @@ def _rng(name: str) -> random.Random:
 # ---- the valid space -----------------------------------------------------------------------------
 
 SCHEDULES_ANY_STAGES = ("interleaved_1f1b", "looped_bfs", "zero_bubble")
-_TORCH = tuple(int(v) for v in __import__("torch").__version__.split("+")[0].split(".")[:2])
 
 
 def _model(rnd: random.Random, tp: int = 1, stages: int = 1) -> dict:
@@ -90,7 +89,7 @@ def _model(rnd: random.Random, tp: int = 1, stages: int = 1) -> dict:
 def valid_config(rnd: random.Random, *, kind: Optional[str] = None, world: Optional[int] = None) -> dict:
     """A configuration every check must accept (``world``: force that many ranks)."""
     from lightning_perf.parallel.layout.config_3d import SPLIT_BACKWARD_SCHEDULES
-    from lightning_perf.parallel.model_parallel.pipeline import SCHEDULES
+    from lightning_perf.parallel.model_parallel.pipeline import SCHEDULES, zbv_runs_on_gloo
 
     kind = kind or rnd.choice(["zero", "parallel3d"])
     cfg: dict[str, Any] = {
@@ -123,7 +122,7 @@ def valid_config(rnd: random.Random, *, kind: Optional[str] = None, world: Optio
     dp_actual = world // (tp * pp) if world is not None else rnd.choice([1, 2])
     if pp > 1:
         # gloo runs the V schedule from torch 2.13 on; before, the strategy refuses it there
-        schedule = rnd.choice([s for s in SCHEDULES if s != "zbv_zero_bubble" or _TORCH >= (2, 13)])
+        schedule = rnd.choice([s for s in SCHEDULES if s != "zbv_zero_bubble" or zbv_runs_on_gloo()])
         fixed = SCHEDULES[schedule][2]
         stages_per_rank = fixed or rnd.choice([1, 2])
     else:

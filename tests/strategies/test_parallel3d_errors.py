@@ -203,11 +203,17 @@ def test_zbv_on_gloo_is_refused_before_any_process_group(monkeypatch, version, r
     strategy = Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="zbv_zero_bubble", stages_per_rank=2,
                                   num_microbatches=4)
     L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
-    if refused:
-        with pytest.raises(ValueError, match="zbv_zero_bubble.*needs NCCL"):
-            strategy._check_before_process_group()
-    else:
-        strategy._check_before_process_group()
+
+    class ReachedProcessGroup(Exception):
+        pass
+
+    def sentinel(*args, **kwargs):
+        raise ReachedProcessGroup
+
+    monkeypatch.setattr("lightning_perf.strategies.base._init_dist_connection", sentinel)
+    with pytest.raises(ValueError if refused else ReachedProcessGroup, match="zbv_zero_bubble.*needs NCCL"
+                       if refused else None):
+        strategy.setup_environment()
     assert not dist.is_initialized()
     check_schedule_backend("zbv_zero_bubble", 2, "nccl")  # NCCL runs it on every torch
     check_schedule_backend("zero_bubble", 2, "gloo")

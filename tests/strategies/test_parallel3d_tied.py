@@ -24,12 +24,13 @@ import torch
 from _spawn import spawn
 from test_parallel3d import PER_EPOCH, S, fit, make_module, tiny_config
 
+from lightning_perf.parallel.model_parallel.pipeline import zbv_runs_on_gloo
+
 TIED = "model.tok_emb.weight"
-
-
 # torch runs the V-shaped zero-bubble schedule on gloo from 2.13 on (before, the strategy refuses it there:
 # test_zbv_on_gloo_is_refused_before_any_process_group)
-ZBV_ON_GLOO = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+ZBV_ON_GLOO = zbv_runs_on_gloo()
+
 
 def _worker2(rank: int, world: int, out: Path) -> dict:
     from lightning_perf.models.gpt import GPT

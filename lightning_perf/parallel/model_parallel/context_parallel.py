@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_perf.parallel.layout.dims import mesh_size
-from lightning_perf.parallel.model_parallel.ring_attention import COLLECTIVE_TAGS as _COLLECTIVE_TAGS
+from lightning_perf.parallel.model_parallel.ring_attention import COLLECTIVE_TAGS
 from lightning_perf.parallel.model_parallel.ring_attention import ring_attention
 from lightning_perf.parallel.model_parallel.tensor_parallel import to_local_output
 
@@ -153,7 +153,7 @@ def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Any) -> None
     (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
 
 
-@torch.library.custom_op("lightning_perf::cp_all_gather", mutates_args=(), tags=_COLLECTIVE_TAGS)
+@torch.library.custom_op("lightning_perf::cp_all_gather", mutates_args=(), tags=COLLECTIVE_TAGS)
 def _all_gather_op(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
     """(group_size, *x.shape): every rank's ``x``, rank-major."""
     x = x.contiguous()
@@ -167,7 +167,7 @@ def _(x, group_name, group_size):
     return x.new_empty((group_size, *x.shape))
 
 
-@torch.library.custom_op("lightning_perf::cp_reduce_scatter", mutates_args=(), tags=_COLLECTIVE_TAGS)
+@torch.library.custom_op("lightning_perf::cp_reduce_scatter", mutates_args=(), tags=COLLECTIVE_TAGS)
 def _reduce_scatter_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """x (group_size, *shape) on every rank -> the sum over ranks of their ``x[rank]`` (shape)."""
     x = x.contiguous()

@@ -53,6 +53,7 @@ __all__ = [
     "lm_cross_entropy",
     "bubble_fraction",
     "check_schedule_backend",
+    "zbv_runs_on_gloo",
 ]
 
 # name -> (torch class name, placement, stages per rank: None = any, else exactly this)
@@ -87,13 +88,19 @@ INTERLEAVE_STAGES = 2
 AUTO_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
 
+def zbv_runs_on_gloo() -> bool:
+    """Whether this torch runs the V-shaped zero-bubble schedule on gloo: before 2.13 it sends to its own rank."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(str(torch.__version__)) >= (2, 13)
+
+
 def check_schedule_backend(schedule: str, pipeline_parallel_size: int, backend: str) -> None:
-    """Raise before any process group where torch's schedule cannot run on this backend: before torch 2.13
-    the V-shaped zero-bubble schedule sends to its own rank, which gloo cannot."""
+    """Raise before any process group where torch's schedule cannot run on this backend
+    (:func:`zbv_runs_on_gloo`)."""
     if pipeline_parallel_size <= 1 or schedule != "zbv_zero_bubble" or "gloo" not in backend.split(":")[-1]:
         return
-    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-    if (major, minor) < (2, 13):
+    if not zbv_runs_on_gloo():
         raise ValueError(
             f"pipeline_schedule='zbv_zero_bubble' needs NCCL on torch {torch.__version__} (its gloo path sends to "
             f"the rank itself, which gloo refuses; torch 2.13 runs it): use a GPU, or 'zero_bubble' / "

@@ -95,7 +95,7 @@ class ReplicatedOutputNorm(_style_base()):  # type: ignore[misc]
         self.sequence_parallel = check_sequence_parallel(sequence_parallel)
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
         for name, param in list(module.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):
