@@ -55,7 +55,9 @@ from lightning_perf.parallel.sharding.fp8_all_gather import require_fp8_linears
 from lightning_perf.parallel.sharding.gradients import allreduce_gradients, clip_grad_norm_3d
 from lightning_perf.parallel.sharding.optim import localize_optimizers
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS
+from lightning_perf.perf.memory_plan import MemoryLayout
 from lightning_perf.perf.run_settings import PerfSettings
+from lightning_perf.runtime.planning import PlanLayout
 from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model, config_from_arguments
 
 if TYPE_CHECKING:
@@ -238,6 +240,35 @@ class Parallel3DStrategy(PerfParallelStrategy):
     def layout(self) -> ParallelDims:
         """The layout on this strategy's processes (``num_nodes`` x ``num_processes``), from the config's numbers."""
         return self.config.dims(self.num_nodes * self.num_processes, self.num_nodes)
+
+    def memory_layout(self, module: Any, *, world_size: int, batch_size: int, seq_len: int) -> PlanLayout:
+        """The memory planner's view of this strategy (``lightning_perf.estimate_memory``): the layout, the
+        pipeline schedule "auto" settles for ``batch_size`` sequences per replica, and the checkpointing and
+        compile the strategy applies itself."""
+        c = self.config
+        dims = c.dims(world_size, self.num_nodes)
+        settled = settle_pipeline(c, None, getattr(module, "config", None), batch_size=batch_size,
+                                  seq_len=seq_len).config if c.pipeline_parallel_size > 1 else c
+        pipeline = settled.pipeline
+        schedule = pipeline.schedule if pipeline is not None else "1f1b"
+        m = (pipeline.num_microbatches if pipeline is not None else None) or c.pipeline_parallel_size
+        stages = pipeline.stages_per_rank if pipeline is not None else 1
+        micro = max(1, batch_size // m) if c.pipeline_parallel_size > 1 else batch_size
+        engine = "fsdp" if c.zero_stage >= 2 else ("ddp" if dims.data_parallel_size > 1 else "none")
+        replicate = dims.replicate_size if isinstance(dims.replicate_size, int) else 1
+        return PlanLayout(
+            layout=MemoryLayout(
+                data_parallel_size=int(dims.data_parallel_size), replicate_size=replicate,
+                tensor_parallel_size=c.tensor_parallel_size, pipeline_parallel_size=c.pipeline_parallel_size,
+                context_parallel_size=c.context_parallel_size, zero_stage=c.zero_stage, engine=engine,
+                blocks_per_unit=c.fsdp_blocks_per_unit, prefetch=c.fsdp_prefetch, fp8_all_gather=c.fp8_all_gather,
+                sequence_parallel=c.sequence_parallel is not False, pipeline_schedule=schedule,
+                num_microbatches=m if c.pipeline_parallel_size > 1 else 1, stages_per_rank=stages,
+                # a pipeline keeps its stages gathered across a step's micro-batches
+                accumulation="gather_once" if c.pipeline_parallel_size > 1 else "reduce_once"),
+            micro_batch=micro,
+            activation_checkpointing=None if c.activation_checkpointing == "none" else c.activation_checkpointing,
+            compiled=c.compile is not None or None)
 
     @override
     def perf_settings(self) -> PerfSettings:

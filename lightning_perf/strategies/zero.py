@@ -54,7 +54,9 @@ from lightning_perf.parallel.sharding.init import (
 )
 from lightning_perf.parallel.sharding.optim import localize_optimizers
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS
+from lightning_perf.perf.memory_plan import MemoryLayout
 from lightning_perf.perf.run_settings import PerfSettings
+from lightning_perf.runtime.planning import PlanLayout
 from lightning_perf.strategies.base import PerfParallelStrategy, builds_in_configure_model, config_from_arguments
 
 __all__ = ["ZeroStrategy"]
@@ -212,6 +214,18 @@ class ZeroStrategy(PerfParallelStrategy):
             pipeline_parallel_size=1,
             fsdp_blocks_per_unit=self.config.blocks_per_unit if self.config.uses_fsdp else None,
         )
+
+    def memory_layout(self, module: Any, *, world_size: int, batch_size: int, seq_len: int) -> PlanLayout:
+        """The memory planner's view of this strategy (``lightning_perf.estimate_memory``)."""
+        c = self.config
+        replicate, _ = c.mesh_shape(world_size, self.num_nodes)
+        engine = "deepspeed" if c.backend == "deepspeed" else ("fsdp" if c.uses_fsdp else "ddp")
+        accumulation = getattr(c, "accumulation", "reduce_once")
+        return PlanLayout(layout=MemoryLayout(
+            data_parallel_size=world_size, replicate_size=replicate, zero_stage=c.stage, engine=engine,
+            reshard_after_forward=c.reshard_after_forward, blocks_per_unit=c.blocks_per_unit, prefetch=c.prefetch,
+            fp8_all_gather=c.fp8_all_gather, offload=c.offload,
+            accumulation="reduce_once" if accumulation in (None, "auto") else accumulation))
 
     # ---- model construction and sharding ------------------------------------------------------
 
