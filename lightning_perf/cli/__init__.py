@@ -7,6 +7,7 @@
     lightning-perf prepare --input my_texts/ --out_dir data/mine
     lightning-perf consolidate --ckpt_dir ckpts/step=100 --out model.pt
     lightning-perf convert --from_hf hf/Llama-3.2-1B --out llama.ckpt    # or --to_hf last.ckpt --out hf/mine
+    lightning-perf plan --config llama-8b-zero3 --gpu-memory-gb 85       # peak GPU memory and the 'auto' choice
 
 What the CLI adds to Lightning's:
 
@@ -71,10 +72,11 @@ _OWN_SUBCOMMANDS = {
     "prepare": "tokenize text files into train.bin / val.bin for source: memmap (--input, --out_dir)",
     "consolidate": "turn a sharded checkpoint directory into one model.pt (--ckpt_dir, --out)",
     "convert": "Hugging Face folder <-> checkpoint (--from_hf DIR or --to_hf CKPT, --out)",
+    "plan": "peak GPU memory of fit's arguments, by part, and the 'auto' settings (--gpu-memory-gb, --json)",
 }
 
 
-_HELP = """usage: lightning-perf {{fit,validate,test,predict,generate,prepare,consolidate,convert}} [options]
+_HELP = """usage: lightning-perf {{fit,validate,test,predict,generate,prepare,consolidate,convert,plan}} [options]
 
 lightning_perf: train, evaluate and sample the pack's GPT.
 
@@ -117,6 +119,10 @@ def _main(args: list[str]) -> None:
         from lightning_perf.models.gpt.convert import main as convert_main
 
         return convert_main(args[1:])
+    if args[0] == "plan":
+        from lightning_perf.cli.plan import plan_main
+
+        return plan_main(args[1:])
     if args[0] == "consolidate":
         from lightning_perf.parallel.checkpointing.checkpoint import main as consolidate_main
 

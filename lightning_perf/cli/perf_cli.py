@@ -184,14 +184,15 @@ def _resolve_ckpt_path(cli: "PerfCLI") -> None:
         raise SystemExit(f"lightning-perf fit: {err}") from err
 
 
-def _run_lightning_cli(argv: list[str]) -> None:
-    argv = _switch_gpu_recipe_to_cpu(argv)
+def _run_lightning_cli(argv: list[str], *, cli_class: type = PerfCLI, switch_to_cpu: bool = True) -> None:
+    if switch_to_cpu:
+        argv = _switch_gpu_recipe_to_cpu(argv)
     argv, help_kwargs = _recipe_defaults_for_help(argv)
     # LightningCLI reads sys.argv (it warns when given args beside a command line)
     saved = sys.argv
     sys.argv = [saved[0] if saved else "lightning-perf", *argv]
     try:
-        PerfCLI(
+        cli_class(
             GPTLightningModule,
             TokenDataModule,
             parser_kwargs={

@@ -65,7 +65,9 @@ class TokenDataModule(L.LightningDataModule):
             others, optional: the model's vocabulary, checked to be >= the data's.
             The :attr:`vocab_size` property reports what the model needs.
         seq_len: tokens per sample (each sample reads ``seq_len + 1``).
-        batch_size: samples per batch on each data-parallel rank.
+        batch_size: samples per batch (micro-batch) on each data-parallel rank; ``"auto"``: the memory
+            planner's choice for the GPU the run is on (``lightning_perf.runtime.planning``), the fastest that
+            fits, logged once at the start of the fit.
         num_workers: loader worker processes.
         pin_memory: ``None`` pins when the Trainer runs on CUDA.
         seed: shuffle seed (and the synthetic data's seed).
@@ -76,6 +78,11 @@ class TokenDataModule(L.LightningDataModule):
             for document-causal attention (``"builtin"`` and ``"memmap"``; synthetic tokens have none).
         cross_document_targets: with ``pack_documents``, keep the target of each document's last
             token (the next document's first token); by default it is ignored by the loss.
+        global_batch_size, global_batch_tokens: the global batch of one optimizer step, in sequences or in
+            tokens, over every data-parallel rank and accumulated micro-batch. The Trainer's
+            ``accumulate_grad_batches`` then follows from it and the micro-batch (unless given > 1 explicitly).
+        global_batch_per_gpus: the global batch above is for this many GPUs; a run on N GPUs scales it by
+            N / global_batch_per_gpus (the same tokens per GPU per step on any number of GPUs).
 
     Example::
 
@@ -91,7 +98,7 @@ class TokenDataModule(L.LightningDataModule):
         data_dir: str | None = None,
         vocab_size: int | None = None,
         seq_len: int = 256,
-        batch_size: int = 8,
+        batch_size: int | Literal["auto"] = 8,
         num_workers: int = 0,
         pin_memory: bool | None = None,
         seed: int = 1234,
@@ -101,13 +108,30 @@ class TokenDataModule(L.LightningDataModule):
         shuffle: bool = True,
         pack_documents: bool = False,
         cross_document_targets: bool = False,
+        global_batch_size: int | None = None,
+        global_batch_tokens: int | None = None,
+        global_batch_per_gpus: int | None = None,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
             raise ValueError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
+        if batch_size != "auto" and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                     or batch_size < 1):
+            raise ValueError(f"batch_size must be an integer >= 1 or 'auto', got {batch_size!r}")
+        if global_batch_size is not None and global_batch_tokens is not None:
+            raise ValueError("give the global batch once: global_batch_size (sequences) or global_batch_tokens")
+        for name, value in (("global_batch_size", global_batch_size), ("global_batch_tokens", global_batch_tokens),
+                            ("global_batch_per_gpus", global_batch_per_gpus)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if global_batch_tokens is not None and global_batch_tokens % seq_len:
+            raise ValueError(f"global_batch_tokens={global_batch_tokens} is not a whole number of seq_len={seq_len} "
+                             f"sequences: use a multiple of {seq_len}")
+        if global_batch_per_gpus is not None and global_batch_size is None and global_batch_tokens is None:
+            raise ValueError("global_batch_per_gpus scales a global batch: give global_batch_size or "
+                             "global_batch_tokens with it")
         for name, value, low in (
             ("seq_len", seq_len, 1),
-            ("batch_size", batch_size, 1),
             ("num_workers", num_workers, 0),
             ("seed", seed, 0),
             ("synthetic_train_samples", synthetic_train_samples, 1),
@@ -138,6 +162,9 @@ class TokenDataModule(L.LightningDataModule):
         self._max_token_ids: dict[str, int | None] = {}  # per memmap split, once known
         self.seq_len = seq_len
         self.batch_size = batch_size
+        self.global_batch_size = global_batch_size
+        self.global_batch_tokens = global_batch_tokens
+        self.global_batch_per_gpus = global_batch_per_gpus
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.seed = seed

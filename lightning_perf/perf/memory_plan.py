@@ -207,6 +207,7 @@ class StepShape:
     accumulate_grad_batches: int = 1
     activation_checkpointing: str = "none"
     compile: bool = False
+    compile_scope: str = "block"  # "model": the head and the loss compiled with the blocks
     precision: str = "bf16-mixed"
     reduce_bytes: int = 4  # FSDP2's gradient reduction dtype (fp32 by default)
 
@@ -233,58 +234,74 @@ class StepShape:
 # ---- activations of one block -------------------------------------------------------------------------
 
 def block_activation_bytes(model: ModelShape, mode: str, *, residual_bytes: int, fp8: bool = False,
-                           compiled: bool = False) -> dict[str, float]:
+                           compiled: bool = False, autocast: bool = False) -> dict[str, float]:
     """Bytes a block saves for its backward, per token, by tensor, before calibration.
 
     ``residual_bytes``: 4 where the residual stream is fp32 (fp32 weights under autocast), 2 where FSDP2's
-    bf16 weights make it bf16. Per checkpointing mode:
+    bf16 weights make it bf16. ``autocast``: uncompiled linears under autocast each cast their (fp32) input
+    to bf16 and keep that copy, so separate q, k and v projections keep three. Per checkpointing mode:
 
-    - ``"none"``: the two norms' inputs (residual dtype) and outputs (bf16, the next matmul's input); q, k, v
-      after RoPE, the attention output and its log-sum-exp; the attention output laid out for ``o_proj``;
-      the MLP's inputs to its activation and the activation's output (SwiGLU: gate, up and silu(gate), GELU:
-      its input), then the down projection's input. FP8 linears keep their inputs' FP8 copies (1 byte) in
-      place of the bf16 ones a matmul's weight gradient reads; a compiled block recomputes the norms and the
-      activation function's elementwise outputs from their inputs instead of keeping them.
-    - ``"selective"``: the block input, every matmul's and the attention's outputs (q/k/v, attention output and
-      log-sum-exp, o_proj, MLP in, down); the rest recomputed.
+    - ``"none"``: the two norms' inputs (residual dtype); each matmul's input for its weight gradient (the
+      norms' outputs, the attention output laid out for ``o_proj``, the MLP activation's output: bf16, or their
+      FP8 copies under FP8 linears); q, k, v after RoPE, the attention output and its log-sum-exp; the MLP
+      projections (SwiGLU: gate and up, and silu(gate) where PyTorch's ops run it uncompiled; GELU: its input).
+    - ``"selective"``: the block input, the outputs of the matmuls and the attention (q/k/v, attention output
+      and log-sum-exp, the MLP projections, one of the two residual branches' outputs); the rest recomputed.
     - ``"full"``: the block input alone.
     """
     d, kv, f, h = model.n_embd, model.kv_width, model.intermediate_size, model.n_head
     r, a = residual_bytes, 2
     lse = 4 * h
+    mlp_in = 2 * f if model.activation == "swiglu" else f
     if mode == "full":
         return {"block input": r * d}
     if mode == "selective":
-        mlp_in = 2 * f if model.activation == "swiglu" else f
         return {"block input": r * d, "q, k, v": a * (d + 2 * kv), "attention output": a * d + lse,
-                "o_proj output": a * d, "mlp projections": a * mlp_in, "down output": a * d}
+                "branch output": a * d, "mlp projections": a * mlp_in}
     mm_in = 1 if fp8 else a  # a matmul's saved input (FP8 linears keep the FP8 copy)
-    parts: dict[str, float] = {}
-    parts["norm inputs"] = 2 * r * d
-    parts["matmul inputs (norm outputs)"] = 2 * mm_in * d if not (model.fused_qkv and False) else 0
-    parts["q, k, v"] = a * (d + 2 * kv)
-    parts["attention output"] = a * d + lse
-    parts["o_proj input"] = mm_in * d
-    if model.activation == "swiglu":
-        parts["mlp gate, up"] = a * 2 * f
-        parts["silu(gate)"] = 0 if compiled or model.kernels == "triton" else a * f
-    else:
-        parts["mlp up"] = a * f
-    parts["down input"] = mm_in * f
-    if compiled:  # norms recomputed from their inputs in the backward
-        parts["matmul inputs (norm outputs)"] = 2 * mm_in * d if fp8 else 0
+    copies = 2
+    if autocast and not compiled and not fp8:
+        copies = (1 if model.fused_qkv else 3) + (2 if model.activation == "swiglu" else 1)
+    parts: dict[str, float] = {
+        "norm inputs": 2 * r * d,
+        "norm outputs (q/k/v and MLP inputs)": copies * mm_in * d,
+        "q, k, v": a * (d + 2 * kv),
+        "attention output": a * d + lse,
+        "o_proj input": mm_in * d,
+        "mlp projections": a * mlp_in,
+        "down input": mm_in * f,
+    }
+    if model.activation == "swiglu" and not compiled and model.kernels == "torch":
+        parts["silu(gate)"] = a * f
     return parts
 
 
-#: measured / counted activation bytes, by (mode, compiled, fp8): ``benchmarks/bench_memory_plan.py --part
-#: layers`` measures a block's saved bytes on a GPU; the factors below are those measurements over
-#: :func:`block_activation_bytes` for the same shape (1.0 where nothing was measured)
-CALIBRATION: dict[tuple[str, bool, bool], float] = {}
+#: measured / counted saved activations of one block, by (mode, compiled, fp8, kernels): the measurements of
+#: ``benchmarks/bench_memory_plan.py --part layers`` (llama-8b and gpt-1.3b blocks at T=8192 / 2048 on an H100)
+#: over :func:`block_activation_bytes` for the same shapes; 1.0 where the count is the measurement
+CALIBRATION: dict[tuple[str, bool, str, str], float] = {
+    # FP8 through torchao's matmul (weights all-gathered in FP8, or tensor-parallel): measured on 4 GPUs
+    ("none", True, "torchao", "triton"): 0.81,
+    ("none", True, "pack", "triton"): 0.99,
+    ("selective", True, "pack", "triton"): 0.998,
+    ("selective", True, "torchao", "triton"): 0.998,
+    ("selective", True, "none", "triton"): 0.998,
+    ("none", True, "none", "triton"): 1.002,
+    ("none", False, "pack", "triton"): 1.155,
+    ("none", False, "none", "torch"): 1.0,
+    ("full", True, "pack", "triton"): 1.03,
+    ("full", True, "torchao", "triton"): 1.03,
+}
 
 
-def _calibrated(model: ModelShape, mode: str, *, residual_bytes: int, fp8: bool, compiled: bool) -> float:
-    parts = block_activation_bytes(model, mode, residual_bytes=residual_bytes, fp8=fp8, compiled=compiled)
-    return sum(parts.values()) * CALIBRATION.get((mode, compiled, fp8), 1.0)
+def _calibrated(model: ModelShape, mode: str, *, residual_bytes: int, fp8_path: str, compiled: bool,
+                autocast: bool = False) -> float:
+    """One block's saved bytes per token; ``fp8_path``: "none", "pack" (the pack's FP8 matmul on plain weights,
+    which keeps FP8 copies) or "torchao" (torchao's matmul, for weights gathered in FP8 or tensor-parallel)."""
+    parts = block_activation_bytes(model, mode, residual_bytes=residual_bytes, fp8=fp8_path != "none",
+                                   compiled=compiled, autocast=autocast)
+    key = (mode, compiled, fp8_path, model.kernels)
+    return sum(parts.values()) * CALIBRATION.get(key, 1.0)
 
 
 # ---- the estimate -------------------------------------------------------------------------------------
@@ -362,160 +379,152 @@ def _in_flight(layout: MemoryLayout, pp_rank: int, stage_index: int) -> int:
         return m
     if s == 1:  # 1F1B: the warm-up fills pp - rank micro-batches
         return min(m, pp - pp_rank)
-    # interleaved: the warm-up runs (pp - rank - 1) * 2 + (s - 1) * pp forwards across the rank's stages,
-    # spread over its s stages; the earlier (virtual) stage holds the larger share
+    # interleaved: the warm-up runs (pp - rank - 1) * 2 + (s - 1) * pp forwards across the rank's stages
     warmup = min(m * s, (pp - pp_rank - 1) * 2 + (s - 1) * pp + 1)
     per_stage = -(-warmup // s)
     return min(m, per_stage + (1 if stage_index == 0 else 0))
 
 
+#: share of one layer's activations that its backward holds as temporaries (gradients of its activations),
+#: calibrated on the measured peaks
+LAYER_BACKWARD_SHARE = 0.5
+
+
 def estimate_peak(model: ModelShape, layout: MemoryLayout, step: StepShape, *,
                   stage_blocks: Optional[list[int]] = None) -> MemoryEstimate:
-    """Predicted peak allocated memory of every rank (one per pipeline rank: the others repeat it).
+    """Predicted peak allocated memory of every rank (one entry per pipeline rank: the ranks of one pipeline
+    stage across data, context and tensor parallelism hold alike).
 
-    ``stage_blocks``: blocks per pipeline stage, in stage order (default: as even as possible); the pack's
-    GPT balances the head (``GPT.pipeline_stage``'s split), which the caller passes.
+    ``stage_blocks``: blocks per pipeline stage, in stage order (default: as even as possible).
     """
     tp, pp, cp = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.context_parallel_size
     shard = layout.shard_size
-    mb = step.master_bytes
-    cb = step.compute_bytes
+    mb, cb = step.master_bytes, step.compute_bytes
     mixed = step.precision.endswith("-mixed")
     fsdp = layout.engine == "fsdp"
-    deepspeed = layout.engine == "deepspeed"
     # under FSDP2's policy (or DeepSpeed's casts) the block's weights, and so its activations, are bf16
-    residual = cb if (fsdp or deepspeed or not mixed) else 4
+    residual = cb if (fsdp or layout.engine == "deepspeed" or not mixed) else 4
     fp8 = model.fp8 != "none"
+    fp8_gathered = fp8 and fsdp and layout.fp8_all_gather
     notes: list[str] = []
-    if tp > 1 and fp8 and layout.fp8_all_gather:
-        notes.append("tensor-parallel FP8 linears gather per rank: FP8 all-gathers count only data-parallel units")
-
-    tokens = step.micro_batch * step.seq_len // cp  # per micro-batch on this rank
-    act_tokens = tokens // tp if (tp > 1 and layout.sequence_parallel) else tokens
     mode = step.activation_checkpointing
-    per_block_act = _calibrated(model, mode, residual_bytes=residual, fp8=fp8, compiled=step.compile)
-    if tp > 1:  # every saved tensor but the block input and the norm inputs is split over the tp ranks
-        per_block_act = per_block_act / tp if layout.sequence_parallel else per_block_act * (1 + 1 / tp) / 2
-    none_act = _calibrated(model, "none", residual_bytes=residual, fp8=fp8, compiled=step.compile) / (
-        tp if tp > 1 else 1)
+    tokens = step.micro_batch * step.seq_len // cp  # one micro-batch on this rank
+    act_tokens = tokens  # the tensor-parallel split is in the per-block bytes below
+    autocast = mixed and residual == 4
+    fp8_path = "none" if not fp8 else ("torchao" if (fp8_gathered or tp > 1) else "pack")
+    per_block = _calibrated(model, mode, residual_bytes=residual, fp8_path=fp8_path, compiled=step.compile,
+                            autocast=autocast)
+    per_block_none = _calibrated(model, "none", residual_bytes=residual, fp8_path=fp8_path, compiled=step.compile,
+                                 autocast=autocast)
+    if tp > 1:
+        # every saved tensor is split over the tp ranks (by heads / hidden width, and the residual stream by
+        # sequence or batch under sequence parallelism), except the column-parallel linears' inputs: the
+        # all-gathered norm outputs, which each rank keeps whole for its weight gradient
+        gathered_inputs = block_activation_bytes(model, mode, residual_bytes=residual, fp8=fp8, compiled=step.compile,
+                                                 autocast=autocast).get("norm outputs (q/k/v and MLP inputs)", 0.0)
+        gathered_none = block_activation_bytes(model, "none", residual_bytes=residual, fp8=fp8,
+                                               compiled=step.compile,
+                                               autocast=autocast)["norm outputs (q/k/v and MLP inputs)"]
+        split = 1 / tp if layout.sequence_parallel else (1 + 1 / tp) / 2
+        per_block = per_block * split + gathered_inputs * (1 - 1 / tp)
+        per_block_none = per_block_none * split + gathered_none * (1 - 1 / tp)
+    linear_local = model.linear_params_per_block() / tp
+    block_local = linear_local + 2 * model.norm_params()
+    gathered_block = linear_local * (1 if fp8_gathered else cb) + 2 * model.norm_params() * cb
+    accumulating = step.accumulate_grad_batches > 1
+    d, V = model.n_embd, model.vocab_size / tp
 
     ranks: list[RankMemory] = []
     for pp_rank, blocks in enumerate(_stage_blocks(model, layout, stage_blocks)):
         first, last = pp_rank == 0, pp_rank == pp - 1
         n_blocks = sum(blocks)
-        # parameters this rank owns before ZeRO: blocks split over tp, embedding and head vocab-parallel
-        block_params = n_blocks * (model.linear_params_per_block() / tp + 2 * model.norm_params())
-        emb = model.embedding_params() / tp if first else 0
+        emb = model.embedding_params() / tp if first else 0.0
         head = 0.0
         if last:
             head = (model.head_params() - model.norm_params()) / tp + model.norm_params()
             if model.tie_embeddings and not first:
-                head += model.vocab_size * model.n_embd / tp  # the tied weight's copy on the last stage
-        own = block_params + emb + head
-        sharded_state = layout.zero_stage >= 1 and shard > 1
-        params_shard = own / shard if (layout.zero_stage >= 2 or (fsdp and layout.zero_stage >= 2)) else own
-        grads_shard = own / shard if layout.zero_stage >= 2 else own
-        opt = own / shard if sharded_state else own
-
-        parts: dict[str, float] = {}
+                head += model.vocab_size * d / tp  # the tied weight's copy on the last stage
+        root = emb + head  # FSDP2's root unit: everything outside the blocks
+        own = n_blocks * block_local + root
+        shard_params = layout.zero_stage >= 3 or (fsdp and layout.zero_stage >= 2)
+        params_local = own / shard if shard_params else own
+        grads_local = own / shard if layout.zero_stage >= 2 else own
+        opt_local = own / shard if layout.zero_stage >= 1 else own
         if layout.offload:
-            parts["parameters (device copies)"] = 0.0
-        else:
-            parts["parameters"] = params_shard * mb
-        opt_bytes = 0.0 if layout.offload else 2 * opt * mb  # AdamW: exp_avg and exp_avg_sq
-        parts["optimizer state"] = opt_bytes
+            params_local = grads_local = opt_local = 0.0
 
-        # gathered parameters: FSDP2 units in flight (compute dtype; FP8 linears gathered in FP8)
-        unit_blocks = layout.blocks_per_unit
-        per_block_gathered = model.linear_params_per_block() / tp * (1 if (fp8 and layout.fp8_all_gather) else cb) \
-            + 2 * model.norm_params() * cb
-        gathered_fwd = 0.0
+        state = {"parameters": params_local * mb, "optimizer state": 2 * opt_local * mb,
+                 "workspace": WORKSPACE_BYTES}
+        if layout.engine == "ddp":  # DDP's gradient buckets: a second copy of the gradients, allocated once
+            state["gradient buckets"] = own * mb
+        # gathered parameters live from the forward into the backward (bf16; FP8 linears gathered in FP8)
         if fsdp:
-            root = (emb + head) * cb
-            if layout.resharded:
-                units_live = min(n_blocks, unit_blocks * (1 + layout.prefetch))
-                gathered_fwd = root + units_live * per_block_gathered + unit_blocks * per_block_gathered  # last kept
-            else:  # ZeRO-2: gathered from the forward to the backward
-                gathered_fwd = root + n_blocks * per_block_gathered
-        elif mixed and not deepspeed:
-            # autocast keeps no weight copies across ops; FP8 linears cast their weights per matmul
-            gathered_fwd = 0.0
-        if fp8 and not (fsdp and layout.fp8_all_gather):
-            # FP8 linears' weight casts (and transposes) live from the forward of a layer to its backward
-            gathered_fwd += 2 * min(n_blocks, 2) * model.linear_params_per_block() / tp
-        # accumulation: what persists between micro-batches
-        accum = step.accumulate_grad_batches > 1
-        grads_live_fwd = 0.0
-        if accum:
-            if layout.engine in ("none", "ddp") or layout.accumulation in ("reduce_once", "gather_once"):
-                unsharded = own if layout.engine != "none" or layout.zero_stage < 2 else own
-                grads_live_fwd = unsharded * (step.reduce_bytes if fsdp else mb)
-            else:
-                grads_live_fwd = grads_shard * mb
-            if fsdp and layout.accumulation == "gather_once":
-                gathered_fwd = (emb + head) * cb + n_blocks * per_block_gathered
-        # activations: each stage's blocks times the micro-batches in flight there
-        acts = 0.0
-        for k, nb in enumerate(blocks):
-            acts += nb * per_block_act * act_tokens * _in_flight(layout, pp_rank, k)
-        if first:  # embedding output (the first block's input is saved by the block itself)
-            acts += 0.0
-        loss_fwd, loss_bwd = 0.0, 0.0
+            unit = min(n_blocks, layout.blocks_per_unit) * gathered_block
+            if layout.resharded and not (accumulating and layout.accumulation == "gather_once"):
+                units_live = 2 + layout.prefetch  # the last unit (kept for the backward), the current, prefetched
+                gathered = root * cb + min(n_blocks * gathered_block, units_live * unit)
+            else:  # ZeRO-2, or kept gathered across the micro-batches of a step
+                gathered = root * cb + n_blocks * gathered_block
+        else:
+            unit = 0.0
+            gathered = 0.0
+            if fp8:  # FP8 linears cast their weights per forward, kept for the backward
+                gathered = n_blocks * linear_local
+            elif autocast:  # autocast's bf16 copies of the fp32 weights, kept for the backward
+                gathered = n_blocks * linear_local * 2
+        # gradients held through the forward: when accumulating, and in a pipeline, whose backward of one
+        # micro-batch runs while the next ones go forward
+        if pp > 1:
+            held_grads = grads_local * mb if not fsdp else own * step.reduce_bytes
+        elif not accumulating:
+            held_grads = 0.0
+        elif fsdp and layout.accumulation != "reduce_each":
+            held_grads = own * step.reduce_bytes  # unsharded, in the reduction dtype
+        else:
+            held_grads = grads_local * mb
+        # saved activations: each stage's blocks times the micro-batches in flight there
+        acts = sum(nb * per_block * act_tokens * _in_flight(layout, pp_rank, k) for k, nb in enumerate(blocks))
+        # the loss (last stage): what its forward keeps, and the head's gradient at the start of the backward
+        loss_saved = loss_fwd_transient = loss_bwd_transient = head_grad = 0.0
         if last:
-            v = model.vocab_size / tp
-            n_tok = tokens  # the head sees whole sequences
-            if model.kernels == "triton":
-                chunk = min(n_tok, 4096)  # the chunked loss: one chunk of fp32 logits and its gradient
-                loss_fwd = chunk * v * 8 + n_tok * model.n_embd * 4
-                loss_bwd = loss_fwd
-            elif step.compile:
-                loss_fwd = n_tok * v * 4
-                loss_bwd = n_tok * v * 6
+            if model.kernels == "triton":  # fused linear cross-entropy: dW and dx made in the forward
+                loss_saved = V * d * cb + tokens * d * cb
+                loss_fwd_transient = min(tokens, max(1, int(256 * 2**20 / (V * cb)))) * V * 4
+            elif step.compile and step.compile_scope == "model" and tp == 1:  # one graph: the bf16 logits kept
+                loss_saved = tokens * V * 2
             else:
-                loss_fwd = n_tok * v * 4  # log-softmax output kept for the backward
-                loss_bwd = n_tok * v * (4 + 4 + 2)  # + its gradient, + the bf16 logits' gradient
-            loss_fwd += n_tok * model.n_embd * residual  # the final norm's input
-        # one layer's backward: recomputation and gradients of its activations
-        layer_tokens = act_tokens
+                loss_saved = tokens * V * 4  # the log-softmax output, fp32
+                loss_fwd_transient = tokens * V * (2 + 4)
+                loss_bwd_transient = tokens * V * (4 + 2)
+            loss_saved += tokens * d * residual  # the final norm's input
+            if fsdp or model.kernels != "triton":
+                head_grad = V * d * (cb if fsdp else mb)  # the head's gradient, unsharded until the root reduces
+        # one layer's backward: its recomputation, the gradients of its activations, its unit's gradients
         if mode == "full":
-            recompute = none_act * layer_tokens
+            recompute = per_block_none * act_tokens
         elif mode == "selective":
-            recompute = max(0.0, none_act - per_block_act) * layer_tokens
+            recompute = max(0.0, per_block_none - per_block) * act_tokens
         else:
             recompute = 0.0
-        grad_temps = (2 * model.n_embd * 4 + 3 * model.intermediate_size / tp * 2) * layer_tokens
-        unit_params = unit_blocks * model.params_per_block() / tp
-        unit_grad = unit_params * (cb + (step.reduce_bytes if fsdp else 0)) if fsdp else 0.0
-        prefetch_bwd = per_block_gathered * unit_blocks * layout.prefetch if layout.resharded else 0.0
-        layer_bwd = recompute + grad_temps + unit_grad + prefetch_bwd
-
-        ws = WORKSPACE_BYTES
-        base = parts["parameters"] if "parameters" in parts else 0.0
-        base += opt_bytes + ws
+        layer_bwd = recompute + LAYER_BACKWARD_SHARE * per_block_none * act_tokens
+        if fsdp:
+            layer_bwd += (unit / max(gathered_block, 1) * block_local) * (cb + step.reduce_bytes) + unit * \
+                min(layout.prefetch, 1)
         # the three moments
-        start_bwd = base + gathered_fwd + grads_live_fwd + acts + loss_fwd + loss_bwd
-        all_grads = grads_shard * (mb if not fsdp else mb) if not layout.offload else 0.0
-        if not fsdp and not layout.offload:
-            all_grads = own * mb  # DDP / one device: every gradient whole
-        end_bwd = base + gathered_fwd + max(all_grads, grads_live_fwd) + layer_bwd
-        if layout.engine == "ddp" and shard > 1:
-            end_bwd += 0.0  # gradients are DDP's bucket views: no second copy
-        step_moment = base + max(all_grads, grads_live_fwd)
-        moments = {"start of backward": start_bwd + layer_bwd, "end of backward": end_bwd,
-                   "optimizer step": step_moment}
-        moment = max(moments, key=moments.get)  # type: ignore[arg-type]
-        out = dict(parts)
-        out["workspace"] = ws
-        if moment == "start of backward":
-            out.update({"gathered parameters": gathered_fwd, "gradients": grads_live_fwd, "activations": acts,
-                        "logits and loss": loss_fwd + loss_bwd, "backward temporaries": layer_bwd})
-        elif moment == "end of backward":
-            out.update({"gathered parameters": gathered_fwd, "gradients": max(all_grads, grads_live_fwd),
-                        "activations": 0.0, "logits and loss": 0.0, "backward temporaries": layer_bwd})
-        else:
-            out.update({"gathered parameters": 0.0, "gradients": max(all_grads, grads_live_fwd),
-                        "activations": 0.0, "logits and loss": 0.0, "backward temporaries": 0.0})
-        ranks.append(RankMemory(rank=pp_rank, parts=out, moment=moment))
+        moments: dict[str, dict[str, float]] = {}
+        moments["start of backward"] = {
+            **state, "gathered parameters": gathered, "gradients": held_grads + head_grad, "activations": acts,
+            "logits and loss": loss_saved + loss_bwd_transient, "backward temporaries": layer_bwd}
+        moments["end of forward"] = {
+            **state, "gathered parameters": gathered, "gradients": held_grads, "activations": acts,
+            "logits and loss": loss_saved + loss_fwd_transient, "backward temporaries": 0.0}
+        grads_end = max(grads_local * mb, held_grads)
+        reduce_buffer = root * step.reduce_bytes if fsdp else 0.0  # the root's gradients, reduced last
+        moments["end of backward"] = {
+            **state, "gathered parameters": 0.0, "gradients": grads_end + reduce_buffer, "activations": 0.0,
+            "logits and loss": 0.0, "backward temporaries": 0.0}
+        moment = max(moments, key=lambda k: sum(moments[k].values()))
+        ranks.append(RankMemory(rank=pp_rank, parts=moments[moment], moment=moment))
     return MemoryEstimate(ranks=ranks, notes=notes)
 
 

@@ -97,6 +97,11 @@ def _module_settings(module: Any) -> tuple[str, bool]:
     return ac, hp.get("compile") is not None
 
 
+def _compile_scope(module: Any) -> str:
+    hp = getattr(module, "hparams", {}) or {}
+    return str(hp.get("compile_scope", "block") or "block")
+
+
 def _as_module(module: Any) -> Any:
     if isinstance(module, str):
         from lightning_perf.models.gpt.config import GPTConfig
@@ -196,9 +201,11 @@ def estimate_memory(
     layout = plan_layout.layout
     if accumulation is not None:
         layout = replace(layout, accumulation=accumulation)
+    # a strategy that compiles the blocks itself compiles the head and the loss too
+    scope = "model" if plan_layout.compiled else _compile_scope(module)
     step = StepShape(micro_batch=plan_layout.micro_batch or int(batch_size), seq_len=int(seq_len),
                      accumulate_grad_batches=int(accumulate_grad_batches), activation_checkpointing=ac,
-                     compile=compiled, precision=_normalize_precision(precision))
+                     compile=compiled, compile_scope=scope, precision=_normalize_precision(precision))
     estimate = estimate_peak(model, layout, step, stage_blocks=plan_layout.stage_blocks)
     if layout.world_size != world:
         estimate.notes.append(f"the layout covers {layout.world_size} of {world} ranks")
@@ -327,14 +334,14 @@ def plan_training(
             raise ValueError(f"the global batch of {global_batch_sequences} sequences does not split over "
                              f"{dp} data-parallel replicas: choose a multiple of {dp}")
         per_replica = global_batch_sequences // dp
-    if batch_auto:
-        micros = [per_replica] if (pipelined and per_replica) else _micro_batches(per_replica)
-    else:
-        micros = [int(batch_size)]
+    all_micros = [per_replica] if (pipelined and per_replica) else _micro_batches(per_replica)
+    micros = all_micros if batch_auto else [int(batch_size)]
     modes = list(_AC_ORDER) if ac_auto else [ac_fixed]
     candidates = []
-    for ac in modes:
-        for micro in micros:
+    # the explicit choice, and every alternative (for the largest that fits when it does not)
+    grid = [(ac, micro, ac in modes and micro in micros) for ac in _AC_ORDER for micro in sorted(set(all_micros + micros))]
+    for ac, micro, allowed in grid:
+        if True:
             if accumulate_grad_batches is not None and accumulate_grad_batches >= 1 and (
                     global_batch_sequences is None or not batch_auto):
                 accum = int(accumulate_grad_batches)
@@ -356,20 +363,20 @@ def plan_training(
                     speed *= 1.005  # one all-gather per step
                 candidates.append({"batch_size": micro, "activation_checkpointing": ac, "accumulate_grad_batches": accum,
                                    "accumulation": acc, "peak_gb": est.peak_gb, "fits": fits, "speed": speed,
-                                   "_estimate": est})
-    fitting = [c for c in candidates if c["fits"]]
-    pool = fitting or candidates
+                                   "allowed": allowed, "_estimate": est})
+    allowed_fitting = [c for c in candidates if c["fits"] and c["allowed"]]
+    pool = allowed_fitting or [c for c in candidates if c["allowed"]]
     best = max(pool, key=lambda c: (c["speed"], -c["peak_gb"]))
-    largest = max(fitting, key=lambda c: (c["batch_size"], -_AC_ORDER.index(c["activation_checkpointing"]),
-                                          c["speed"])) if fitting else None
+    fitting = [c for c in candidates if c["fits"]]
+    largest = max(fitting, key=lambda c: (c["speed"], c["batch_size"])) if fitting else None
     auto = tuple(name for name, flag in (("batch_size", batch_auto), ("activation_checkpointing", ac_auto),
                                          ("accumulate_grad_batches", accumulate_grad_batches is None
                                           and global_batch_sequences is not None),
                                          ("accumulation", strategy_accumulation == AUTO)) if flag)
-    public = [{k: v for k, v in c.items() if not k.startswith("_")} for c in candidates]
+    public = [{k: v for k, v in c.items() if not k.startswith("_")} for c in candidates if c["allowed"]]
     return TrainingPlan(batch_size=best["batch_size"], activation_checkpointing=best["activation_checkpointing"],
                         accumulate_grad_batches=best["accumulate_grad_batches"], accumulation=best["accumulation"],
-                        estimate=best["_estimate"], capacity_bytes=capacity_bytes, fits=bool(fitting),
+                        estimate=best["_estimate"], capacity_bytes=capacity_bytes, fits=bool(allowed_fitting),
                         auto=auto, candidates=public,
                         largest_fitting=None if largest is None else {k: v for k, v in largest.items()
                                                                       if not k.startswith("_")})
@@ -455,16 +462,18 @@ def resolve_auto_settings(trainer: Any, module: Any, datamodule: Any, *, check_f
         over = plan.estimate.peak_bytes / usable_bytes(capacity) - 1
         if over > REFUSE_MARGIN or asked:
             raise ValueError(_refusal(plan, capacity))
+    changed = False
     if batch == AUTO:
-        datamodule.batch_size = plan.batch_size
+        datamodule.batch_size, changed = plan.batch_size, True
     hp = getattr(module, "hparams", None)
     if hp is not None and hp.get("activation_checkpointing") == AUTO:
-        hp["activation_checkpointing"] = plan.activation_checkpointing
-    trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+        hp["activation_checkpointing"], changed = plan.activation_checkpointing, True
+    if trainer.accumulate_grad_batches != plan.accumulate_grad_batches:
+        trainer.accumulate_grad_batches, changed = plan.accumulate_grad_batches, True
     config = getattr(strategy, "config", None)
     if getattr(config, "accumulation", None) == AUTO and plan.accumulation is not None:
-        config.accumulation = plan.accumulation
-    if asked:
+        config.accumulation, changed = plan.accumulation, True
+    if changed:  # once per process: a second call finds the values settled
         rank_zero_info(plan.summary())
     return plan
 

@@ -102,6 +102,7 @@ from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, check_every_n_
 from lightning_perf.perf.run_settings import PerfSettings
 from lightning_perf.plugins.precision import PRECISIONS, PerfPrecision
 from lightning_perf.runtime import resume
+from lightning_perf.runtime.planning import resolve_auto_settings
 from lightning_perf.runtime.preemption import attach_preemption
 
 if TYPE_CHECKING:
@@ -306,6 +307,10 @@ class PerfParallelStrategy(ParallelStrategy):
         as constructed: see :func:`builds_in_configure_model` for what can be checked in it.
         """
         self._check_precision(self.precision_plugin.precision, self.root_device.type)
+        trainer = getattr(module, "_trainer", None)
+        if isinstance(trainer, Trainer) and datamodule is not None:
+            # "auto" settings and a configuration too large for the card are settled before any process starts
+            resolve_auto_settings(trainer, module, datamodule)
 
     def _check_fp8_all_gather(self, module: "pl.LightningModule") -> None:
         """With ``fp8_all_gather``, the model must have FP8 linears (or, built later, an FP8 config)."""

@@ -24,6 +24,7 @@ from lightning_perf.parallel.compute.compile import COMPILE_MODES, COMPILE_SCOPE
 from lightning_perf.perf.collection import DEFAULT_EVERY_N_STEPS, Priority, ScheduledCollection, check_every_n_steps
 from lightning_perf.perf.documents import document_work, packed_batch_flops
 from lightning_perf.perf.run_settings import PerfSettings
+from lightning_perf.runtime.planning import TrainingPlan, resolve_auto_settings
 from lightning_perf.runtime.preemption import PreemptionCheckpoint
 
 __all__ = ["GPTLightningModule", "cosine_with_warmup"]
@@ -89,7 +90,9 @@ class GPTLightningModule(L.LightningModule):
             (CUDA graphs, for small models), ``"max-autotune"``.
         compile_scope: ``"block"`` (one graph per block, composes with sharding per block) or
             ``"model"`` (one graph for the whole GPT: fewer launches, for one GPU).
-        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per block.
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per block; ``"auto"``: the memory
+            planner's choice for the GPU the run is on (``lightning_perf.runtime.planning``): the fastest that
+            fits with the micro-batch, logged once at the start of the fit.
         vocab_size, block_size: override the preset's (e.g. to match a tokenizer or a data module).
         config_overrides: other :class:`GPTConfig` fields to change on the preset, e.g.
             ``{"kernels": "triton", "attention": "auto", "fp8": True}`` (a recipe's way to set them).
@@ -157,8 +160,9 @@ class GPTLightningModule(L.LightningModule):
             raise ValueError(f"compile={compile!r} is not one of {COMPILE_MODES}")
         if compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"compile_scope={compile_scope!r} is not one of {COMPILE_SCOPES}")
-        if activation_checkpointing not in AC_MODES:
-            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of {AC_MODES}")
+        if activation_checkpointing not in (*AC_MODES, "auto"):
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
+                             f"{(*AC_MODES, 'auto')}")
         if learning_rate <= 0 or not 0.0 <= min_lr_ratio <= 1.0 or warmup_steps < 0:
             raise ValueError(
                 f"need learning_rate > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0; got "
@@ -174,6 +178,8 @@ class GPTLightningModule(L.LightningModule):
         self._batch_doc_ids: Optional[torch.Tensor] = None  # the last training batch's, if packed
         self._loss_copies: list[tuple[torch.Tensor, Any]] = []  # (pinned host copy, CUDA event) in flight
         self._collection = _ModelCollection(gc_every_n_steps)
+        #: the memory planner's choice for this fit (``lightning_perf.runtime.planning``), once setup has run
+        self.memory_plan: Optional[TrainingPlan] = None
 
     # ---- model ---------------------------------------------------------------------------
 
@@ -192,6 +198,9 @@ class GPTLightningModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self.config.fp8 and self._trainer is not None:
             check_fp8_device(self.trainer.strategy.root_device)
+        if self._trainer is not None and stage == "fit":
+            # "auto" micro-batch, checkpointing and accumulation become values before the model is built
+            self.memory_plan = resolve_auto_settings(self.trainer, self, self.trainer.datamodule)
 
     @classmethod
     def from_hf(cls, path: Union[str, Path], **module_kwargs: Any) -> "GPTLightningModule":
