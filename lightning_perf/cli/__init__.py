@@ -19,6 +19,8 @@ What the CLI adds to Lightning's:
 - Paths a recipe puts under its ``trainer.default_root_dir`` (logger ``save_dir``, checkpoint
   ``dirpath``) follow ``--trainer.default_root_dir`` when it is overridden.
 - A mistyped option gets a short error with the closest valid names instead of the usage text.
+- A CUDA out-of-memory error ends in three lines naming the settings to change and ``lightning-perf plan``;
+  the traceback goes to ``oom_rank<R>.log`` under the run's ``default_root_dir``.
 - Bad input found while a run sets up (a missing file, a layout or checkpoint that does not fit, a
   ``ValueError`` of the pack) is printed in a few lines naming the file or option and the fix, exit
   status 1; ``LIGHTNING_PERF_DEBUG=1`` or ``--debug`` keeps the traceback.
@@ -40,6 +42,7 @@ from typing import Optional
 import lightning_perf  # noqa: F401  (registers the strategy names)
 from lightning_perf.cli.errors import DEBUG_ENV, _exit_on_user_error, _pop_debug, user_error_message
 from lightning_perf.cli.generate import _generate, load_module
+from lightning_perf.cli.oom import is_out_of_memory, report_out_of_memory
 from lightning_perf.cli.perf_cli import PerfCLI, _run_lightning_cli, perf_precision_for
 from lightning_perf.cli.recipes import (
     _LIGHTNING_SUBCOMMANDS,
@@ -102,6 +105,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         _main(args)
     except Exception as err:
         if not debug:
+            if is_out_of_memory(err):
+                raise SystemExit(report_out_of_memory(err, args, args[0] if args else "fit")) from None
             _exit_on_user_error(err, args)
         raise
 
