@@ -60,12 +60,16 @@ def _stand_in(recipe: dict, side: Path) -> dict:
             "source": "synthetic",
             "data_dir": None,
             "seq_len": 32,
-            "batch_size": int(data.get("batch_size", 8)),  # the recipe's own: whole pipeline microbatches
+            # the recipe's own ("auto", or whole pipeline microbatches)
+            "batch_size": data.get("batch_size", 8) if data.get("batch_size") == "auto" else int(data.get("batch_size", 8)),
             "num_workers": 0,
             "synthetic_train_samples": 256,
             "synthetic_val_samples": 64,
         },
     }
+    if data.get("global_batch_tokens") is not None:  # the recipe's tokens per GPU at the stand-in's seq_len
+        per_gpus = int(data.get("global_batch_per_gpus") or 1)
+        stand_in["data"].update(global_batch_tokens=None, global_batch_size=2 * per_gpus)
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict):
         args = dict(strategy.get("init_args") or {})
