@@ -21,7 +21,6 @@ seq_len=...)`` (the pack's strategies have it); Lightning's own strategies are r
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
@@ -334,6 +333,10 @@ def plan_training(
             raise ValueError(f"the global batch of {global_batch_sequences} sequences does not split over "
                              f"{dp} data-parallel replicas: choose a multiple of {dp}")
         per_replica = global_batch_sequences // dp
+    if not batch_auto and per_replica is not None and not pipelined and per_replica % int(batch_size):
+        raise ValueError(f"the global batch gives each of the {dp} data-parallel replicas {per_replica} sequences per "
+                         f"step, not a whole number of micro-batches of batch_size {batch_size}: choose a divisor "
+                         f"of {per_replica} or batch_size 'auto'")
     all_micros = [per_replica] if (pipelined and per_replica) else _micro_batches(per_replica)
     micros = all_micros if batch_auto else [int(batch_size)]
     modes = list(_AC_ORDER) if ac_auto else [ac_fixed]
@@ -341,29 +344,28 @@ def plan_training(
     # the explicit choice, and every alternative (for the largest that fits when it does not)
     grid = [(ac, micro, ac in modes and micro in micros) for ac in _AC_ORDER for micro in sorted(set(all_micros + micros))]
     for ac, micro, allowed in grid:
-        if True:
-            if accumulate_grad_batches is not None and accumulate_grad_batches >= 1 and (
-                    global_batch_sequences is None or not batch_auto):
-                accum = int(accumulate_grad_batches)
-            elif per_replica is not None and not pipelined:
-                accum = per_replica // micro
-            else:
-                accum = 1
-            acc_modes = _accumulation_modes(strategy_accumulation, accum)
-            for acc in acc_modes:
-                est = estimate_memory(module, strategy, devices=devices, num_nodes=num_nodes, batch_size=micro,
-                                      seq_len=seq_len, precision=precision, accumulate_grad_batches=accum,
-                                      activation_checkpointing=ac, accumulation=acc)
-                fits = capacity_bytes is None or est.peak_bytes <= usable_bytes(capacity_bytes)
-                speed = relative_speed(model, micro_batch=micro, seq_len=seq_len, accumulate=accum, ac=ac,
-                                       data_parallel_size=dp)
-                if acc == "reduce_each":
-                    speed *= 0.995  # a reduce-scatter per micro-batch
-                elif acc == "gather_once":
-                    speed *= 1.005  # one all-gather per step
-                candidates.append({"batch_size": micro, "activation_checkpointing": ac, "accumulate_grad_batches": accum,
-                                   "accumulation": acc, "peak_gb": est.peak_gb, "fits": fits, "speed": speed,
-                                   "allowed": allowed, "_estimate": est})
+        if accumulate_grad_batches is not None and accumulate_grad_batches >= 1 and (
+                global_batch_sequences is None or not batch_auto):
+            accum = int(accumulate_grad_batches)
+        elif per_replica is not None and not pipelined:
+            accum = per_replica // micro
+        else:
+            accum = 1
+        acc_modes = _accumulation_modes(strategy_accumulation, accum)
+        for acc in acc_modes:
+            est = estimate_memory(module, strategy, devices=devices, num_nodes=num_nodes, batch_size=micro,
+                                  seq_len=seq_len, precision=precision, accumulate_grad_batches=accum,
+                                  activation_checkpointing=ac, accumulation=acc)
+            fits = capacity_bytes is None or est.peak_bytes <= usable_bytes(capacity_bytes)
+            speed = relative_speed(model, micro_batch=micro, seq_len=seq_len, accumulate=accum, ac=ac,
+                                   data_parallel_size=dp)
+            if acc == "reduce_each":
+                speed *= 0.995  # a reduce-scatter per micro-batch
+            elif acc == "gather_once":
+                speed *= 1.005  # one all-gather per step
+            candidates.append({"batch_size": micro, "activation_checkpointing": ac, "accumulate_grad_batches": accum,
+                               "accumulation": acc, "peak_gb": est.peak_gb, "fits": fits, "speed": speed,
+                               "allowed": allowed, "_estimate": est})
     allowed_fitting = [c for c in candidates if c["fits"] and c["allowed"]]
     pool = allowed_fitting or [c for c in candidates if c["allowed"]]
     best = max(pool, key=lambda c: (c["speed"], -c["peak_gb"]))
@@ -494,21 +496,7 @@ def _refusal(plan: TrainingPlan, capacity: float) -> str:
     return f"{first}\n{second} Details: lightning-perf plan (same arguments)."
 
 
-def plan_from_settings(*, module: Any, strategy: Any, devices: int, num_nodes: int, seq_len: int,
-                       batch_size: Union[int, str], accumulate_grad_batches: int, global_batch_sequences: Optional[int],
-                       capacity_bytes: Optional[float], precision: str) -> TrainingPlan:
-    """:func:`plan_training` with a run's settings as ``lightning-perf plan`` reads them from a recipe."""
-    return plan_training(module, strategy, devices=devices, num_nodes=num_nodes, seq_len=seq_len,
-                         capacity_bytes=capacity_bytes, batch_size=batch_size,
-                         accumulate_grad_batches=accumulate_grad_batches if (accumulate_grad_batches > 1
-                                                                             or global_batch_sequences is None)
-                         else None, global_batch_sequences=global_batch_sequences, precision=precision)
-
-
 def global_batch_sequences(datamodule: Any, world: int) -> Optional[int]:
     """The data module's global batch in sequences for ``world`` GPUs (None: none given)."""
     return _global_batch_sequences(datamodule, world)
 
-
-def whole(x: float) -> int:
-    return int(math.floor(x))
