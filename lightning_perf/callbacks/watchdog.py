@@ -113,6 +113,7 @@ class RankWatchdog(pl.Callback):
         self.flight_recorder_env: dict[str, str] = {}  # what this callback set
         self.set_before_process_group = False
         self._backend: Optional[str] = None
+        self._group_timeout_s: Optional[float] = None
         self._started = time.time()
 
     # ---- flight recorder ----------------------------------------------------------------------
@@ -157,16 +158,21 @@ class RankWatchdog(pl.Callback):
         """When NCCL's watchdog times out the collective this rank waits in (None: not NCCL, no recorder)."""
         if not self.flight_recorder or self._backend != "nccl":
             return None
-        return collective_deadline()
+        return collective_deadline(default_timeout_s=self._group_timeout_s)
+
+    @staticmethod
+    def _strategy_timeout(trainer: "pl.Trainer") -> float:
+        """The strategy's collective timeout in seconds (torch's default where the strategy has none)."""
+        timeout = getattr(getattr(trainer, "strategy", None), "_timeout", None)
+        if timeout is None:
+            timeout = default_pg_timeout
+        return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
     def _exit_seconds(self, trainer: "pl.Trainer") -> Optional[float]:
         """``exit_after`` in seconds: the strategy's collective timeout for ``"timeout"``."""
         if self.exit_after != "timeout":
             return None if self.exit_after is None else float(self.exit_after)
-        timeout = getattr(getattr(trainer, "strategy", None), "_timeout", None)
-        if timeout is None:
-            timeout = default_pg_timeout
-        return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        return self._strategy_timeout(trainer)
 
     def _before_exit(self, trainer: "pl.Trainer") -> str:
         """The watchdog's last act before it ends the process: this rank's dump, and the line naming the dumps."""
@@ -198,6 +204,7 @@ class RankWatchdog(pl.Callback):
         if self.watchdog is None and distributed and dist.get_world_size() > 1:
             note = f"flight recorder dumps at {self.dump_prefix}<rank>" if self.dump_prefix else ""
             exit_after = self._exit_seconds(trainer)
+            self._group_timeout_s = self._strategy_timeout(trainer)  # for a recorder entry without its own
             self.watchdog = PeerWatchdog(interval=self.interval, dead_after=self.dead_after, note=note,
                                          describe=self._in_flight, exit_after=exit_after,
                                          deadline=None if self.exit_after is None else self._nccl_deadline,

@@ -144,7 +144,7 @@ def test_pack_strategies_add_a_rank_watchdog_unless_the_fit_has_one() -> None:
 def test_under_nccl_the_exit_deadline_is_the_collective_timeout_in_the_recorder(tmp_path, clean_env, monkeypatch):
     from lightning_perf.callbacks import watchdog as callback_module
 
-    monkeypatch.setattr(callback_module, "collective_deadline", lambda: 1234.5)
+    monkeypatch.setattr(callback_module, "collective_deadline", lambda default_timeout_s=None: 1234.5)
     nccl = RankWatchdog()
     nccl.prepare_process_group(_trainer(tmp_path), "nccl")
     assert nccl._nccl_deadline() == 1234.5

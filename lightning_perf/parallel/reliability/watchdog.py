@@ -591,7 +591,7 @@ class PeerWatchdog:
                     where = "before its first step" if states[r].step is None else f"at step {states[r].step}"
                     parts.append(
                         f"rank {r} stopped responding {where} "
-                        f"(no heartbeat for {states[r].silent_s:.1f} s): it died or was killed"
+                        f"(no heartbeat for {states[r].silent_s:.1f} s): it died, was killed or is frozen"
                     )
             return RankFailureError(
                 f"rank {self.rank}: a collective failed because {'; '.join(parts)}; this rank was at step "
