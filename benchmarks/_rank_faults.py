@@ -80,7 +80,7 @@ NCCL_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TOR
 
 def settings(gpu: bool) -> dict[str, Any]:
     """The run: the model, the steps, the timeouts (seconds) and the deadlines of the parent."""
-    common = dict(stage=3, every=2, fault_step=5, save_step=4, max_steps=9)
+    common = dict(stage=3, every=2, fault_step=5, save_step=4, max_steps=9, deadline_margin=3.0)
     if gpu:
         return dict(common, backend="nccl", accelerator="gpu", precision="bf16-mixed", n_layer=4, n_embd=256,
                     n_head=4, vocab=8192, seq_len=256, batch=8, timeout=30.0, interval=0.5, dead_after=5.0,
@@ -151,7 +151,7 @@ def _train(spec: dict[str, Any], rank: int, out: Path) -> None:
                            batch_size=spec["batch"], seed=0, synthetic_train_samples=samples,
                            synthetic_val_samples=spec["batch"])
     watchdog = RankWatchdog(interval=spec["interval"], dead_after=spec["dead_after"],
-                            dump_dir=str(out / "flight_recorder"))
+                            deadline_margin=spec["deadline_margin"], dump_dir=str(out / "flight_recorder"))
     callbacks: list = [
         watchdog,
         _Setup(watchdog, out, rank),

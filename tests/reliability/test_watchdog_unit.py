@@ -224,7 +224,7 @@ def test_a_dead_peer_ends_the_process_margin_seconds_before_the_backends_timeout
     assert timeout_at - 0.2 - INTERVAL <= wall_at_exit <= timeout_at - 0.2 + INTERVAL, timeout_at - wall_at_exit
     # the silence was logged when noticed, with the planned exit
     noticed = [r.getMessage() for r in caplog.records if "stopped responding" in r.getMessage()]
-    assert "this process exits in 1 s unless it recovers" in noticed[0], noticed
+    assert "this process exits in 1 s unless it answers again" in noticed[0], noticed
     # then 3 lines: who stopped answering and where this rank waits, what now, where the dump is
     message = [r.getMessage() for r in caplog.records if "exiting with code 1" in r.getMessage()][-1]
     lines = message.splitlines()

@@ -463,7 +463,7 @@ class PeerWatchdog:
     def _planned_exit(self) -> str:
         """When this process will end itself, as a clause of a logged line ('' when no exit is planned)."""
         due = self._exit_due_in()
-        return "" if due is None else f"; this process exits in {max(due, 0.0):.0f} s unless it recovers"
+        return "" if due is None else f"; this process exits in {max(due, 0.0):.0f} s unless it answers again"
 
     def _here(self, lead: str = "this rank's collective:") -> str:
         """What ``describe`` says, as a clause of a logged line ('' when it has nothing or fails)."""
