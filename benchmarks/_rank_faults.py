@@ -14,19 +14,25 @@ Each scenario starts two rank processes (``subprocess``, as a launcher would: ``
 - ``kill_rank0``: rank 0, the host of the process group's TCPStore, SIGKILLs itself before the backward of step
   ``fault_step``.
 
-Before a fault at a step the victim waits for the save in flight to be final, so the newest complete checkpoint
-is known: the save of ``expected_step``. For every survivor the JSON records its exit code, the seconds from the
-fault to its exit and whether that is within the strategy's ``timeout`` plus a margin (the watchdog's
-``dead_after`` + 3 intervals + a few seconds to tear down), the end of its error and of its log and whether they
-name the failed rank, a collective and a step, the flight recorder's dump (written? read back: its entries, the
-collective in flight; torch's analyser on NCCL dumps). Then, in this process, the checkpoint folder as the next
+Before a fault at a step every rank waits, at the start of that step, for the save in flight to be final, so the
+newest complete checkpoint is known: the save of ``expected_step``. Every rank, not the victim alone: under NCCL a
+rank that waits while its peer goes on into the step can wait for ever, since the peer's background save (DCP's
+writer synchronizes its CUDA stream) queues behind the step's collectives, which the waiting rank never joins.
+For every survivor the JSON records its exit code and what ended it (``ended_by``: the pack's watchdog, the pack's
+error, NCCL's abort, the harness), whether NCCL's watchdog got as far as timing its collective out and whether C++
+frames reached its log, its last lines and whether they are the pack's, the seconds from the fault to its exit
+and whether that is within the strategy's ``timeout`` plus a margin (the watchdog's ``dead_after`` + 3 intervals
++ a few seconds to tear down), the end of its error and of its log and whether they name the failed rank, a
+collective and a step, the flight recorder's dump (written? read back: its entries, the collective in flight;
+torch's analyser on NCCL dumps). A rank that ends before the fault is planted is reported with what ended it and
+where each rank was (``problem``). Then, in this process, the checkpoint folder as the next
 ``fit(ckpt_path="last")`` sees it: repaired and resolved by ``lightning_perf.runtime.resume``, loaded into a fresh
 module and optimizer with ``lightning_perf.parallel.load_checkpoint`` (sizes and CRC-32 checked), and the step it
 holds against ``expected_step``.
 
 "Names the rank / a collective / a step" is read from the survivor's exception (what it raised) and from the
-messages of its log (its unindented lines, not a traceback's frames): under NCCL, with torch's defaults, a
-survivor is torn down by NCCL's watchdog and has no exception, only log lines (``NCCL_NOTE``). Scenarios run
+messages of its log (its unindented lines, not a traceback's frames): under NCCL a survivor blocked in a
+collective raises no exception; ``RankWatchdog`` ends it and its log is what it says (``NCCL_NOTE``). Scenarios run
 ``parallel`` at a time, each on a GPU pair of its own (``gpu_pairs``): with one pair they run one after another.
 
 The parent never waits on a child: every scenario has deadlines (the start, the fault, the survivors' exit), a
@@ -74,10 +80,10 @@ NCCL_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TOR
 
 def settings(gpu: bool) -> dict[str, Any]:
     """The run: the model, the steps, the timeouts (seconds) and the deadlines of the parent."""
-    common = dict(stage=3, every=2, fault_step=5, save_step=4, max_steps=9)
+    common = dict(stage=3, every=2, fault_step=5, save_step=4, max_steps=9, deadline_margin=3.0)
     if gpu:
         return dict(common, backend="nccl", accelerator="gpu", precision="bf16-mixed", n_layer=4, n_embd=256,
-                    n_head=4, vocab=8192, seq_len=256, batch=8, timeout=60.0, interval=0.5, dead_after=5.0,
+                    n_head=4, vocab=8192, seq_len=256, batch=8, timeout=30.0, interval=0.5, dead_after=5.0,
                     teardown=10.0, start_deadline=240.0, grace=30.0, parallel=4)
     return dict(common, backend="gloo", accelerator="cpu", precision="32-true", n_layer=2, n_embd=64, n_head=2,
                 vocab=128, seq_len=32, batch=2, timeout=20.0, interval=0.25, dead_after=2.0, teardown=5.0,
@@ -145,13 +151,15 @@ def _train(spec: dict[str, Any], rank: int, out: Path) -> None:
                            batch_size=spec["batch"], seed=0, synthetic_train_samples=samples,
                            synthetic_val_samples=spec["batch"])
     watchdog = RankWatchdog(interval=spec["interval"], dead_after=spec["dead_after"],
-                            dump_dir=str(out / "flight_recorder"))
+                            deadline_margin=spec["deadline_margin"], dump_dir=str(out / "flight_recorder"))
     callbacks: list = [
         watchdog,
         _Setup(watchdog, out, rank),
         L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=spec["every"],
                                             save_last=True),
     ]
+    if spec["where"] != "save":
+        callbacks.append(_Settle(spec["fault_step"], out, rank))
     if rank == spec["victim"]:
         callbacks.append(_Plant(spec, out))
     trainer = L.Trainer(accelerator=spec["accelerator"], devices=2, precision=spec["precision"],
@@ -184,6 +192,20 @@ class _Setup(_callback_base()):  # type: ignore[misc]
                async_checkpoint=bool(getattr(trainer.strategy, "async_checkpoint", False)))
 
 
+class _Settle(_callback_base()):  # type: ignore[misc]
+    """Every rank, at the start of the fault's step: the save in flight made final (see the module docstring)."""
+
+    def __init__(self, step: int, out: Path, rank: int) -> None:
+        self.step, self.out, self.rank = step, out, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            stage = self.out / f"rank{self.rank}.stage.json"
+            _stamp(stage, stage="waiting for the checkpoint in flight to be final", time=time.time(), step=self.step)
+            trainer.strategy.wait_for_checkpoint()
+            _stamp(stage, stage="in the fault's step, the checkpoint final", time=time.time(), step=self.step)
+
+
 class _Plant(_callback_base()):  # type: ignore[misc]
     """The victim's fault (see the module docstring)."""
 
@@ -211,12 +233,10 @@ class _Plant(_callback_base()):  # type: ignore[misc]
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self.where == "backward" and trainer.global_step == self.spec["fault_step"]:
-            trainer.strategy.wait_for_checkpoint()  # the previous save final on every rank
             self._die(trainer.global_step, "between the forward and the backward")
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # after _Settle's
         if self.where == "batch_start" and trainer.global_step == self.spec["fault_step"]:
-            trainer.strategy.wait_for_checkpoint()
             _stamp(self.out / "ready.json", time=time.time(), step=trainer.global_step, pid=os.getpid())
             time.sleep(self.spec["timeout"] + 30)  # the parent stops this process meanwhile
 
@@ -227,13 +247,16 @@ class _Plant(_callback_base()):  # type: ignore[misc]
 # each scenario's dumps go to its own folder: a dump path in this process's environment (an earlier part's) is
 # not passed on
 DUMP_PATH_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-NCCL_NOTE = ("the pack sets neither TORCH_NCCL_ASYNC_ERROR_HANDLING nor TORCH_NCCL_BLOCKING_WAIT and neither does "
-             "this benchmark: unset, torch's defaults apply (3: a collective that times out or fails is reported "
-             "by NCCL's watchdog thread, which dumps the flight recorder and tears the process down; no blocking "
-             "wait), so under NCCL a survivor may end by SIGABRT with no Python exception, and its log is what "
-             "names the rank (RankWatchdog's line, logged once a peer is silent for dead_after) and the collective "
-             "(NCCL's watchdog line). The strategy's timeout is the process group's, which NCCL's watchdog applies; "
-             "RankWatchdog sets the flight recorder's variables (env_seen_by_ranks)")
+NCCL_NOTE = ("the pack sets none of TORCH_NCCL_ASYNC_ERROR_HANDLING, TORCH_NCCL_BLOCKING_WAIT, "
+             "TORCH_NCCL_ENABLE_MONITORING, TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC and neither does this benchmark "
+             "(env_seen_by_ranks): with torch's defaults NCCL's watchdog thread times a stuck collective out at its "
+             "group's timeout (the strategy's), dumps the flight recorder, and about a minute later aborts the "
+             "process (SIGABRT, C++ frames, no Python exception). RankWatchdog ends a survivor before that: once "
+             "a peer has been silent for dead_after, deadline_margin seconds before the timeout of the collective "
+             "it waits in (read from its flight recorder), or exit_after after the death was noticed, whichever "
+             "is first, with its dump written and 2-3 lines logged (the rank, the collective, the dumps). "
+             "ended_by says what ended each survivor; nccl_timeout_logged whether NCCL's watchdog timed its "
+             "collective out first")
 
 
 def gpu_pairs(count: int) -> list[str]:
@@ -315,11 +338,11 @@ class Scenario:
                 self.fault = json.loads((self.dir / "fault.json").read_text())
                 self.fault_time = float(self.fault["time"])
             elif self.exit_times:
-                self.problem = "a rank exited before the fault: " + ", ".join(
-                    f"rank {r} with code {self.procs[r].returncode}" for r in sorted(self.exit_times))
+                self.problem = "no fault was planted: " + self._where_ranks_were()
                 self.finish()
             elif now - self.started > s["start_deadline"]:
-                self.problem = f"no fault within {s['start_deadline']:.0f} s of the start"
+                self.problem = (f"no fault within {s['start_deadline']:.0f} s of the start: "
+                                f"{self._where_ranks_were()}")
                 self.finish()
             return
         if all(r in self.exit_times for r in self.survivors):
@@ -331,6 +354,26 @@ class Scenario:
                     os.kill(self.procs[r].pid, signal.SIGUSR2)
             time.sleep(2.0)
             self.finish()
+
+    def _stage(self, rank: int) -> str:
+        """Where a rank was before the fault, from the files it stamped."""
+        if rank == self.victim and (self.dir / "ready.json").exists():
+            return "at the start of the fault's step, ready to be stopped"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            stage = json.loads((self.dir / f"rank{rank}.stage.json").read_text())
+            return f"{stage['stage']} (since {time.time() - float(stage['time']):.0f} s)"
+        if (self.dir / f"rank{rank}.setup.json").exists():
+            return "training, before the fault's step"
+        return "starting (no process group yet)"
+
+    def _where_ranks_were(self) -> str:
+        """Which ranks ended, what ended them, and where the others were."""
+        ended = []
+        for r in sorted(self.exit_times):
+            how = how_ended(self.procs[r].returncode, _log_lines(self.dir / f"rank{r}.log"), _result(self.dir, r))
+            ended.append(f"rank {r} ended ({how})")
+        running = [f"rank {r} was {self._stage(r)}" for r in range(len(self.procs)) if r not in self.exit_times]
+        return "; ".join(ended) + (" while " + ", ".join(running) if running else "")
 
     def finish(self) -> None:
         for p in self.procs:  # the process and whatever it started (its own process group)
@@ -344,7 +387,11 @@ class Scenario:
         self.done = True
 
 
-CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from )")  # a C++ traceback's lines
+CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from |terminate called )")  # a C++ traceback's lines
+NCCL_TIMEOUT = "Watchdog caught collective operation timeout"  # NCCL's watchdog timed a collective out
+PACK_EXIT = "exiting with code 1 so the job ends instead of hanging"  # RankWatchdog ended the process
+PACK_LINE = re.compile(rf"{PACK_EXIT}|RankFailureError|CollectiveTimeoutError|^flight recorder: |^rank \d+: ")
+FOREIGN = re.compile(r"^\[rank\d+\]:\[[EF]")  # an error line of torch's C++ (NCCL's watchdog)
 KEY = re.compile(r"(?i)stopped responding|unreachable|timed? ?out|watchdog|abort|error")
 NOISE = re.compile(r"^(nanobind: |See https://nanobind| - leaked | - \.\.\. skipped)|^\s*[\^~]+\s*$")
 
@@ -356,6 +403,46 @@ def _log_lines(path: Path) -> list[str]:
     except OSError:
         return []
     return [line for line in text.splitlines() if line.strip() and not NOISE.search(line)]
+
+
+def _result(folder: Path, rank: int) -> dict[str, Any]:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((folder / f"rank{rank}.result.json").read_text())
+    return {}
+
+
+def how_ended(code: Optional[int], log: list[str], result: dict[str, Any]) -> str:
+    """What ended a rank process, from its exit code, its log and the result it stamped."""
+    text = "\n".join(log)
+    if code is None:
+        return "still running"
+    if result.get("outcome") == "raised":
+        return f"the pack's error ({result.get('type')})" if result.get("type") in (
+            "RankFailureError", "CollectiveTimeoutError") else f"an error ({result.get('type')})"
+    if code == 1 and PACK_EXIT in text:
+        return "the pack's watchdog (exit 1)"
+    if code in (-signal.SIGABRT, 128 + signal.SIGABRT):
+        return "SIGABRT from NCCL's watchdog (collective timeout)" if NCCL_TIMEOUT in text else "SIGABRT"
+    if code == 0:
+        return "finished"
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def short_ending(ended_by: str, hung: bool) -> str:
+    """``how_ended`` in a table cell."""
+    if hung:
+        return "hung"
+    for key, label in (("the pack's watchdog", "pack exit"), ("the pack's error", "pack error"),
+                       ("SIGABRT", "abort"), ("finished", "finished")):
+        if ended_by.startswith(key):
+            return label
+    return ended_by
+
+
+def pack_words_last(log: list[str]) -> bool:
+    """Whether the pack's lines end the log: no C++ frame or NCCL error line after its last one."""
+    last = max((i for i, line in enumerate(log) if PACK_LINE.search(line)), default=None)
+    return last is not None and not any(CPP_FRAME.match(line) or FOREIGN.match(line) for line in log[last + 1:])
 
 
 def _names(text: str, victim: int) -> dict[str, bool]:
@@ -482,15 +569,19 @@ def _collect(sc: Scenario) -> dict[str, Any]:
         else:
             out["seconds_to_exit"] = None
             out["within_bound"] = False
-        result = {}
-        with contextlib.suppress(OSError, ValueError):
-            result = json.loads((sc.dir / f"rank{r}.result.json").read_text())
+        result = _result(sc.dir, r)
         if result and sc.fault_time is not None and "time" in result:
             out["seconds_to_error"] = round(result["time"] - sc.fault_time, 2)
         out["error_type"] = result.get("type")
         message = result.get("message") or ""
         out["error"] = message[-1500:] or None
         log = _log_lines(sc.dir / f"rank{r}.log")
+        out["ended_by"] = "killed by the harness (hung)" if r in sc.hung else how_ended(
+            None if p is None else p.returncode, log, result)
+        out["nccl_timeout_logged"] = any(NCCL_TIMEOUT in line for line in log)
+        out["cpp_frames_in_log"] = any(CPP_FRAME.match(line) for line in log)
+        out["pack_words_last"] = pack_words_last(log)
+        out["last_lines"] = [line[-600:] for line in log[-3:]]
         out["log_tail"] = [line[-600:] for line in log[-25:]]
         said_lines = [line for line in log if not line[:1].isspace() and not CPP_FRAME.match(line)]
         out["log_key_lines"] = [line[-800:] for line in said_lines if KEY.search(line)][:12]
@@ -574,23 +665,25 @@ def _expected(s: dict[str, Any], scenario: dict[str, Any]) -> int:
 
 
 def summary_lines(part: dict[str, Any]) -> list[str]:
-    rows = [("scenario", "backend", "rank", "exit", "s to exit", "in bound", "names r/c/s", "FR dump/read",
-             "ckpt step (expected)", "loads")]
+    rows = [("scenario", "backend", "rank", "exit", "ended by", "pack last", "NCCL timeout", "s to exit", "in bound",
+             "names r/c/s", "FR dump/read", "ckpt step (expected)", "loads")]
     for name, sc in part.get("scenarios", {}).items():
         ck = sc.get("checkpoint") or {}
         ckpt = f"{ck.get('step')} ({ck.get('expected_step')})" if ck else "-"
         loads = str(ck.get("loads", "-"))
         if not sc.get("survivors"):
-            rows.append((name, sc.get("backend", "?"), "-", "-", "-", "-", "-", "-", ckpt, loads))
+            rows.append((name, sc.get("backend", "?")) + ("-",) * 9 + (ckpt, loads))
         for r, sv in (sc.get("survivors") or {}).items():
             names = {k: sv["error_names"][k] or sv["log_names"][k] for k in ("rank", "collective", "step")}
             fr = sv["flight_recorder"]
-            rows.append((name, sc["backend"], r, str(sv["exit_code"]), str(sv["seconds_to_exit"]),
-                         f"{sv['within_bound']} (<= {sc['bound_s']:.0f})",
+            rows.append((name, sc["backend"], r, str(sv["exit_code"]),
+                         short_ending(sv.get("ended_by", "?"), sv.get("hung", False)),
+                         "y" if sv.get("pack_words_last") else "n", "y" if sv.get("nccl_timeout_logged") else "n",
+                         str(sv["seconds_to_exit"]), f"{sv['within_bound']} (<= {sc['bound_s']:.0f})",
                          "/".join("y" if names[k] else "n" for k in ("rank", "collective", "step")),
                          f"{'y' if fr.get('written') else 'n'}/{'y' if fr.get('read') else 'n'}", ckpt, loads))
         if sc.get("problem"):
-            rows.append((f"  problem: {sc['problem']}",) + ("",) * 9)
+            rows.append((f"  problem: {sc['problem']}",) + ("",) * 12)
     widths = [max(len(r[i]) for r in rows if len(r) > 1 and r[1] != "") for i in range(len(rows[0]))]
     lines = []
     for r in rows:

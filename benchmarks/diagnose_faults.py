@@ -18,19 +18,22 @@
 4. oom (GPU only): a batch sized so that one activation needs 1.5x the GPU's memory, in its own
    Trainer.fit inside try/except: the error and what appeared in its log dir.
 5. rank_faults: two rank processes (NCCL, one GPU each, with 2 GPUs or more; gloo CPU processes under
-   --smoke or with fewer) train a small GPT under ZeroStrategy(stage=3, timeout=60 s on GPUs, 20 s on
+   --smoke or with fewer) train a small GPT under ZeroStrategy(stage=3, timeout=30 s on GPUs, 20 s on
    the CPU) with RankWatchdog and a checkpoint every 2 steps; rank 1 is killed mid-step, killed inside
    a checkpoint write, frozen with SIGSTOP, and rank 0 (the store's host) is killed. For each survivor:
-   exit code, seconds from the fault to its exit against the timeout, whether its error names the rank,
-   a collective and a step, the flight recorder's dump and its reading; then whether the newest complete
-   checkpoint loads into a fresh module, and its step (``_rank_faults.py``).
+   exit code and what ended it (the pack's watchdog or error, NCCL's abort, a hang), whether NCCL's
+   watchdog timed its collective out first and whether the pack's lines end its log, seconds from the
+   fault to its exit against the timeout, whether its error names the rank, a collective and a step,
+   the flight recorder's dump and its reading; then whether the newest complete checkpoint loads into
+   a fresh module, and its step (``_rank_faults.py``).
 
 The JSON (``diagnose_faults.json`` in ``--out``) is rewritten after every part; a failing part is
 recorded in it and the rest goes on.
 
     python benchmarks/diagnose_faults.py --out $OUT        # one H100/H200, about 3 minutes (rank_faults on gloo)
     python benchmarks/diagnose_faults.py --smoke           # CPU, tiny, about a minute with rank_faults
-    python benchmarks/diagnose_faults.py --parts rank_faults --out $OUT   # 2+ GPUs, NCCL, about 2-3 minutes
+    python benchmarks/diagnose_faults.py --parts rank_faults --smoke      # rank_faults alone on the CPU (gloo)
+    python benchmarks/diagnose_faults.py --parts rank_faults --out $OUT   # 2+ GPUs, NCCL, about 4 minutes on 2
 """
 
 from __future__ import annotations

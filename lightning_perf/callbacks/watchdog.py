@@ -10,6 +10,14 @@ records, the collective in flight by its sequence number and process group). How
 ``timeout`` (``ZeroStrategy(timeout=...)``, ``Parallel3DStrategy(timeout=...)``), which
 both gloo and NCCL honour; a killed peer is usually noticed at once (its sockets close).
 
+Under NCCL a collective with a dead or frozen peer raises nothing in Python: NCCL's own watchdog
+times it out, and about a minute later aborts the process from C++ (SIGABRT). So once a peer has
+been silent for ``dead_after``, a rank still inside the fit ends itself first: a few seconds before
+the timeout of the collective it waits in (read from its flight recorder: when the collective was
+created, and its group's timeout), after writing its flight-recorder dump and logging 2-3 lines
+(the rank that stopped answering, the collective, where the dumps are), or ``exit_after`` seconds
+after the death was noticed if that comes first.
+
 The flight recorder (:mod:`lightning_perf.parallel.reliability.flight_recorder`) is configured in
 ``prepare_process_group``, which the pack's strategies call just before they create the process
 group: under NCCL it sets the variables the user has not set (a buffer of ``buffer_size``
@@ -36,6 +44,7 @@ from typing_extensions import override
 from lightning_perf.parallel.reliability.flight_recorder import (
     DUMP_NAME,
     FLIGHT_RECORDER_VARS,
+    collective_deadline,
     collective_in_flight,
     dump_files,
     dump_flight_recorder,
@@ -71,19 +80,27 @@ class RankWatchdog(pl.Callback):
             process still in the fit writes its flight-recorder dump and exits with code 1, so a rank
             blocked in a collective whose own timeout never fires does not hang the job (NCCL's
             watchdog can stall on the store of a dead rank 0). ``"timeout"`` (default): the
-            strategy's collective ``timeout`` (torch's default where the strategy has none);
-            ``None``: never.
+            strategy's collective ``timeout`` (torch's default where the strategy has none). Under
+            NCCL with the flight recorder on, the exit comes earlier if the collective this rank waits
+            in would time out sooner: ``deadline_margin`` seconds before that timeout. ``None``: never.
+        deadline_margin: seconds before NCCL's timeout of the collective in flight at which a rank
+            with a dead peer ends itself (time to write its dump and log why).
     """
 
     def __init__(self, interval: float = 0.5, dead_after: float = 5.0, *, flight_recorder: bool = True,
                  dump_dir: Optional[str] = None, buffer_size: int = 2000,
-                 exit_after: Union[float, Literal["timeout"], None] = "timeout") -> None:
+                 exit_after: Union[float, Literal["timeout"], None] = "timeout",
+                 deadline_margin: float = 3.0) -> None:
         if interval <= 0 or dead_after <= interval:
             raise ValueError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
         if exit_after is not None and exit_after != "timeout" and (
                 isinstance(exit_after, bool) or not isinstance(exit_after, (int, float)) or not exit_after >= 0):
             raise ValueError(f"exit_after must be 'timeout', None or seconds >= 0, got {exit_after!r}")
         self.exit_after = exit_after
+        if isinstance(deadline_margin, bool) or not isinstance(deadline_margin, (int, float)) or \
+                not deadline_margin >= 0:
+            raise ValueError(f"deadline_margin must be seconds >= 0, got {deadline_margin!r}")
+        self.deadline_margin = float(deadline_margin)
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
         self.interval = interval
@@ -96,6 +113,7 @@ class RankWatchdog(pl.Callback):
         self.flight_recorder_env: dict[str, str] = {}  # what this callback set
         self.set_before_process_group = False
         self._backend: Optional[str] = None
+        self._group_timeout_s: Optional[float] = None
         self._started = time.time()
 
     # ---- flight recorder ----------------------------------------------------------------------
@@ -136,14 +154,30 @@ class RankWatchdog(pl.Callback):
             return None
         return collective_in_flight(nccl=self._backend == "nccl")
 
-    def _exit_seconds(self, trainer: "pl.Trainer") -> Optional[float]:
-        """``exit_after`` in seconds: the strategy's collective timeout for ``"timeout"``."""
-        if self.exit_after != "timeout":
-            return None if self.exit_after is None else float(self.exit_after)
+    def _nccl_deadline(self) -> Optional[float]:
+        """When NCCL's watchdog times out the collective this rank waits in (None: not NCCL, no recorder)."""
+        if not self.flight_recorder or self._backend != "nccl":
+            return None
+        return collective_deadline(default_timeout_s=self._group_timeout_s)
+
+    @staticmethod
+    def _strategy_timeout(trainer: "pl.Trainer") -> float:
+        """The strategy's collective timeout in seconds (torch's default where the strategy has none)."""
         timeout = getattr(getattr(trainer, "strategy", None), "_timeout", None)
         if timeout is None:
             timeout = default_pg_timeout
         return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+    def _exit_seconds(self, trainer: "pl.Trainer") -> Optional[float]:
+        """``exit_after`` in seconds: the strategy's collective timeout for ``"timeout"``."""
+        if self.exit_after != "timeout":
+            return None if self.exit_after is None else float(self.exit_after)
+        return self._strategy_timeout(trainer)
+
+    def _before_exit(self, trainer: "pl.Trainer") -> str:
+        """The watchdog's last act before it ends the process: this rank's dump, and the line naming the dumps."""
+        self._dump_this_rank(trainer)
+        return self.describe_dumps()
 
     def _dump_this_rank(self, trainer: "pl.Trainer") -> None:
         """This rank's buffer, unless torch's watchdog wrote it during this fit."""
@@ -169,9 +203,13 @@ class RankWatchdog(pl.Callback):
             rank_zero_info(f"RankWatchdog: {self.describe_dumps()}")
         if self.watchdog is None and distributed and dist.get_world_size() > 1:
             note = f"flight recorder dumps at {self.dump_prefix}<rank>" if self.dump_prefix else ""
+            exit_after = self._exit_seconds(trainer)
+            self._group_timeout_s = self._strategy_timeout(trainer)  # for a recorder entry without its own
             self.watchdog = PeerWatchdog(interval=self.interval, dead_after=self.dead_after, note=note,
-                                         describe=self._in_flight, exit_after=self._exit_seconds(trainer),
-                                         on_exit=lambda: self._dump_this_rank(trainer)).start()
+                                         describe=self._in_flight, exit_after=exit_after,
+                                         deadline=None if self.exit_after is None else self._nccl_deadline,
+                                         deadline_margin=self.deadline_margin,
+                                         on_exit=lambda: self._before_exit(trainer)).start()
             self.watchdog.beat(trainer.global_step)
 
     @override

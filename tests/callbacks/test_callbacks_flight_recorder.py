@@ -139,3 +139,40 @@ def test_pack_strategies_add_a_rank_watchdog_unless_the_fit_has_one() -> None:
                         enable_checkpointing=False, enable_progress_bar=False, callbacks=[mine])
     trainer.strategy._join_trainer(trainer)
     assert [c for c in trainer.callbacks if isinstance(c, RankWatchdog)] == [mine]
+
+
+def test_under_nccl_the_exit_deadline_is_the_collective_timeout_in_the_recorder(tmp_path, clean_env, monkeypatch):
+    from lightning_perf.callbacks import watchdog as callback_module
+
+    monkeypatch.setattr(callback_module, "collective_deadline", lambda default_timeout_s=None: 1234.5)
+    nccl = RankWatchdog()
+    nccl.prepare_process_group(_trainer(tmp_path), "nccl")
+    assert nccl._nccl_deadline() == 1234.5
+    gloo = RankWatchdog()
+    gloo.prepare_process_group(_trainer(tmp_path), "gloo")
+    assert gloo._nccl_deadline() is None  # gloo raises its own timeout in Python: nothing to pre-empt
+    off = RankWatchdog(flight_recorder=False)
+    off.prepare_process_group(_trainer(tmp_path), "nccl")
+    assert off._nccl_deadline() is None
+    assert RankWatchdog(deadline_margin=0).deadline_margin == 0.0
+    for bad in (-1, "soon", True):
+        with pytest.raises(ValueError, match="deadline_margin"):
+            RankWatchdog(deadline_margin=bad)
+
+
+def test_before_exiting_the_rank_writes_its_dump_and_says_where(tmp_path, clean_env):
+    if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        pytest.skip("this torch build's gloo does not record")
+    wd = RankWatchdog()
+    trainer = _trainer(tmp_path)
+    wd.prepare_process_group(trainer, "gloo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(2))
+        line = wd._before_exit(trainer)
+    finally:
+        dist.destroy_process_group()
+    dump = os.path.join(str(tmp_path), "flight_recorder", "nccl_trace_rank_0")
+    assert line.startswith("flight recorder: each rank's last collectives are dumped to "), line
+    assert f"(written: {dump})" in line and "fr_trace" in line
+    assert pickle.load(open(dump, "rb"))["entries"][-1]["profiling_name"] == "gloo:all_reduce"

@@ -94,15 +94,15 @@ def test_the_collective_in_flight_of_a_recorder_that_marks_completion(monkeypatc
 
     entries = [entry(1, "nccl:all_reduce", "completed"), entry(2, "nccl:_reduce_scatter_base", "started"),
                entry(3, "nccl:_allgather_base", "scheduled")]
-    monkeypatch.setattr(fr, "_dump_function", lambda nccl: lambda *a: pickle.dumps({"entries": entries}))
+    monkeypatch.setattr(fr, "_dump_function", lambda nccl, **kw: lambda *a: pickle.dumps({"entries": entries}))
     assert fr.collective_in_flight(nccl=True) == (
         "nccl:_reduce_scatter_base #2 of process group 0 (default_pg), started (in flight, per this rank's "
         "flight recorder)")
     entries[1:] = [entry(2, "nccl:all_reduce", "completed")]
     assert fr.collective_in_flight(nccl=True) is None  # every one completed: nothing is stuck
-    monkeypatch.setattr(fr, "_dump_function", lambda nccl: lambda *a: b"not a pickle")
+    monkeypatch.setattr(fr, "_dump_function", lambda nccl, **kw: lambda *a: b"not a pickle")
     assert fr.collective_in_flight(nccl=True) is None  # never raises
-    monkeypatch.setattr(fr, "_dump_function", lambda nccl: None)
+    monkeypatch.setattr(fr, "_dump_function", lambda nccl, **kw: None)
     assert fr.collective_in_flight(nccl=False) is None  # a build without a recorder
 
 
@@ -121,3 +121,34 @@ def test_the_collective_in_flight_of_gloo_is_the_last_one_issued():
     else:  # gloo marks no collective completed
         assert found is not None and found.startswith("gloo:broadcast #"), found
         assert found.endswith("(the last one issued, per this rank's flight recorder)"), found
+
+
+def test_the_timeout_deadline_is_the_oldest_pending_collectives_creation_plus_its_groups_timeout(monkeypatch):
+    """What NCCL's watchdog checks: a work item times out ``timeout`` after it was created."""
+    from lightning_perf.parallel.reliability import flight_recorder as fr
+
+    def entry(seq, state, created_s, timeout_ms=30_000):
+        return {"profiling_name": "nccl:all_reduce", "collective_seq_id": seq, "state": state,
+                "time_created_ns": int(created_s * 1e9), "timeout_ms": timeout_ms}
+
+    entries = [entry(1, "completed", 100.0), entry(2, "scheduled", 105.5), entry(3, "scheduled", 106.0, 5_000)]
+    assert fr.timeout_deadline(entries) == pytest.approx(135.5)  # #2's, though #3 would time out earlier alone
+    assert fr.timeout_deadline(entries[:1]) is None  # nothing pending
+    no_timeout = [dict(entries[1], timeout_ms=None)]
+    assert fr.timeout_deadline(no_timeout) is None
+    assert fr.timeout_deadline(no_timeout, default_timeout_s=60) == pytest.approx(165.5)
+    assert fr.timeout_deadline([dict(entries[1], time_created_ns=None)]) is None
+    # read from this process's NCCL recorder only (its active entries), never from gloo's
+    asked = []
+
+    def dump_function(nccl, *, nccl_only=False):
+        asked.append((nccl, nccl_only))
+        return lambda *args: asked.append(args) or pickle.dumps({"entries": entries[1:]})
+
+    monkeypatch.setattr(fr, "_dump_function", dump_function)
+    assert fr.collective_deadline() == pytest.approx(135.5)
+    assert asked == [(True, True), (True, False, True)]  # collectives, no stack traces, only active ones
+    monkeypatch.setattr(fr, "_dump_function", lambda nccl, **kw: None)  # a build without NCCL
+    assert fr.collective_deadline() is None
+    monkeypatch.setattr(fr, "_dump_function", lambda nccl, **kw: lambda *a: b"not a pickle")
+    assert fr.collective_deadline() is None  # never raises

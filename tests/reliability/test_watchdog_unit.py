@@ -200,3 +200,99 @@ def test_no_exit_while_peers_live_or_without_exit_after() -> None:
     wd.stop()
     with pytest.raises(ValueError, match="exit_after"):
         PeerWatchdog(dist.HashStore(), rank=0, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER, exit_after=-1)
+
+
+def _with_deadline(store, rank: int, deadline, *, exit_after=None, margin=0.2, on_exit=None, describe=None):
+    wd = PeerWatchdog(store, rank=rank, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER, exit_after=exit_after,
+                      deadline=deadline, deadline_margin=margin, on_exit=on_exit, describe=describe)
+    wd._exit = exited = _Exited()
+    return wd.start(), exited
+
+
+def test_a_dead_peer_ends_the_process_margin_seconds_before_the_backends_timeout(caplog) -> None:
+    """NCCL aborts a process at its collective's timeout (C++ frames, no Python error): the watchdog goes first."""
+    store = dist.HashStore()
+    timeout_at = time.time() + DEAD_AFTER + 1.0  # the collective in flight times out then
+    wd, exited = _with_deadline(store, 0, lambda: timeout_at, exit_after=60.0,
+                                on_exit=lambda: "flight recorder: dumped to /runs/fr/nccl_trace_rank_0",
+                                describe=lambda: "nccl:_all_gather_base #154 of process group 0 (default_pg)")
+    wd.beat(5)
+    _beat_for(store, wd._key(1), 2 * INTERVAL, step=5)  # then rank 1 dies (or freezes)
+    time.sleep(DEAD_AFTER + 1.0 + 4 * INTERVAL)
+    assert [code for code, _ in exited] == [1]
+    wall_at_exit = time.time() - (time.monotonic() - exited[0][1])
+    assert timeout_at - 0.2 - INTERVAL <= wall_at_exit <= timeout_at - 0.2 + INTERVAL, timeout_at - wall_at_exit
+    # the silence was logged when noticed, with the planned exit
+    noticed = [r.getMessage() for r in caplog.records if "stopped responding" in r.getMessage()]
+    assert "this process exits in 1 s unless it answers again" in noticed[0], noticed
+    # then 3 lines: who stopped answering and where this rank waits, what now, where the dump is
+    message = [r.getMessage() for r in caplog.records if "exiting with code 1" in r.getMessage()][-1]
+    lines = message.splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("rank 0: rank 1 stopped responding at step 5 (no heartbeat for "), lines[0]
+    assert ("it died or is frozen; this rank is at step 5; this rank waits in nccl:_all_gather_base #154 of process "
+            "group 0 (default_pg) (its timeout, at which the backend aborts this process, is 0.") in lines[0], lines[0]
+    assert lines[1].startswith("rank 0: exiting with code 1 so the job ends instead of hanging; restart it")
+    assert lines[2] == "flight recorder: dumped to /runs/fr/nccl_trace_rank_0"
+    wd.stop()
+
+
+def test_a_deadline_already_past_when_the_peer_is_found_dead_exits_at_once() -> None:
+    store = dist.HashStore()
+    wd, exited = _with_deadline(store, 0, lambda: time.time() - 5.0, exit_after=60.0)
+    wd.beat(5)
+    _beat_for(store, wd._key(1), 2 * INTERVAL, step=5)
+    died = time.monotonic()
+    time.sleep(DEAD_AFTER + 6 * INTERVAL)
+    assert [code for code, _ in exited] == [1]
+    assert DEAD_AFTER - INTERVAL <= exited[0][1] - died <= DEAD_AFTER + 4 * INTERVAL  # when the silence is noticed
+    wd.stop()
+
+
+def test_no_exit_before_a_deadline_while_every_peer_lives_nor_without_one() -> None:
+    store = dist.HashStore()
+    wd, exited = _with_deadline(store, 0, lambda: time.time() - 5.0, exit_after=60.0)  # past: a slow collective
+    _beat_for(store, wd._key(1), 3 * DEAD_AFTER, step=2)  # alive the whole time: no exit on the deadline alone
+    assert exited == []
+    wd.stop()
+    # a peer dead but nothing in flight (deadline None): exit_after decides
+    store = dist.HashStore()
+    wd, exited = _with_deadline(store, 0, lambda: None, exit_after=0.3)
+    _beat_for(store, wd._key(1), 2 * INTERVAL, step=2)
+    died = time.monotonic()
+    time.sleep(DEAD_AFTER + 0.3 + 6 * INTERVAL)
+    assert [code for code, _ in exited] == [1]
+    assert exited[0][1] - died >= DEAD_AFTER + 0.3 - INTERVAL
+    wd.stop()
+    # a deadline that raises is no deadline
+    store = dist.HashStore()
+    wd, exited = _with_deadline(store, 0, lambda: 1 / 0, exit_after=None)
+    _beat_for(store, wd._key(1), 2 * INTERVAL, step=2)
+    time.sleep(DEAD_AFTER + 4 * INTERVAL)
+    assert exited == []
+    wd.stop()
+    with pytest.raises(ValueError, match="deadline_margin"):
+        PeerWatchdog(dist.HashStore(), rank=0, world_size=2, interval=INTERVAL, dead_after=DEAD_AFTER,
+                     deadline_margin=-1)
+
+
+def test_a_lost_store_host_exits_before_the_deadline_naming_rank_0(caplog) -> None:
+    class Broken:
+        def set(self, *a):
+            raise RuntimeError("Broken pipe")
+
+    timeout_at = time.time() + 1.0
+    wd, exited = _with_deadline(dist.HashStore(), 1, lambda: timeout_at, exit_after=60.0,
+                                describe=lambda: "nccl:_all_gather_base #154 of process group 0 (default_pg)")
+    wd.beat(5)
+    wd._store = Broken()  # rank 0, which hosts the TCPStore, is gone
+    time.sleep(1.0 + 4 * INTERVAL)
+    assert [code for code, _ in exited] == [1]
+    wall_at_exit = time.time() - (time.monotonic() - exited[0][1])
+    assert timeout_at - 0.2 - INTERVAL <= wall_at_exit <= timeout_at - 0.2 + INTERVAL
+    message = [r.getMessage() for r in caplog.records if "exiting with code 1" in r.getMessage()][-1]
+    first = message.splitlines()[0]
+    assert first.startswith("rank 1: the store host (rank 0) has been unreachable for "), first
+    assert "(Broken pipe): it died or was killed; this rank is at step 5; this rank waits in nccl:_all_gather_base" \
+        in first, first
+    wd.stop()

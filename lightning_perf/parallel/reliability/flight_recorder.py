@@ -18,7 +18,9 @@ before it (the pack's strategies, through ``RankWatchdog``); nothing is set at i
 ``dump_flight_recorder`` writes this rank's buffer on demand (any backend that records: NCCL, and
 gloo in torch 2.13); ``collective_in_flight`` reads it in memory and names the collective this rank is
 stuck in (NCCL records when each collective completes: the oldest one not completed; gloo does not: the
-newest one issued); ``read_command`` is the analyser's command line for a dump directory.
+newest one issued); ``collective_deadline`` says when NCCL's watchdog will time that collective out (its
+creation time plus its group's timeout, both in the entry); ``read_command`` is the analyser's command
+line for a dump directory.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 __all__ = [
     "FLIGHT_RECORDER_VARS",
+    "collective_deadline",
     "collective_in_flight",
     "default_dump_prefix",
     "dump_files",
@@ -41,6 +44,7 @@ __all__ = [
     "enable_flight_recorder",
     "flight_recorder_env",
     "read_command",
+    "timeout_deadline",
 ]
 
 # setting -> the names torch reads, preferred first
@@ -108,11 +112,27 @@ def dump_files(prefix: str, *, newer_than: float = 0.0) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
-def _dump_function(nccl: bool):
-    """torch's function that returns this process's recorder as a pickle (None: this build has none)."""
+def _dump_function(nccl: bool, *, nccl_only: bool = False):
+    """torch's function that returns this process's recorder as a pickle (None: this build has none).
+
+    ``nccl_only``: NCCL's recorder or none (not the CPU backends', which mark no collective completed)."""
     c10d = getattr(torch._C, "_distributed_c10d", None)
-    names = ("_dump_nccl_trace", "_dump_fr_trace") if nccl else ("_dump_fr_trace",)
+    if nccl_only:
+        names: tuple[str, ...] = ("_dump_nccl_trace",)
+    else:
+        names = ("_dump_nccl_trace", "_dump_fr_trace") if nccl else ("_dump_fr_trace",)
     return next((getattr(c10d, n) for n in names if hasattr(c10d, n)), None)
+
+
+def _entries(nccl: bool, *, only_active: bool = False, nccl_only: bool = False) -> Optional[list[dict]]:
+    """This process's recorder entries, oldest first; ``None`` without a recorder or when it cannot be read."""
+    dump = _dump_function(nccl, nccl_only=nccl_only)
+    if dump is None:
+        return None
+    try:  # torch's own bytes, made in this process just now
+        return list(pickle.loads(dump(True, False, only_active)).get("entries") or [])
+    except Exception:
+        return None
 
 
 def collective_in_flight(*, nccl: bool) -> Optional[str]:
@@ -121,13 +141,7 @@ def collective_in_flight(*, nccl: bool) -> Optional[str]:
     Where the recorder marks completed collectives (NCCL), the oldest one not completed (``None`` when all
     completed); where it marks none (gloo), the newest one issued. Never raises.
     """
-    dump = _dump_function(nccl)
-    if dump is None:
-        return None
-    try:  # torch's own bytes, made in this process just now
-        entries = pickle.loads(dump(True, False, False)).get("entries") or []
-    except Exception:
-        return None
+    entries = _entries(nccl)
     if not entries:
         return None
     if any(e.get("state") == "completed" for e in entries):
@@ -142,6 +156,39 @@ def collective_in_flight(*, nccl: bool) -> Optional[str]:
     name = f" ({group_name})" if group_name and group_name != "undefined" else ""
     return (f"{entry.get('profiling_name', '?')} #{entry.get('collective_seq_id', '?')} of process group "
             f"{group_id}{name}, {entry.get('state', '?')} ({how}, per this rank's flight recorder)")
+
+
+def timeout_deadline(entries: list[dict], *, default_timeout_s: Optional[float] = None) -> Optional[float]:
+    """When (a ``time.time()``) the oldest collective of ``entries`` not completed times out; ``None`` if none is
+    pending or its creation time is unknown.
+
+    Only for a recorder that marks completion (NCCL's): the others list finished collectives as pending. The
+    timeout is the entry's own (``timeout_ms``: its process group's); ``default_timeout_s`` where it has none.
+    """
+    pending = next((e for e in entries if e.get("state") != "completed"), None)
+    if pending is None or not pending.get("time_created_ns"):
+        return None
+    timeout_ms = pending.get("timeout_ms")
+    if timeout_ms:
+        timeout_s = float(timeout_ms) / 1000.0
+    elif default_timeout_s is not None:
+        timeout_s = float(default_timeout_s)
+    else:
+        return None
+    return float(pending["time_created_ns"]) / 1e9 + timeout_s
+
+
+def collective_deadline(*, default_timeout_s: Optional[float] = None) -> Optional[float]:
+    """When NCCL's watchdog will time out the collective this process waits for (``timeout_deadline`` of its NCCL
+    recorder), as a ``time.time()``; ``None`` when nothing is pending or there is no recorder. Never raises."""
+    # only the collectives not completed: a few entries, not the whole buffer
+    entries = _entries(True, only_active=True, nccl_only=True)
+    if not entries:
+        return None
+    try:
+        return timeout_deadline(entries, default_timeout_s=default_timeout_s)
+    except (TypeError, ValueError):
+        return None
 
 
 def dump_flight_recorder(prefix: str, rank: int, *, nccl: bool) -> Optional[str]:

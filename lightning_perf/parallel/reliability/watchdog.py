@@ -36,10 +36,17 @@ A store that no longer answers means its host, rank 0, is gone. The thread also 
 collective may abort the process from NCCL's own watchdog before any exception reaches
 Python, and the log line is then what names the rank.
 
-With ``exit_after`` set, a process that is still running that many seconds after the thread
-found a peer dead (or the store host gone) ends itself (exit code 1, after a logged line and
-``on_exit``): a rank blocked in a collective whose own timeout never fires (NCCL's watchdog
-stalls on a store whose host died with rank 0) then stops instead of hanging the job.
+A process that is still running after the thread found a peer dead (or the store host gone) can
+end itself (exit code 1), after ``on_exit`` (write the flight recorder's dump) and 2-3 logged lines
+(the rank that stopped answering, the collective this rank waits in, what to do, what ``on_exit``
+returned): ``exit_after`` seconds after the death was noticed, or ``deadline_margin`` seconds before
+``deadline()``, whichever comes first. ``deadline`` is when the backend itself would end the process:
+NCCL's watchdog times out the collective in flight at its creation plus its group's timeout, logs,
+dumps, and a minute later (torch's default wait for the dumps) aborts the process from its C++
+thread (SIGABRT, C++ frames as the last thing on screen, no Python exception). Ending the process
+just before that timeout, once the peer is known dead, gives the same outcome in the pack's words.
+A rank blocked in a collective whose own timeout never fires (NCCL's watchdog can stall on a store
+whose host died with rank 0) is ended by ``exit_after`` too.
 """
 
 from __future__ import annotations
@@ -174,9 +181,12 @@ class PeerWatchdog:
             say) is appended to the logged line. It must not raise.
         exit_after: seconds after a peer was found dead (or the store host unreachable) at which
             this process, if :meth:`stop` has not been called, logs why and exits with code 1
-            (``None``: never; the process is left to its collectives' timeouts).
-        on_exit: called just before that exit (write the flight recorder's dump, say); its
-            errors are logged and ignored.
+            (``None``: not on this count).
+        deadline: called while a peer is dead; returns when (a ``time.time()``) the backend will end
+            this process itself (its collective's timeout), or ``None``. It must not raise.
+        deadline_margin: seconds before ``deadline()`` at which a process with a dead peer exits.
+        on_exit: called just before that exit (write the flight recorder's dump, say); what it returns
+            (a line: where the dump is) ends the logged message; its errors are logged and ignored.
     """
 
     def __init__(
@@ -190,12 +200,16 @@ class PeerWatchdog:
         note: str = "",
         describe: Optional[Callable[[], Optional[str]]] = None,
         exit_after: Optional[float] = None,
-        on_exit: Optional[Callable[[], None]] = None,
+        deadline: Optional[Callable[[], Optional[float]]] = None,
+        deadline_margin: float = 3.0,
+        on_exit: Optional[Callable[[], Optional[str]]] = None,
     ) -> None:
         if interval <= 0 or dead_after <= interval:
             raise ValueError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
         if exit_after is not None and not exit_after >= 0:
             raise ValueError(f"exit_after must be None or >= 0 seconds, got {exit_after}")
+        if not deadline_margin >= 0:
+            raise ValueError(f"deadline_margin must be >= 0 seconds, got {deadline_margin}")
         if store is None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("PeerWatchdog needs a store or an initialised default process group")
@@ -207,6 +221,8 @@ class PeerWatchdog:
         self.note = note
         self.describe = describe
         self.exit_after = None if exit_after is None else float(exit_after)
+        self.deadline = deadline
+        self.deadline_margin = float(deadline_margin)
         self.on_exit = on_exit
         self._dead_since: Optional[float] = None  # monotonic time a peer was first found dead
         self._exit = os._exit  # how the process ends (tests replace it)
@@ -342,41 +358,86 @@ class PeerWatchdog:
             with self._lock:
                 self._store_error = e
             if not self._stop.is_set():
+                if self._dead_since is None:
+                    self._dead_since = time.monotonic()
                 _log.error("rank %d: the store host (rank 0) is unreachable: it died or was killed (%s); this rank "
-                           "is at step %s%s", self.rank, e, self._step, self._here())
+                           "is at step %s%s%s", self.rank, e, self._step, self._here(), self._planned_exit())
             return False
         self._report_new_silence()
         return True
 
     def _run(self) -> None:
-        reachable = True
-        while not self._stop.wait(self.interval):
+        reachable, wait = True, self.interval
+        while not self._stop.wait(wait):
             if reachable and not self.tick():
                 reachable = False  # the store is gone: no more rounds, only the exit deadline
             if not reachable and self._dead_since is None:
                 self._dead_since = time.monotonic()
-            if self._past_exit_deadline():
+            due = self._exit_due_in()
+            if due is not None and due <= 0:
                 self._end_process()
                 return
+            wait = self.interval if due is None else min(self.interval, due)  # wake up on time for the exit
 
-    def _past_exit_deadline(self) -> bool:
-        return (self.exit_after is not None and self._dead_since is not None and not self._stop.is_set()
-                and time.monotonic() - self._dead_since >= self.exit_after)
+    def _deadline(self) -> Optional[float]:
+        try:
+            value = self.deadline() if self.deadline is not None else None
+        except Exception:
+            return None
+        return None if value is None else float(value)
+
+    def _exit_due_in(self) -> Optional[float]:
+        """Seconds until this process ends itself (<= 0: now); ``None``: no exit planned (no peer dead, or the
+        thread was stopped, or neither ``exit_after`` nor a ``deadline``)."""
+        if self._dead_since is None or self._stop.is_set():
+            return None
+        due = []
+        if self.exit_after is not None:
+            due.append(self._dead_since + self.exit_after - time.monotonic())
+        limit = self._deadline()
+        if limit is not None:
+            due.append(limit - self.deadline_margin - time.time())
+        return min(due) if due else None
 
     def _end_process(self) -> None:
-        """Log why, run ``on_exit``, flush, and end the process with code 1."""
-        _log.error("rank %d: a peer has been dead for %.0f s and this process is still running (at step %s%s): "
-                   "exiting with code 1 so the job ends instead of hanging", self.rank,
-                   time.monotonic() - (self._dead_since or time.monotonic()), self._step, self._here())
+        """Run ``on_exit``, log why (2-3 lines), flush, and end the process with code 1."""
+        last = None
         if self.on_exit is not None:
             try:
-                self.on_exit()
+                last = self.on_exit()
             except Exception as e:
-                _log.error("rank %d: before exiting: %s: %s", self.rank, type(e).__name__, e)
+                last = f"rank {self.rank}: before exiting: {type(e).__name__}: {e}"
+        lines = [self._exit_reason(),
+                 f"rank {self.rank}: exiting with code 1 so the job ends instead of hanging; restart it "
+                 "(fit(ckpt_path=\"last\") resumes from the last complete checkpoint)"]
+        if last:
+            lines.append(str(last))
+        _log.error("%s", "\n".join(lines))
         for flushable in [*logging.getLogger().handlers, *_log.handlers, sys.stdout, sys.stderr]:
             with contextlib.suppress(Exception):  # a closed stream must not keep the process alive
                 flushable.flush()
         self._exit(1)
+
+    def _exit_reason(self) -> str:
+        """The first line of the exit message: who stopped answering, and where this rank waits."""
+        with self._lock:
+            store_error = self._store_error
+        if store_error is not None and not self.monitor:
+            since = time.monotonic() - (self._dead_since or time.monotonic())
+            what = (f"the store host (rank {MONITOR}) has been unreachable for {since:.1f} s "
+                    f"({str(store_error).splitlines()[0] if str(store_error) else type(store_error).__name__}): "
+                    "it died or was killed")
+        else:
+            dead = [p for p in self.peers() if p.rank != self.rank and not p.done and p.silent_s >= self.dead_after]
+            what = "; ".join(
+                f"rank {p.rank} stopped responding {'before its first step' if p.step is None else f'at step {p.step}'}"
+                f" (no heartbeat for {p.silent_s:.1f} s): it died or is frozen" for p in dead
+            ) or "a peer stopped responding"
+        limit = self._deadline()
+        timing = (f" (its timeout, at which the backend aborts this process, is {limit - time.time():.1f} s away)"
+                  if limit is not None and limit > time.time() else "")
+        here = self._here("this rank waits in")
+        return f"rank {self.rank}: {what}; this rank is at step {self._step}{here}{timing}"
 
     def _report_new_silence(self) -> None:
         peers = self.peers()
@@ -394,17 +455,23 @@ class PeerWatchdog:
             else:
                 _log.error(
                     "rank %d: rank %d stopped responding at step %s (no heartbeat for %.1f s): collectives with it "
-                    "will fail or time out%s%s",
-                    self.rank, p.rank, p.step, p.silent_s, self._here(), f"; {self.note}" if self.note else "",
+                    "will fail or time out%s%s%s",
+                    self.rank, p.rank, p.step, p.silent_s, self._here(), self._planned_exit(),
+                    f"; {self.note}" if self.note else "",
                 )
 
-    def _here(self) -> str:
+    def _planned_exit(self) -> str:
+        """When this process will end itself, as a clause of a logged line ('' when no exit is planned)."""
+        due = self._exit_due_in()
+        return "" if due is None else f"; this process exits in {max(due, 0.0):.0f} s unless it answers again"
+
+    def _here(self, lead: str = "this rank's collective:") -> str:
         """What ``describe`` says, as a clause of a logged line ('' when it has nothing or fails)."""
         try:
             here = self.describe() if self.describe is not None else None
         except Exception:
             here = None
-        return f"; this rank's collective: {here}" if here else ""
+        return f"; {lead} {here}" if here else ""
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -524,7 +591,7 @@ class PeerWatchdog:
                     where = "before its first step" if states[r].step is None else f"at step {states[r].step}"
                     parts.append(
                         f"rank {r} stopped responding {where} "
-                        f"(no heartbeat for {states[r].silent_s:.1f} s): it died or was killed"
+                        f"(no heartbeat for {states[r].silent_s:.1f} s): it died, was killed or is frozen"
                     )
             return RankFailureError(
                 f"rank {self.rank}: a collective failed because {'; '.join(parts)}; this rank was at step "
