@@ -100,22 +100,17 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def shard(items: Sequence[pytest.Item], index: int, count: int) -> tuple[list[pytest.Item], list[pytest.Item]]:
-    """(kept, deselected): the items of shard ``index`` of ``count``.
+    """(kept, deselected): the items of shard ``index`` of ``count``, in collection order.
 
-    A test function's cases stay together (they share compiled kernels); functions go, in collection
-    order, to the shard with the fewest cases that will run (skipped ones count for nothing), so every
+    The cases that will run are dealt round-robin in collection order, and so are the skipped ones:
+    a test function's costly cases (each compiling kernels of its own) spread over the shards, and every
     process computes the same split from the same collection.
     """
-    groups: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        groups.setdefault(item.nodeid.split("[")[0], []).append(item)
-    load = [0] * count
-    kept, deselected = [], []
-    for group in groups.values():
-        target = min(range(count), key=lambda i: (load[i], i))
-        load[target] += sum(item.get_closest_marker("skip") is None for item in group)
-        (kept if target == index else deselected).extend(group)
-    return kept, deselected
+    running = [item for item in items if item.get_closest_marker("skip") is None]
+    skipped = [item for item in items if item.get_closest_marker("skip") is not None]
+    mine = {id(item) for item in running[index::count] + skipped[index::count]}
+    kept = [item for item in items if id(item) in mine]
+    return kept, [item for item in items if id(item) not in mine]
 
 
 def add_gpu_options(parser: pytest.Parser) -> None:
@@ -125,7 +120,7 @@ def add_gpu_options(parser: pytest.Parser) -> None:
                     help="on a GPU, also run the cases marked gpu_slow, and let every kernel time all of its "
                          "launch configurations (as a fresh training run does) instead of taking the first")
     group.addoption("--gpu-shard", metavar="I/N", default=None,
-                    help="run shard I (from 0) of N of the selected tests, a test function's cases together "
+                    help="run shard I (from 0) of N of the selected tests, dealt round-robin "
                          "(tests/gpu_split.sh runs one per GPU)")
 
 

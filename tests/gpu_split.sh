@@ -3,7 +3,7 @@
 # (CUDA_VISIBLE_DEVICES=i, pytest --gpu-shard=i/N), all shards at once, each with its own log and the
 # durations of its slowest tests; then one summary line per shard. With N=1 it is the whole run on GPU 0.
 #
-#   usage: tests/gpu_split.sh [N] [pytest arguments...]     (from the repository root)
+#   usage: tests/gpu_split.sh [N] [pytest arguments...]
 #     N               number of GPUs to use (default: every GPU nvidia-smi lists)
 #     pytest args     passed to every shard, e.g. --gpu-slow, -k flash, tests/kernels
 #   environment: PYTHON (default python), LOG_DIR (default ${TMPDIR:-/tmp}/gpu_tests/<UTC time>),

@@ -265,18 +265,19 @@ def test_not_gpu():
 """
 
 
-def test_shards_split_the_selected_tests_by_function_and_cover_them_once(pytester):
+def test_shards_deal_the_selected_tests_round_robin_and_cover_them_once(pytester):
     _gpu_pytester(pytester, True, 1, SHARD_SAMPLE)
     ran = []
     for index in range(3):
         result = pytester.runpytest("-m", "gpu", "-v", "-p", "no:cacheprovider", f"--gpu-shard={index}/3")
-        names = [line.split(" ")[0].split("::")[1] for line in result.outlines
-                 if "::test_" in line and ("PASSED" in line or "SKIPPED" in line)]
-        ran.append(names)
-    # greedy by cases that run, in collection order: five -> 0, one_runs (1 runs) -> 1, a -> 2, three -> 1
-    assert ran == [[f"test_five[{n}]" for n in range(5)],
-                   ["test_one_runs[1]", "test_one_runs[2]", "test_one_runs[3]"] + [f"test_three[{n}]" for n in range(3)],
-                   ["test_a"]], ran
+        ran.append([line.split(" ")[0].split("::")[1] for line in result.outlines
+                    if "::test_" in line and ("PASSED" in line or "SKIPPED" in line)])
+    # the ten cases that run are dealt in collection order (0, 3, 6, 9 to shard 0, ...), then the two skipped ones
+    assert ran == [["test_five[0]", "test_five[3]", "test_one_runs[2]", "test_a", "test_three[2]"],
+                   ["test_five[1]", "test_five[4]", "test_one_runs[3]", "test_three[0]"],
+                   ["test_five[2]", "test_one_runs[1]", "test_three[1]"]], ran
+    assert sorted(sum(ran, [])) == sorted([f"test_five[{n}]" for n in range(5)] + [f"test_one_runs[{n}]" for n in (1, 2, 3)]
+                                          + ["test_a"] + [f"test_three[{n}]" for n in range(3)])
     result = pytester.runpytest("-m", "gpu", "-p", "no:cacheprovider", "--gpu-shard=3/3")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--gpu-shard 3/3: I must be in 0..N-1*"])
