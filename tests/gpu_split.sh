@@ -46,7 +46,7 @@ status=0
 for ((i = 0; i < n; i++)); do
     wait "${pids[$i]}"
     rc=$?
-    [[ $rc -eq 0 ]] || status=1
+    [[ $rc -eq 0 || $rc -eq 5 ]] || status=1  # 5: pytest found nothing for this shard (fewer cases than GPUs)
     # pytest's last line: "== 20 passed, 3 skipped, 80 deselected in 61.2s =="
     echo "shard $i/$n (GPU $i): exit $rc: $(grep -E '^=+ .* in [0-9.]+s' "$log_dir/shard$i.log" | tail -n 1 | tr -d '=')"
 done
