@@ -137,9 +137,10 @@ def select_gpu_items(config: pytest.Config, items: list[pytest.Item], on_gpu: bo
 
 class FirstConfigTuner:
     """The GPU run's kernel tuner: a key's first call launches its candidates (when there are several) in
-    order and keeps the first that launches (a candidate can fail to compile, e.g. out of shared memory); nothing is timed, nothing
-    is read from or written to disk. Like the timing tuner it launches the kernel again for the call
-    itself, so a kernel whose launches do not repeat still shows (the pick contract)."""
+    order and keeps the first that launches (a candidate can fail to compile, e.g. out of shared memory);
+    nothing is timed, nothing is read from or written to disk. Like the timing tuner it then launches the
+    kernel again for the call itself, so a kernel whose launches do not repeat still shows (the pick
+    contract)."""
 
     def __init__(self) -> None:
         self.picked: dict[tuple, dict[str, Any]] = {}
