@@ -1,5 +1,6 @@
 """Shared test helpers live beside this file (``_spawn.py``, ``_warm.py``, ``_gpu.py``); make them importable from
-every folder. GPU-only tests (``@pytest.mark.gpu``) are skipped here on a machine without CUDA (``_gpu.py``)."""
+every folder. GPU-only tests (``@pytest.mark.gpu``) are skipped here on a machine without CUDA, and the GPU run's
+options live here: ``--gpu-slow`` and ``--gpu-shard`` (``_gpu.py``; ``tests/gpu_split.sh`` runs the shards)."""
 
 import os
 import sys
@@ -10,11 +11,30 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _cpu_fp8  # noqa: E402,F401  (torch._scaled_mm on CPU tensors at fp32-matmul speed)
-from _gpu import apply_gpu_marker  # noqa: E402
+from _gpu import ON_GPU, add_gpu_options, parse_shard, select_gpu_items, use_gpu_run_tuning  # noqa: E402
 
 
+def pytest_addoption(parser):
+    add_gpu_options(parser)
+
+
+def pytest_configure(config):
+    if config.getoption("gpu_shard"):
+        parse_shard(config.getoption("gpu_shard"))  # a bad value is refused before collection
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected: the shards split what is left
 def pytest_collection_modifyitems(config, items):
-    apply_gpu_marker(items)
+    select_gpu_items(config, items)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_run_tuning(request, monkeypatch):
+    """On a GPU, the kernels launch with this run's configurations (``_gpu.py``): the first candidate of each,
+    or with ``--gpu-slow`` the fastest of all. Off the GPU nothing changes (the tuner times nothing there)."""
+    if ON_GPU:
+        use_gpu_run_tuning(monkeypatch, slow=request.config.getoption("gpu_slow"))
+    yield
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -162,3 +162,143 @@ def test_a_gpu_marker_with_other_arguments_is_refused(pytester):
     items = pytester.getitems(pytester.path / "test_bad.py")
     with pytest.raises(pytest.UsageError, match="takes only cpu=True"):
         apply_gpu_marker(items, on_gpu=False)
+
+
+GPU_CONFTEST = """
+import pytest
+from _gpu import add_gpu_options, select_gpu_items
+
+
+def pytest_addoption(parser):
+    add_gpu_options(parser)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    select_gpu_items(config, items, on_gpu={on_gpu}, gpu_count={gpus})
+"""
+
+SLOW_SAMPLE = """
+import pytest
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.gpu_slow)])
+def test_gpu_case(n):
+    pass
+
+
+@pytest.mark.gpu(cpu=True)
+@pytest.mark.gpu_slow
+def test_slow_on_a_gpu_only():
+    pass
+
+
+@pytest.mark.gpu(gpus=2)
+def test_two_gpus():
+    pass
+"""
+
+
+def _gpu_pytester(pytester, on_gpu, gpus, sample=SLOW_SAMPLE):
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: the GPU run\n    gpu_slow: slow on a GPU\n")
+    pytester.makeconftest(GPU_CONFTEST.format(on_gpu=on_gpu, gpus=gpus))
+    pytester.makepyfile(test_sample=sample)
+
+
+@pytest.mark.parametrize("on_gpu,gpus,slow,outcomes", [
+    (False, 0, False, dict(passed=1, skipped=3)),  # gpu_slow changes nothing without CUDA
+    (False, 0, True, dict(passed=1, skipped=3)),
+    (True, 1, False, dict(passed=1, skipped=3)),  # the slow cases and the two-GPU test skipped
+    (True, 1, True, dict(passed=3, skipped=1)),
+    (True, 2, False, dict(passed=2, skipped=2)),
+], ids=["cpu", "cpu-slow-option", "one-gpu", "one-gpu-slow", "two-gpus"])
+def test_gpu_slow_cases_and_multi_gpu_tests_are_skipped_with_their_reasons(pytester, on_gpu, gpus, slow, outcomes):
+    _gpu_pytester(pytester, on_gpu, gpus)
+    result = pytester.runpytest("-m", "gpu", "-rs", "-p", "no:cacheprovider", *(["--gpu-slow"] if slow else []))
+    result.assert_outcomes(**outcomes)
+    if on_gpu and not slow:
+        result.stdout.fnmatch_lines(["*test_sample.py:*gpu_slow: a faster case checks the same*--gpu-slow*"])
+    if on_gpu and gpus == 1:
+        result.stdout.fnmatch_lines(["*needs 2 GPUs, 1 visible*"])
+
+
+def test_gpu_slow_without_a_gpu_marker_and_bad_gpu_counts_are_refused(pytester):
+    pytester.makepyfile(test_bad="import pytest\n\n\n@pytest.mark.gpu_slow\ndef test_a():\n    pass\n\n\n"
+                                 "@pytest.mark.gpu(gpus=0)\ndef test_b():\n    pass\n\n\n"
+                                 "@pytest.mark.gpu(cpu=True, gpus=2)\ndef test_c():\n    pass\n")
+    a, b, c = pytester.getitems(pytester.path / "test_bad.py")
+    for item, message in ((a, "add @pytest.mark.gpu"), (b, "device count >= 1"), (c, "drop cpu=True")):
+        with pytest.raises(pytest.UsageError, match=message):
+            apply_gpu_marker([item], on_gpu=True, gpu_count=1)
+
+
+SHARD_SAMPLE = """
+import pytest
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", range(5))
+def test_five(n):
+    pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.gpu_slow),
+                               pytest.param(3, marks=pytest.mark.gpu_slow)])
+def test_one_runs(n):
+    pass
+
+
+@pytest.mark.gpu
+def test_a():
+    pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", range(3))
+def test_three(n):
+    pass
+
+
+def test_not_gpu():
+    pass
+"""
+
+
+def test_shards_deal_the_selected_tests_round_robin_and_cover_them_once(pytester):
+    _gpu_pytester(pytester, True, 1, SHARD_SAMPLE)
+    ran = []
+    for index in range(3):
+        result = pytester.runpytest("-m", "gpu", "-v", "-p", "no:cacheprovider", f"--gpu-shard={index}/3")
+        ran.append([line.split(" ")[0].split("::")[1] for line in result.outlines
+                    if "::test_" in line and ("PASSED" in line or "SKIPPED" in line)])
+    # the ten cases that run are dealt in collection order (0, 3, 6, 9 to shard 0, ...), then the two skipped ones
+    assert ran == [["test_five[0]", "test_five[3]", "test_one_runs[2]", "test_a", "test_three[2]"],
+                   ["test_five[1]", "test_five[4]", "test_one_runs[3]", "test_three[0]"],
+                   ["test_five[2]", "test_one_runs[1]", "test_three[1]"]], ran
+    result = pytester.runpytest("-m", "gpu", "-p", "no:cacheprovider", "--gpu-shard=3/3")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--gpu-shard 3/3: I must be in 0..N-1*"])
+
+
+def test_first_config_tuner_takes_the_first_config_that_launches_and_launches_it_again():
+    import torch
+
+    from _gpu import FirstConfigTuner
+
+    launched = []
+
+    def launch(cfg):
+        launched.append(cfg["B"])
+        if cfg["B"] == 1:
+            raise RuntimeError("out of resources")
+
+    tuner = FirstConfigTuner()
+    configs = [dict(B=1), dict(B=2), dict(B=3)]
+    assert tuner.pick("k", (16,), configs, launch, torch.device("cuda", 0)) == dict(B=2)
+    assert launched == [1, 2]
+    assert tuner.pick("k", (16,), configs, launch, torch.device("cuda", 0)) == dict(B=2) and launched == [1, 2]
+    assert tuner.pick("k", (32,), [dict(B=4)], launch, torch.device("cuda", 0)) == dict(B=4) and launched == [1, 2]
+    with pytest.raises(RuntimeError, match="every launch configuration of k failed"):
+        tuner.pick("k", (64,), [dict(B=1), dict(B=1)], launch, torch.device("cuda", 0))

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from _gpu import ON_GPU
+from _gpu import ON_GPU, new_tuner
 
 
 def _is_compiled_jit(fn) -> bool:
@@ -120,6 +120,13 @@ class _RelaunchingTuner:
             launch(dict(cfg))
             launch(dict(cfg))
         return dict(configs[0])
+
+
+@pytest.fixture
+def fresh_tuner(request):
+    """A kernel tuner of this run's kind with nothing remembered (``_gpu.new_tuner``): what a test installs
+    when a choice another test left in the run's tuner must not decide its launches."""
+    return new_tuner(request.config.getoption("gpu_slow"))
 
 
 @pytest.fixture

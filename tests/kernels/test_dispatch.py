@@ -9,13 +9,16 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from lightning_perf.kernels import dispatch, flash_attention, fused_linear_cross_entropy, layer_norm, swiglu
+from lightning_perf.kernels.attention_backends import LIBRARY_BACKENDS, SDPA_BACKENDS
 from lightning_perf.kernels.autotune import AutotuneCache, KernelTuner, shape_bucket
 from lightning_perf.kernels.ops.flash_attention import attention_reference
 from lightning_perf.models.gpt import GPT, GPTConfig
 
 
 @pytest.mark.gpu(cpu=True)
-@pytest.mark.parametrize("tuner", ["default", "relaunching"])
+# on a GPU "relaunching" compiles every configuration of every kernel, and the GPU run's own tuner already
+# launches each key's first call twice
+@pytest.mark.parametrize("tuner", ["default", pytest.param("relaunching", marks=pytest.mark.gpu_slow)])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 def test_gpt_with_triton_kernels_matches_torch(preset, tuner, close, device, model_dtype, request):
     """Loss and every parameter gradient agree: norms, activations, attention (GQA for llama), fused loss.
@@ -408,8 +411,13 @@ def test_activation_checkpointing_matches(close, device):
 
 
 @pytest.mark.gpu
-def test_attention_auto_picks_and_caches_on_gpu(close):
-    selector = dispatch.AttentionSelector(repeat=2)
+# every candidate adds FlexAttention's compilation (and FA3 / FA4 where installed); the choice and its cache
+# are the same code among SDPA's backends
+@pytest.mark.parametrize("candidates", [SDPA_BACKENDS, pytest.param(SDPA_BACKENDS + LIBRARY_BACKENDS,
+                                                                    marks=pytest.mark.gpu_slow)],
+                         ids=["sdpa", "every"])
+def test_attention_auto_picks_and_caches_on_gpu(candidates, close):
+    selector = dispatch.AttentionSelector(repeat=2, candidates=candidates)
     d = dispatch.KernelDispatcher(attention_selector=selector)
     q = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
