@@ -40,6 +40,7 @@ from lightning_perf.parallel.sharding.accumulation import FSDPAccumulation, Memo
 from lightning_perf.parallel.sharding.ddp import apply_ddp, shard_optimizer
 from lightning_perf.parallel.sharding.fp8_all_gather import require_fp8_linears
 from lightning_perf.parallel.sharding.fsdp import (
+    FSDPUnit,
     apply_fsdp,
     cpu_offload_policy,
     find_blocks,
@@ -184,7 +185,7 @@ class ZeroStrategy(PerfParallelStrategy):
         self._prepared: Optional[nn.Module] = None  # the LightningModule already sharded
         self._ddp: Optional[nn.parallel.DistributedDataParallel] = None
         self._init_mode = self.config.init  # "rank0" may turn "meta" in setup (see _gather_init_state)
-        self._fsdp_units: list[Any] = []  # the FSDP2 units and their resharding (fsdp_unit_plan)
+        self._fsdp_units: list[FSDPUnit] = []  # the FSDP2 units and their resharding (fsdp_unit_plan)
         self._accumulation_verdict: Optional[MemoryVerdict] = None
         self._accumulation_mode: Optional[str] = None  # "auto" settled in setup
         self._fsdp_accumulation: Optional[FSDPAccumulation] = None

@@ -25,20 +25,22 @@ MODES = ("reduce_each", "reduce_once", "gather_once")
 UNITS = N_LAYER + 1  # one FSDP2 unit per block, and the root
 
 
-def tiny_config():
+def tiny_config(**overrides: Any):
     from lightning_perf.models.gpt import GPTConfig
 
     # no biases: a k_proj bias has a zero true gradient and Adam would amplify rounding noise
-    return GPTConfig(name="t", vocab_size=VOCAB, block_size=T, n_layer=N_LAYER, n_head=2, n_embd=32,
-                     pad_vocab_multiple=16, bias=False)
+    return GPTConfig(**{"name": "t", "vocab_size": VOCAB, "block_size": T, "n_layer": N_LAYER, "n_head": 2,
+                        "n_embd": 32, "pad_vocab_multiple": 16, "bias": False, **overrides})
 
 
-def make_module():
+def make_module(fp8: bool = False):
     from lightning_perf.models.gpt.module import GPTLightningModule
+
+    config = tiny_config(fp8=True, n_embd=48) if fp8 else tiny_config()
 
     class Recording(GPTLightningModule):
         def __init__(self) -> None:
-            super().__init__(tiny_config(), learning_rate=1e-3, warmup_steps=0, min_lr_ratio=1.0)
+            super().__init__(config, learning_rate=1e-3, warmup_steps=0, min_lr_ratio=1.0)
             self.losses: list[float] = []
 
         def training_step(self, batch, batch_idx):
@@ -137,13 +139,14 @@ def per_micro_batch(counter: Counter, *, mid_save: Optional[Path] = None):
 
 
 def fit(strategy: Any, world: int, *, steps: int = STEPS, accumulate: int = ACC, counter: Optional[Counter] = None,
-        mid_save: Optional[Path] = None, save_to: Optional[Path] = None, ckpt_path: Optional[Path] = None) -> dict:
+        mid_save: Optional[Path] = None, save_to: Optional[Path] = None, ckpt_path: Optional[Path] = None,
+        fp8: bool = False) -> dict:
     import lightning as L
 
     from lightning_perf.parallel.checkpointing.checkpoint import full_model_state_dict
 
     L.seed_everything(0, verbose=False)
-    module = make_module()
+    module = make_module(fp8)
     callbacks = []
     probe = per_micro_batch(counter, mid_save=mid_save) if counter is not None else None
     if probe is not None:
@@ -177,6 +180,11 @@ def _worker(rank: int, world: int, out: Path) -> dict:
             if mode == "auto" and stage != 3:
                 continue
             res[f"{stage}/{mode}"] = fit(ZeroStrategy(stage=stage, accumulation=mode), world, counter=counter)
+    # FP8 linears whose weights are all-gathered in FP8 (scales refreshed after each optimizer step), held
+    # gathered across the micro-batches, against the plain gather of the same model on every micro-batch
+    res["fp8/plain"] = fit(ZeroStrategy(stage=3, accumulation="reduce_once"), world, counter=counter, fp8=True)
+    res["fp8/gather_once"] = fit(ZeroStrategy(stage=3, accumulation="gather_once", fp8_all_gather=True), world,
+                                 counter=counter, fp8=True)
     # a checkpoint saved between micro-batches under gather_once: the parameters of the last step, and
     # training goes on as if it had not been saved (the accumulated gradients stay)
     mid = out / "mid.ckpt"
@@ -262,6 +270,15 @@ def test_auto_without_a_memory_verdict_is_reduce_once(runs) -> None:
     for r in runs:
         assert r["3/auto"]["mode"] == "reduce_once"
         assert r["3/auto"]["rows"] == r["3/reduce_once"]["rows"]
+
+
+def test_fp8_all_gather_once_equals_the_plain_gather(runs) -> None:
+    for r in runs:
+        plain, gathered = r["fp8/plain"], r["fp8/gather_once"]
+        assert gathered["losses"] == plain["losses"]
+        _close(gathered["final"], plain["final"], rtol=0, atol=0)
+        assert _column(gathered["rows"], "all_gather") == ([UNITS] + [0] * (ACC - 1)) * STEPS
+        assert _column(plain["rows"], "all_gather") == [UNITS + N_LAYER - 1] * (STEPS * ACC)
 
 
 def test_checkpoint_between_micro_batches_under_gather_once(runs) -> None:
