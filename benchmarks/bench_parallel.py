@@ -12,7 +12,9 @@ gpt-1.3b, T=2048, B=8 per GPU; ``--warmup`` steps, then a window of ``--steps`` 
 by ``_timing.WallClockWindow`` (a device synchronisation and a barrier on every rank at both
 ends only; rank 0's host clock between them), then one profiled step for the
 exposed-communication share (NCCL kernel time not overlapped by any compute kernel, over the
-mean step).
+mean step). The ``*_acc8_*`` variants accumulate 8 micro-batches per optimizer step, one per
+``ZeroStrategy(accumulation=...)`` mode; their steps (warm-up, window) count optimizer steps, their
+step times are micro-batches, and the profiled step is the second micro-batch of an optimizer step.
 
 Headline: ``tokens_per_s``, the tokens of all ranks over the window's wall time (the mean step,
 slow steps included), with ``step_ms_mean`` / ``_median`` / ``_p90`` / ``_max``, the garbage
@@ -167,6 +169,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
        }.items()},
     "llama8b_model_parallel_compile": {"baseline": "model_parallel", "preset": "llama-8b", "seq_len": 8192,
                                        "batch": 2, "warmup": 4, "steps": 8, "ac": "full"},
+    # gradient accumulation, 8 micro-batches of 1 sequence per optimizer step, in each ZeroStrategy(accumulation=)
+    # mode: gathers and reduce-scatters per micro-batch against memory held between them (warmup / steps count
+    # optimizer steps; the window's tokens and step times are per micro-batch)
+    **{f"zero3_acc8_{mode}": {"zero": {"stage": 3, "accumulation": mode}, "batch": 1, "accumulate": 8,
+                              "warmup": 2, "steps": 4}
+       for mode in ("reduce_each", "reduce_once", "gather_once")},
+    **{f"llama8b_zero3_acc8_{mode}": {"preset": "llama-8b", "batch": 1, "accumulate": 8, "warmup": 2, "steps": 3,
+                                      "ac": "full", "zero": {"stage": 3, "init": "meta", "accumulation": mode}}
+       for mode in ("reduce_each", "reduce_once", "gather_once")},
     # gradient compression of the stage-1 all-reduce (last: skipped first when the budget runs out)
     "zero1_bf16_compression": {"strategy": "zero1_bf16"},
     "zero1_powersgd": {"strategy": "zero1_powersgd"},
@@ -364,7 +375,8 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             gc_kwargs = {"gc_every_n_steps": spec["gc_every"]} if "gc_every" in spec else {}
             module = GPTLightningModule(config, warmup_steps=0, compile=spec.get("compile"),
                                         activation_checkpointing=spec.get("ac", "none"), **gc_kwargs)
-        timer = _Timer(warmup, steps, args["profile_dir"])
+        accumulate = spec.get("accumulate", 1)  # the timer counts micro-batches, the window optimizer steps
+        timer = _Timer(warmup * accumulate, steps * accumulate, args["profile_dir"])
         window = WallClockWindow(warmup=warmup, steps=steps, checkpoint=False)
         accelerator = "cpu" if smoke else "gpu"
         if spec.get("reduce_dtype"):  # our precision plugin with a gradient-reduction dtype of its own
@@ -380,7 +392,7 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
             gc_callbacks = [GarbageCollection(every_n_steps=int(spec["gc"]))]
         trainer = L.Trainer(
             accelerator=accelerator, devices=world, strategy=build_strategy(spec.get("strategy", ""), smoke, spec, world),
-            max_steps=warmup + steps + 2, **precision,
+            max_steps=warmup + steps + 2, accumulate_grad_batches=accumulate, **precision,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, window] + gc_callbacks,
         )
@@ -398,10 +410,13 @@ def _worker(rank: int, world: int, port: int, variant: str, spec: dict, args: di
         if torch.cuda.is_available():  # since training started, as before the window reset the counter
             result["peak_mem_gb_window"] = result["peak_mem_gb"]
             result["peak_mem_gb"] = max(torch.cuda.max_memory_allocated() / 1e9, result["peak_mem_gb_before_window"])
+        strategy = trainer.strategy
         result.update(
             ok=True,
             rank=rank,
             preset=config.name,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            accumulation=getattr(strategy, "accumulation_mode", None),
             batch_per_gpu=B,
             seq_len=T,
             world=world,

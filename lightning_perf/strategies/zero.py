@@ -6,9 +6,10 @@ over the world (HSDP: ("dp_replicate", "dp_shard"), ``parallel.layout.dims.build
 model built on ``meta`` in ``configure_model`` (all ranks but 0 under ``init="rank0"``), then
 in ``setup``: shard (``apply_fsdp`` / DDP / DeepSpeed), materialise shard by shard (in host
 memory under native CPU offload), build the optimizer on the sharded parameters, and turn it
-into a ``ZeroRedundancyOptimizer`` at stage 1. Gradient accumulation skips the
-reduction on non-final micro-steps; the DeepSpeed backend writes its engine's own
-checkpoint shards.
+into a ``ZeroRedundancyOptimizer`` at stage 1. Gradient accumulation follows ``accumulation``
+(``parallel.sharding.accumulation``): the non-final micro-batches Lightning wraps in
+``block_backward_sync`` skip the reduction (and, under ``"gather_once"``, the resharding); the
+DeepSpeed backend writes its engine's own checkpoint shards.
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ from lightning_perf.parallel.layout.dims import build_zero_mesh, fsdp_mesh
 from lightning_perf.parallel.layout.validate import check_data_layout, data_shape
 from lightning_perf.parallel.layout.zero_config import ZeroConfig
 from lightning_perf.parallel.sharding import deepspeed_engine
+from lightning_perf.parallel.sharding.accumulation import FSDPAccumulation, MemoryVerdict, resolve_accumulation
 from lightning_perf.parallel.sharding.ddp import apply_ddp, shard_optimizer
 from lightning_perf.parallel.sharding.fp8_all_gather import require_fp8_linears
 from lightning_perf.parallel.sharding.fsdp import (
+    FSDPUnit,
     apply_fsdp,
     cpu_offload_policy,
     find_blocks,
     find_model,
+    fsdp_unit_plan,
     move_unsharded_,
-    set_gradient_sync,
 )
 from lightning_perf.parallel.sharding.init import (
     broadcast_module_,
@@ -110,6 +113,24 @@ class ZeroStrategy(PerfParallelStrategy):
         async_checkpoint: write checkpoints in the background while training goes on (``None``:
             on CUDA devices with the native backend); the DeepSpeed backend writes its engine's
             checkpoint in the save call.
+        accumulation: with ``Trainer(accumulate_grad_batches=k)``, how often one optimizer step's k
+            micro-batches gather parameters and reduce gradients. ``"reduce_each"``: gradients
+            reduce-scattered after every micro-batch (they stay sharded: the least memory);
+            ``"reduce_once"``: gradients accumulate unsharded and are reduce-scattered once, at the last
+            micro-batch, parameters gathered in every micro-batch; ``"gather_once"``: parameters also stay
+            gathered across the k micro-batches (one all-gather and one reduce-scatter per unit and step,
+            for the memory of the unsharded parameters and gradients). At stage 1 ``"reduce_each"``
+            all-reduces every micro-batch, the other two only the last. ``"auto"``: settled in ``setup``
+            by ``parallel.sharding.accumulation.resolve_accumulation`` from ``accumulate_grad_batches`` and
+            the memory verdict given to :meth:`set_accumulation_verdict` (none: ``"reduce_once"``). The
+            DeepSpeed backend takes ``"auto"`` or what its engine does (stage 1 ``"reduce_once"``, stages
+            2 and 3 ``"reduce_each"``). A checkpoint saved between micro-batches holds the parameters of
+            the last step, never the gradients accumulated since.
+
+    Example::
+
+        strategy = ZeroStrategy(stage=3, accumulation="gather_once")
+        trainer = L.Trainer(strategy=strategy, accumulate_grad_batches=8, ...)
     """
 
     strategy_name = "zero"
@@ -133,6 +154,7 @@ class ZeroStrategy(PerfParallelStrategy):
         fp8_all_gather: bool = False,
         blocks_per_unit: int = 1,
         replicate_size: Union[int, Literal["auto"]] = 1,
+        accumulation: Literal["auto", "reduce_each", "reduce_once", "gather_once"] = "auto",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -165,6 +187,10 @@ class ZeroStrategy(PerfParallelStrategy):
         self._prepared: Optional[nn.Module] = None  # the LightningModule already sharded
         self._ddp: Optional[nn.parallel.DistributedDataParallel] = None
         self._init_mode = self.config.init  # "rank0" may turn "meta" in setup (see _gather_init_state)
+        self._fsdp_units: list[FSDPUnit] = []  # the FSDP2 units and their resharding (fsdp_unit_plan)
+        self._accumulation_verdict: Optional[MemoryVerdict] = None
+        self._accumulation_mode: Optional[str] = None  # "auto" settled in setup
+        self._fsdp_accumulation: Optional[FSDPAccumulation] = None
 
     # ---- where ZeRO differs from the base ---------------------------------------------------------
 
@@ -267,6 +293,29 @@ class ZeroStrategy(PerfParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.config.native_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._setup_accumulation(trainer.accumulate_grad_batches)
+
+    # ---- gradient accumulation ----------------------------------------------------------------
+
+    def set_accumulation_verdict(self, verdict: Optional[MemoryVerdict]) -> None:
+        """The memory planner's hook for ``accumulation="auto"``: its verdict (an ``AccumulationMemory``:
+        predicted peak bytes per mode and the device's bytes) or a callable that answers an
+        ``AccumulationQuery`` with one, read in ``setup`` by ``resolve_accumulation``. Set it before
+        ``setup`` runs, e.g. from a callback's ``setup`` hook (callbacks set up before the strategy).
+        ``None`` takes it back."""
+        self._accumulation_verdict = verdict
+
+    @property
+    def accumulation_mode(self) -> Optional[str]:
+        """The accumulation mode this fit runs (``"auto"`` settled); ``None`` before ``setup``."""
+        return self._accumulation_mode
+
+    def _setup_accumulation(self, accumulate_grad_batches: int) -> None:
+        self._accumulation_mode = resolve_accumulation(
+            accumulate_grad_batches, mode=self.config.accumulation, stage=self.config.stage,
+            backend=str(self.config.backend), verdict=self._accumulation_verdict)
+        self._fsdp_accumulation = (FSDPAccumulation(self._fsdp_units, self._accumulation_mode)
+                                   if self._sharded is not None else None)
 
     def _shard_and_materialize(self, module: "pl.LightningModule") -> None:
         target = find_model(module)
@@ -313,6 +362,8 @@ class ZeroStrategy(PerfParallelStrategy):
 
     def _setup_fsdp(self, target: nn.Module, full: Optional[dict[str, Any]]) -> None:
         blocks = find_blocks(target, self.config.wrap_policy)
+        self._fsdp_units = fsdp_unit_plan(target, blocks, reshard_after_forward=bool(self.config.reshard_after_forward),
+                                          blocks_per_unit=self.config.blocks_per_unit)
         apply_fsdp(
             target,
             fsdp_mesh(self.device_mesh),
@@ -363,14 +414,13 @@ class ZeroStrategy(PerfParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """No gradient reduction on non-final accumulation micro-steps."""
-        if self._sharded is not None:
-            set_gradient_sync([self._sharded], False)
-            try:
+        """Around a non-final accumulation micro-batch (its forward and backward): what ``accumulation``
+        defers to the last one (FSDP2: ``FSDPAccumulation.deferred``; DDP: ``no_sync`` unless
+        ``"reduce_each"``)."""
+        if self._fsdp_accumulation is not None:
+            with self._fsdp_accumulation.deferred():
                 yield None
-            finally:
-                set_gradient_sync([self._sharded], True)
-        elif isinstance(self.model, nn.parallel.DistributedDataParallel):
+        elif isinstance(self.model, nn.parallel.DistributedDataParallel) and self._accumulation_mode != "reduce_each":
             with self.model.no_sync():
                 yield None
         else:
@@ -379,7 +429,10 @@ class ZeroStrategy(PerfParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._engine is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            if self._fsdp_accumulation is not None:  # the step's last backward resharded: units back to normal
+                self._fsdp_accumulation.after_backward()
+            return loss
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
@@ -410,13 +463,23 @@ class ZeroStrategy(PerfParallelStrategy):
         return self.config.backend != "deepspeed" and super().async_checkpoint
 
     @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._fsdp_accumulation is not None:  # a fit stopped between micro-batches holds nothing gathered
+            self._fsdp_accumulation.finish()
+
+    @override
     def _write_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        if self._fsdp_accumulation is not None:  # DCP maps the optimizer's state through the sharded parameters
+            self._fsdp_accumulation.release()
         if self._engine is None:
             return super()._write_checkpoint(path, extra)
         deepspeed_engine.save(self._engine, path, extra, rank=self.global_rank)
 
     @override
     def _read_checkpoint(self, path: Path, weights_only: bool) -> dict[str, Any]:
+        if self._fsdp_accumulation is not None:  # the loaded shards must be what the next forward gathers
+            self._fsdp_accumulation.release()
         if self._engine is None:
             return super()._read_checkpoint(path, weights_only)
         return deepspeed_engine.load(self._engine, path, weights_only=weights_only)

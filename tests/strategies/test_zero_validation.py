@@ -42,11 +42,24 @@ def test_unknown_stage() -> None:
         ({"stage": 3, "blocks_per_unit": 0}, "blocks_per_unit must be an int >= 1"),
         ({"stage": 3, "blocks_per_unit": 1.5}, "blocks_per_unit must be an int >= 1"),
         ({"stage": 1, "blocks_per_unit": 2}, "blocks_per_unit groups FSDP2 units"),
+        ({"stage": 3, "accumulation": "reduce_twice"}, "accumulation='reduce_twice' is not one of"),
     ],
 )
 def test_bad_options(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         ZeroStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("stage, refused, does", [(1, "reduce_each", "reduce_once"), (1, "gather_once", "reduce_once"),
+                                                  (2, "reduce_once", "reduce_each"), (3, "gather_once", "reduce_each")])
+def test_deepspeed_takes_only_its_own_accumulation(stage, refused, does) -> None:
+    pytest.importorskip("deepspeed")
+    with pytest.raises(ValueError, match=f"backend='deepspeed' at stage {stage} accumulates its own way "
+                                         f"\\('{does}'.*pass accumulation='auto' or '{does}', or use backend='native'"):
+        ZeroStrategy(stage=stage, backend="deepspeed", accumulation=refused)
+    assert not dist.is_initialized()
+    for ok in ("auto", does):
+        assert ZeroStrategy(stage=stage, backend="deepspeed", accumulation=ok).config.accumulation == ok
 
 
 def test_offload_without_deepspeed_names_the_extra(monkeypatch) -> None:

@@ -17,6 +17,10 @@ there (the three cannot be separated, so ``offload_optimizer=True`` is the switc
 ``offload_params`` may join it at stage 3); DeepSpeed offloads the optimizer state (stage 2/3)
 and, at stage 3, the parameters separately.
 
+Gradient accumulation: ``accumulation`` says how often, within one optimizer step, parameters are
+all-gathered and gradients reduced (``parallel.sharding.accumulation``); ``"auto"`` is settled in the
+strategy's setup, once ``accumulate_grad_batches`` is known.
+
 HSDP: with ``replicate_size`` R > 1, FSDP2 shards over the ``world / R`` ranks of a group and
 replicates over the R groups (a 2-D ("dp_replicate", "dp_shard") mesh): parameters are
 gathered within a node and only the gradients cross nodes, in an all-reduce of each shard.
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from lightning_perf.parallel.layout.dims import check_replicate_size, replicate_shape
+from lightning_perf.parallel.sharding.accumulation import AccumulationMode, check_accumulation
 from lightning_perf.parallel.sharding.ddp import COMPRESSIONS
 from lightning_perf.parallel.sharding.fsdp import WrapPolicy, check_blocks_per_unit
 
@@ -66,6 +71,7 @@ class ZeroConfig:
     fp8_all_gather: bool = False
     blocks_per_unit: int = 1
     replicate_size: Union[int, Literal["auto"]] = 1  # "auto": the number of nodes
+    accumulation: AccumulationMode = "auto"
 
     def __post_init__(self) -> None:
         self.deepspeed_config = dict(self.deepspeed_config or {})
@@ -119,6 +125,7 @@ class ZeroConfig:
             raise ValueError("fp8_all_gather with native CPU offload is not supported: the FP8 shards are made on "
                              "the GPU; use one of them")
         self._check_replicate_size()
+        check_accumulation(self.accumulation, stage=self.stage, backend=self.backend)
         if self.reshard_after_forward is None:
             self.reshard_after_forward = self.stage == 3
         if self.reshard_after_forward and self.stage != 3:

@@ -31,7 +31,7 @@ module classes (Hugging Face ``model.layers`` / ``transformer.h``), or a user po
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -39,7 +39,7 @@ import torch.nn as nn
 from lightning_perf.parallel.sharding.fp8_all_gather import enable_fp8_all_gather, require_fp8_linears
 
 __all__ = ["apply_fsdp", "find_blocks", "find_model", "WrapPolicy", "set_gradient_sync", "is_fsdp_module",
-           "cpu_offload_policy", "move_unsharded_"]
+           "cpu_offload_policy", "move_unsharded_", "FSDPUnit", "fsdp_unit_plan"]
 
 WrapPolicy = Union[Callable[[nn.Module], bool], set, frozenset, tuple, list]
 
@@ -165,19 +165,42 @@ def apply_fsdp(
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
-    units = list(blocks) if blocks is not None else find_blocks(module, wrap_policy)
-    units = [u for u in units if any(True for _ in u.parameters())]
-    groups = [units[i:i + blocks_per_unit] for i in range(0, len(units), blocks_per_unit)]
-    for i, group in enumerate(groups):
-        # the last unit's parameters are needed again at once by backward: keep them gathered
-        last = i == len(groups) - 1
-        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard_after_forward and not last,
+    plan = fsdp_unit_plan(module, blocks if blocks is not None else find_blocks(module, wrap_policy),
+                          reshard_after_forward=reshard_after_forward, blocks_per_unit=blocks_per_unit)
+    for unit in plan:
+        modules = list(unit.modules)
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=unit.reshard_after_forward,
                     **kwargs)
-    # the root keeps its (embedding / head) parameters gathered between forward and backward
-    fully_shard(module, reshard_after_forward=False if units else reshard_after_forward, **kwargs)
+    groups = plan[:-1]
     if prefetch > 0 and len(groups) > 1:
-        _set_prefetch([g[0] for g in groups], prefetch)  # a group's modules share one FSDP state
+        _set_prefetch([g.modules[0] for g in groups], prefetch)  # a group's modules share one FSDP state
     return module
+
+
+class FSDPUnit(NamedTuple):
+    """One ``fully_shard`` call of :func:`apply_fsdp`: its modules (several for a group of blocks, which
+    share one FSDP state) and the ``reshard_after_forward`` it was given."""
+
+    modules: tuple[nn.Module, ...]
+    reshard_after_forward: bool
+
+
+def fsdp_unit_plan(module: nn.Module, blocks: Sequence[nn.Module], *, reshard_after_forward: bool,
+                   blocks_per_unit: int = 1) -> list[FSDPUnit]:
+    """The units :func:`apply_fsdp` makes of ``module`` and ``blocks``, in forward order, the root last.
+
+    Blocks without parameters are left to the root; every ``blocks_per_unit`` consecutive blocks form
+    one unit. The last unit and the root keep their parameters gathered after forward (backward needs
+    them at once); the other units reshard as ``reshard_after_forward`` says. Called again on the
+    sharded module with the same arguments it returns the same plan (what changes the units'
+    resharding at run time restores from it).
+    """
+    check_blocks_per_unit(blocks_per_unit)
+    units = [b for b in blocks if any(True for _ in b.parameters())]
+    groups = [tuple(units[i:i + blocks_per_unit]) for i in range(0, len(units), blocks_per_unit)]
+    plan = [FSDPUnit(g, reshard_after_forward and i < len(groups) - 1) for i, g in enumerate(groups)]
+    plan.append(FSDPUnit((module,), False if units else reshard_after_forward))
+    return plan
 
 
 def cpu_offload_policy(device: torch.device) -> Any:
