@@ -136,9 +136,28 @@ def _activation_checkpointing(recipe: dict) -> str:
     return args.get("activation_checkpointing") or (recipe.get("model") or {}).get("activation_checkpointing", "none")
 
 
+def _replica_batch(recipe: dict) -> int:
+    """Sequences per optimizer step on one data-parallel replica: the recipe's ``batch_size``, or with
+    ``batch_size: auto`` its global batch (``global_batch_size`` / ``global_batch_tokens``, scaled to the
+    recipe's GPUs by ``global_batch_per_gpus``) over its data-parallel size."""
+    data = recipe.get("data") or {}
+    batch = data.get("batch_size", 8)
+    if batch != "auto":
+        return int(batch)
+    sequences = data.get("global_batch_size")
+    if data.get("global_batch_tokens") is not None:
+        sequences = int(data["global_batch_tokens"]) // int(data.get("seq_len", 1024))
+    if sequences is None:
+        raise SystemExit("a recipe with batch_size: auto needs global_batch_size or global_batch_tokens here")
+    per_gpus = data.get("global_batch_per_gpus")
+    if per_gpus:
+        sequences = int(sequences) * _devices(recipe) // int(per_gpus)
+    return int(sequences) // _data_parallel_size(recipe)
+
+
 def _fsdp_batch(recipe: dict) -> int:
     """Sequences per GPU for the FSDP baseline: the recipe's sequences per step over all its devices."""
-    batch, devices = int((recipe.get("data") or {}).get("batch_size", 8)), _devices(recipe)
+    batch, devices = _replica_batch(recipe), _devices(recipe)
     per_step = batch * _data_parallel_size(recipe)
     if per_step % devices:
         raise SystemExit(f"recipe trains {batch} x dp({_data_parallel_size(recipe)}) = {per_step} sequences per step, "
@@ -173,7 +192,7 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
     args = [
         "fit", "--config", name,
         "--data.source", "synthetic", "--data.data_dir", "null",
-        "--data.synthetic_train_samples", str(int(data.get("batch_size", 8)) * (total + 4) * 8),
+        "--data.synthetic_train_samples", str(_replica_batch(recipe) * (total + 4) * 8),
         "--trainer.max_steps", str(total),
         "--trainer.val_check_interval", str(total),
         "--trainer.default_root_dir", str(out.parent / f"run-{name}"),
@@ -233,7 +252,7 @@ def run_plain(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra:
     recipe = _recipe(name)
     trainer_args, data = recipe.get("trainer") or {}, recipe.get("data") or {}
     cfg = _plain_config(recipe)
-    seq_len, batch = int(data.get("seq_len", 1024)), int(data.get("batch_size", 8))
+    seq_len, batch = int(data.get("seq_len", 1024)), _replica_batch(recipe)
     compile_mode = "default"
     if smoke:
         cfg, seq_len, compile_mode = GPTConfig.from_name("tiny-llama"), SMOKE_SEQ_LEN, None

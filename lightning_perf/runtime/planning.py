@@ -34,6 +34,7 @@ from lightning.pytorch.strategies import (
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_perf.parallel.sharding.accumulation import AccumulationMemory
 from lightning_perf.perf.memory_plan import (
     GB,
     MemoryEstimate,
@@ -472,9 +473,14 @@ def resolve_auto_settings(trainer: Any, module: Any, datamodule: Any, *, check_f
         hp["activation_checkpointing"], changed = plan.activation_checkpointing, True
     if trainer.accumulate_grad_batches != plan.accumulate_grad_batches:
         trainer.accumulate_grad_batches, changed = plan.accumulate_grad_batches, True
-    config = getattr(strategy, "config", None)
-    if getattr(config, "accumulation", None) == AUTO and plan.accumulation is not None:
-        config.accumulation, changed = plan.accumulation, True
+    hook = getattr(strategy, "set_accumulation_verdict", None)
+    if callable(hook) and _declares_auto_accumulation(strategy) and capacity is not None:
+        # the strategy settles "auto" in its setup from the predicted peak of each mode at the chosen settings
+        peaks = {c["accumulation"]: int(c["peak_gb"] * GB) for c in plan.candidates
+                 if c["accumulation"] and c["batch_size"] == plan.batch_size
+                 and c["activation_checkpointing"] == plan.activation_checkpointing}
+        if peaks:
+            hook(AccumulationMemory(peak_bytes=peaks, capacity_bytes=int(usable_bytes(capacity))))
     if changed:  # once per process: a second call finds the values settled
         rank_zero_info(plan.summary())
     return plan
