@@ -110,7 +110,8 @@ def test_only_lightnings_unactionable_notices_are_left_out(caplog):
                 rank_zero_info(tip)
                 rank_zero_info(models_tip)
                 rank_zero_info("GPU available: False, used: False")
-                warnings.warn_explicit(leaf, FutureWarning, "_pytree.py", 21, module="lightning.pytorch.utilities._pytree")
+                warnings.warn_explicit(leaf, FutureWarning, "_pytree.py", 21,
+                                       module="lightning.pytorch.utilities._pytree")
                 warnings.warn_explicit(leaf, FutureWarning, "mine.py", 1, module="my_project.trees")
                 warnings.warn_explicit("something else is deprecated", FutureWarning, "_pytree.py", 22,
                                        module="lightning.pytorch.utilities._pytree")

@@ -157,7 +157,8 @@ def test_torchao_import_noise_filter_drops_only_those_messages():
     noise = torchao_fp8.TorchaoImportNoise()
     so = "/venv/lib/python3.11/site-packages/torchao/"
     unloadable = "Could not load this library"
-    assert not noise.filter(_record("torchao", f"Failed to load {so}_C_mxfp8.cpython-310-x86_64-linux-gnu.so: {unloadable}"))
+    mxfp8 = f"{so}_C_mxfp8.cpython-310-x86_64-linux-gnu.so"
+    assert not noise.filter(_record("torchao", f"Failed to load {mxfp8}: {unloadable}"))
     assert not noise.filter(_record("torchao", f"Failed to load {so}_C_cutlass_90a.abi3.so: {unloadable}"))
     # torchao's core ops, its other warnings, and the same text on another logger stay
     assert noise.filter(_record("torchao", f"Failed to load {so}_C.abi3.so: undefined symbol"))
