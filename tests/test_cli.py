@@ -20,10 +20,12 @@ def _run(args, cwd, timeout=600):
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
+    """A fit of the default recipe, as a user starts it (progress bar and all); its output in fit.log."""
     cwd = tmp_path_factory.mktemp("cli")
-    _run(["fit", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1",
-          "--data.seq_len", "32", "--data.batch_size", "2", "--data.builtin_max_bytes", "100000",
-          "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1"], cwd)
+    proc = _run(["fit", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches",
+                 "1", "--data.seq_len", "32", "--data.batch_size", "2", "--data.builtin_max_bytes", "100000",
+                 "--trainer.log_every_n_steps", "1"], cwd)
+    (cwd / "fit.log").write_text(proc.stdout + proc.stderr)
     return cwd
 
 
@@ -33,6 +35,18 @@ def test_fit_writes_checkpoint_and_logs(fitted):
     metrics = (run / "csv" / "version_0" / "metrics.csv").read_text()
     assert "train/loss" in metrics and "val/loss" in metrics
     assert any((run / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+def test_fit_shows_what_the_user_can_act_on(fitted):
+    output = (fitted / "fit.log").read_text()
+    # the summary's FLOPs at the length trained (--data.seq_len 32), not the model's block_size (256)
+    assert "MFLOP/token at T=32" in output and "T=256" not in output
+    # the bar counts steps of max_steps, with no epoch of -2 and no logger version
+    assert re.search(r"Step\s.*\b4/4\b", output), output[-2000:]
+    assert "Epoch 0/-2" not in output and "v_num" not in output
+    # Lightning's tips to install its cloud packages and torch's LeafSpec deprecation are left out
+    assert "litlogger" not in output and "litmodels" not in output and "LeafSpec" not in output
+    assert "GPU available: False" in output  # and only those: Lightning's other lines stay
 
 
 def test_generate_from_checkpoint(fitted):

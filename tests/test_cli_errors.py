@@ -198,6 +198,59 @@ def test_library_generate_refuses_what_the_command_refuses():
     assert torch.equal(greedy, generate(model, prompt, 4, temperature=0.0, seed=5))
 
 
+def test_generate_errors_have_the_commands_error_form(tmp_path):
+    proc = _cli(["generate", "--ckpt_path", "absent.ckpt"], tmp_path, timeout=120)
+    _short_error(proc, "checkpoint not found: absent.ckpt", "last.ckpt")
+    assert proc.stderr.startswith("lightning-perf generate: error: checkpoint not found")  # as the others read
+    (tmp_path / "texts").mkdir()  # a directory that holds no checkpoint is not called a sharded one
+    proc = _cli(["generate", "--ckpt_path", "texts"], tmp_path, timeout=120)
+    text = _short_error(proc, "texts is a directory but no checkpoint")
+    assert "sharded" not in text
+
+
+def test_consolidate_names_a_missing_directory(tmp_path):
+    proc = _cli(["consolidate", "--ckpt_dir", "absent", "--out", "model.pt"], tmp_path, timeout=120)
+    text = _short_error(proc, "absent does not exist")
+    assert "lightning-perf consolidate: error: absent does not exist" in proc.stderr
+    assert "is not a checkpoint directory" not in text
+    (tmp_path / "plain").mkdir()
+    proc = _cli(["consolidate", "--ckpt_dir", "plain", "--out", "model.pt"], tmp_path, timeout=120)
+    _short_error(proc, "plain is not a checkpoint directory (expected extra.pt inside)")
+
+
+def test_mistyped_model_preset_gets_the_closest_names(tmp_path):
+    proc = _cli(["fit", *TINY, "--model.config", "tinyy"], tmp_path)
+    _short_error(proc, "--model.config tinyy: no GPT preset", "Did you mean tiny?", "gpt2-124m")
+    assert "lightning-perf fit: error: --model.config tinyy" in proc.stderr
+    proc = _cli(["fit", *TINY, "--model.config", "gpt2-125m"], tmp_path)
+    _short_error(proc, "Did you mean gpt2-124m")
+
+
+def test_model_preset_and_accelerator_checks_pass_what_runs():
+    from lightning_perf.cli.errors import _check_accelerator, _check_model_preset
+
+    for name in ("tiny", "GPT2-124M", None, {"class_path": "x"}):
+        _check_model_preset(name)
+    for accelerator in ("cpu", "auto", None):
+        _check_accelerator(accelerator)
+    with pytest.raises(SystemExit, match="prog: error: --model.config llama-9b: .*Did you mean llama-8b"):
+        _check_model_preset("llama-9b", "prog")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_gpu_recipe_without_a_gpu_names_the_cpu_ways(tmp_path):
+    from lightning_perf.cli.errors import _check_accelerator
+
+    proc = _cli(["fit", "--config", "gpt2-124m"], tmp_path)
+    text = _short_error(proc, "trainer.accelerator is 'gpu'", "--trainer.accelerator cpu",
+                        "lightning-perf fit --config gpt-tiny-cpu")
+    assert "lightning-perf fit: error: trainer.accelerator is 'gpu'" in proc.stderr
+    assert "No supported gpu backend" not in proc.stderr and "(for the traceback" not in text
+    for accelerator in ("gpu", "cuda"):
+        with pytest.raises(SystemExit, match="--trainer.accelerator cpu"):
+            _check_accelerator(accelerator)
+
+
 # ---- which errors are short ------------------------------------------------------------------
 
 

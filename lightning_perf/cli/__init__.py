@@ -18,7 +18,11 @@ What the CLI adds to Lightning's:
   with the fused AdamW (Lightning's mixed-precision plugin refuses that combination).
 - Paths a recipe puts under its ``trainer.default_root_dir`` (logger ``save_dir``, checkpoint
   ``dirpath``) follow ``--trainer.default_root_dir`` when it is overridden.
-- A mistyped option gets a short error with the closest valid names instead of the usage text.
+- A mistyped option, strategy name or ``--model.config`` preset gets a short error with the closest
+  valid names instead of the usage text; a GPU recipe on a machine without a GPU, two lines naming
+  ``--trainer.accelerator cpu`` and the CPU recipe.
+- A step-bounded run's progress bar counts steps of ``max_steps``; Lightning's notices a user cannot act
+  on are left out (``quiet``).
 - A CUDA out-of-memory error ends in three lines naming the settings to change and ``lightning-perf plan``;
   the traceback goes to ``oom_rank<R>.log`` under the run's ``default_root_dir``.
 - Bad input found while a run sets up (a missing file, a layout or checkpoint that does not fit, a
@@ -29,8 +33,9 @@ What the CLI adds to Lightning's:
 - ``--ckpt_path last`` never starts over silently: see :func:`lightning_perf.runtime.resume.resume_path`.
 
 The modules: ``recipes`` (``--config`` names, the default recipe, a GPU recipe on the CPU),
-``perf_cli`` (:class:`PerfCLI`, the Lightning subcommands), ``errors`` (short errors) and
-``generate`` (``lightning-perf generate``, :func:`load_module`).
+``perf_cli`` (:class:`PerfCLI`, the Lightning subcommands), ``errors`` (short errors), ``progress``
+(the step-counting progress bar), ``quiet`` (Lightning's notices left out) and ``generate``
+(``lightning-perf generate``, :func:`load_module`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Any, NoReturn, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lightning_perf.cli.recipes import _option_value
+from lightning_perf.cli.recipes import DEFAULT_RECIPE, _option_value
 
 
 class _ShortErrorParser(LightningArgumentParser):
@@ -180,7 +180,7 @@ def _exit_on_user_error(err: BaseException, args: list[str]) -> None:
     raise SystemExit(1)
 
 
-def _check_strategy_name(strategy: Any) -> None:
+def _check_strategy_name(strategy: Any, prog: str = "lightning-perf") -> None:
     """A strategy name Lightning would reject, refused here with the names that exist."""
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -193,9 +193,42 @@ def _check_strategy_name(strategy: Any) -> None:
     close = difflib.get_close_matches(strategy, names, n=3)
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
     raise SystemExit(
-        f"lightning-perf: unknown strategy {strategy!r}.{hint}\n"
+        f"{prog}: error: unknown strategy {strategy!r}.{hint}\n"
         f"The pack's strategies: {', '.join(ours)}; Lightning's: auto, ddp, fsdp, deepspeed, ... "
         "(or a class_path with init_args, e.g. lightning_perf.strategies.Parallel3DStrategy)"
+    )
+
+
+def _check_model_preset(config: Any, prog: str = "lightning-perf") -> None:
+    """A ``--model.config`` preset name that does not exist, refused with the closest names before the
+    module is built."""
+    from lightning_perf.models.gpt.config import PRESETS
+
+    if not isinstance(config, str) or config.lower() in PRESETS:
+        return
+    names = sorted(PRESETS)
+    close = difflib.get_close_matches(config.lower(), names, n=3)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    raise SystemExit(
+        f"{prog}: error: --model.config {config}: no GPT preset of that name.{hint}\n"
+        f"The presets: {', '.join(names)}"
+    )
+
+
+def _check_accelerator(accelerator: Any, prog: str = "lightning-perf") -> None:
+    """``trainer.accelerator`` gpu / cuda on a machine without one, refused with the two ways to run on the
+    CPU instead of Lightning's ``No supported gpu backend found!``."""
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+
+    name = str(accelerator).lower() if isinstance(accelerator, str) else None
+    if name not in ("gpu", "cuda") or CUDAAccelerator.is_available():
+        return
+    if name == "gpu" and MPSAccelerator.is_available():
+        return
+    raise SystemExit(
+        f"{prog}: error: trainer.accelerator is {accelerator!r} and this machine has no GPU torch can use.\n"
+        f"Add --trainer.accelerator cpu (a GPU recipe's GPU-only settings then switch to CPU ones), or train the "
+        f"CPU recipe: {prog} --config {DEFAULT_RECIPE}"
     )
 
 

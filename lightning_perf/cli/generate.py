@@ -44,23 +44,28 @@ def _generate(argv: list[str]) -> None:
     spec = args.tokenizer
     if spec is None:
         spec = path if hf_folder and (path / "tokenizer.json").is_file() else "byte"
-    try:
-        tok = load_tokenizer(spec)
-    except (ImportError, ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"lightning-perf generate: {err}") from err
+    tok = load_tokenizer(spec)  # its errors (no such folder, a missing extra) are the command's short errors
     if module.config.vocab_size < tok.vocab_size:
-        raise SystemExit(
+        raise ValueError(
             f"this model's vocabulary ({module.config.vocab_size}) is smaller than the tokenizer's "
             f"({tok.vocab_size}, {tok.name}): pass the model's own with --tokenizer"
         )
     ids = tok.encode(args.prompt, bos=True)
     if not ids:
-        raise SystemExit("lightning-perf generate: the tokenizer has no begin-of-text token: give a --prompt")
+        raise ValueError("the tokenizer has no begin-of-text token: give a --prompt")
     idx = torch.tensor([list(ids)], dtype=torch.long, device=args.device)
     out = module.generate(
         idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, eos_id=tok.eos_id, seed=args.seed
     )
     print(tok.decode(out[0].tolist()))
+
+
+def _is_sharded_checkpoint(path: Path) -> bool:
+    """Whether the directory ``path`` holds a distributed checkpoint (torch.distributed.checkpoint's
+    ``.metadata``, or the pack's layout)."""
+    from lightning_perf.parallel.checkpointing.checkpoint import is_checkpoint
+
+    return (path / ".metadata").is_file() or is_checkpoint(path)
 
 
 def _optional_int(value: str) -> Optional[int]:
@@ -88,12 +93,9 @@ def _with_consolidated_hparams(path: Path, state: dict[str, Any]) -> dict[str, A
     module's ``model.`` and the hyper-parameters recorded beside it."""
     from lightning_perf.parallel.checkpointing.checkpoint import consolidated_hparams_path, read_consolidated_hparams
 
-    try:
-        hparams = read_consolidated_hparams(path)
-    except ValueError as err:
-        raise SystemExit(f"lightning-perf generate: {err}") from err
+    hparams = read_consolidated_hparams(path)
     if hparams is None:
-        raise SystemExit(
+        raise ValueError(
             f"{path} is a consolidated state dict without {consolidated_hparams_path(path).name} (the GPT config "
             "that `lightning-perf consolidate` writes beside it): re-run consolidate on the sharded checkpoint"
         )
@@ -101,28 +103,38 @@ def _with_consolidated_hparams(path: Path, state: dict[str, Any]) -> dict[str, A
 
 
 def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule:
-    """Load a GPTLightningModule from a Lightning checkpoint file or a consolidated state file."""
+    """Load a GPTLightningModule from a Lightning checkpoint file or a consolidated state file.
+
+    Raises ``FileNotFoundError`` for a path that does not exist and ``ValueError`` for one that is no such
+    checkpoint, each saying what to pass instead (``lightning-perf generate`` prints them as its errors)."""
     import torch
 
     path = Path(ckpt_path)
     if not path.exists():
-        raise SystemExit(f"checkpoint not found: {path}")
+        raise FileNotFoundError(
+            f"checkpoint not found: {path} (pass a .ckpt that `fit` wrote, e.g. runs/<recipe>/checkpoints/last.ckpt)"
+        )
+    if path.is_dir() and not _is_sharded_checkpoint(path):
+        raise ValueError(
+            f"{path} is a directory but no checkpoint: pass a .ckpt file, a consolidated model.pt or a Hugging "
+            "Face folder (with config.json)"
+        )
     if path.is_dir():
-        raise SystemExit(
+        raise ValueError(
             f"{path} is a sharded (distributed) checkpoint directory: run "
             f"`lightning-perf consolidate --ckpt_dir {path} --out model.pt` first and pass model.pt"
         )
     if not _is_torch_file(path):
-        raise SystemExit(f"cannot load checkpoint {path}: not a file written by torch.save (or a truncated one)")
+        raise ValueError(f"cannot load checkpoint {path}: not a file written by torch.save (or a truncated one)")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # truncated file, not a checkpoint, or a pickled object we refuse to run
-        raise SystemExit(f"cannot load checkpoint {path}: {err}") from err
+        raise ValueError(f"cannot load checkpoint {path}: {err}") from err
     if isinstance(ckpt, dict) and "state_dict" not in ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
         ckpt = _with_consolidated_hparams(path, ckpt)
     hparams = ckpt.get("hyper_parameters") or {}
     if "config" not in hparams:
-        raise SystemExit(f"{path} holds no GPT config under 'hyper_parameters': not a lightning_perf checkpoint")
+        raise ValueError(f"{path} holds no GPT config under 'hyper_parameters': not a lightning_perf checkpoint")
     # the CLI adds private keys (e.g. its instantiator) that are no constructor arguments
     # the checkpoint's weights replace any Hugging Face initialisation: that folder is not read again
     kwargs = {k: v for k, v in hparams.items() if not k.startswith("_") and k != "init_from_hf"}
@@ -132,5 +144,5 @@ def load_module(ckpt_path: str, map_location: str = "cpu") -> GPTLightningModule
     module.load_state_dict(state, strict=False)
     missing = [k for k in module.state_dict() if k.startswith("model.") and k not in state]
     if missing:
-        raise SystemExit(f"{path} lacks {len(missing)} model tensors, e.g. {missing[:3]}")
+        raise ValueError(f"{path} lacks {len(missing)} model tensors, e.g. {missing[:3]}")
     return module.to(map_location).eval()

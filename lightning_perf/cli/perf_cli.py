@@ -11,7 +11,15 @@ from typing import Any, Optional
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lightning_perf.cli.errors import _check_ckpt_path, _check_strategy_name, _ShortErrorParser
+from lightning_perf.cli.errors import (
+    _check_accelerator,
+    _check_ckpt_path,
+    _check_model_preset,
+    _check_strategy_name,
+    _ShortErrorParser,
+)
+from lightning_perf.cli.progress import step_progress_bar
+from lightning_perf.cli.quiet import lightning_notices_filtered
 from lightning_perf.cli.recipes import _recipe_defaults_for_help, _switch_gpu_recipe_to_cpu
 from lightning_perf.data import TokenDataModule
 from lightning_perf.models.gpt.module import GPTLightningModule
@@ -126,13 +134,18 @@ class PerfCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand)) if self.subcommand else self.config
-        if config is not None:
-            _check_strategy_name((config.get("trainer") or {}).get("strategy"))
+        if config is not None:  # before the model is built: a GPU recipe's model can take minutes on a CPU
+            prog = f"lightning-perf {self.subcommand}" if self.subcommand else "lightning-perf"
+            trainer = config.get("trainer") or {}
+            _check_strategy_name(trainer.get("strategy"), prog)
+            _check_accelerator(trainer.get("accelerator"), prog)
+            _check_model_preset((config.get("model") or {}).get("config"), prog)
             _follow_root(config)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
-        return super().instantiate_trainer(**{**kwargs, **perf_precision_for(trainer_config)})
+        extra = {**perf_precision_for(trainer_config), **_with_step_progress_bar(trainer_config)}
+        return super().instantiate_trainer(**{**kwargs, **extra})
 
     def before_fit(self) -> None:
         _resolve_ckpt_path(self)
@@ -153,6 +166,20 @@ class PerfCLI(LightningCLI):
                 lines.append(f"{type(cb).__name__}: {f}")
         if lines:
             print("lightning-perf: wrote\n  " + "\n  ".join(lines))
+
+
+def _with_step_progress_bar(trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """Trainer arguments that add the CLI's progress bar (:mod:`lightning_perf.cli.progress`) to the
+    callbacks; empty when the bar is off or the configuration brings its own."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    if trainer_config.get("enable_progress_bar") is False:
+        return {}
+    callbacks = trainer_config.get("callbacks")
+    callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    if any(isinstance(c, ProgressBar) for c in callbacks):
+        return {}
+    return {"callbacks": [*callbacks, step_progress_bar()]}
 
 
 def _first_process() -> bool:
@@ -192,13 +219,14 @@ def _run_lightning_cli(argv: list[str], *, cli_class: type = PerfCLI, switch_to_
     saved = sys.argv
     sys.argv = [saved[0] if saved else "lightning-perf", *argv]
     try:
-        cli_class(
-            GPTLightningModule,
-            TokenDataModule,
-            parser_kwargs={
-                "description": "lightning_perf: train, validate, test and predict with the GPT", **help_kwargs
-            },
-            save_config_kwargs={"overwrite": True},
-        )
+        with lightning_notices_filtered():
+            cli_class(
+                GPTLightningModule,
+                TokenDataModule,
+                parser_kwargs={
+                    "description": "lightning_perf: train, validate, test and predict with the GPT", **help_kwargs
+                },
+                save_config_kwargs={"overwrite": True},
+            )
     finally:
         sys.argv = saved

@@ -7,8 +7,9 @@ Each input file is one document, written as ``<bos> tokens <eos>``: UTF-8 bytes 
 built-in byte tokenizer (the default), or the ids of a Hugging Face ``tokenizer.json``
 (``--tokenizer <folder>``, the ``tokenizers`` library, offline; its begin / end tokens
 where it has them). The sidecars record the tokenizer's name, hash and vocabulary size. Directories are
-walked recursively (hidden entries skipped; files with a NUL byte in their first
-8 KiB are taken for binary and skipped; each skipped entry is reported with its reason). Documents
+walked recursively (hidden entries skipped). A file that is empty, has a NUL byte in its first 8 KiB
+(taken for binary) or is not UTF-8 text is skipped, whether named or found in a directory; each
+skipped entry is reported with its reason. Documents
 are processed in sorted path order and go to validation when a hash of their path is below
 ``val_fraction``, so the split is deterministic and no document is in both files. When that cannot
 work (too few documents, e.g. one big text file, held-out documents holding more than twice
@@ -21,6 +22,7 @@ file is replaced, with what to change.
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
 import json
 import math
@@ -42,11 +44,31 @@ __all__ = ["collect_documents", "main", "prepare"]
 # the TokenDataModule's default seq_len: what `prepare --seq_len` checks the splits against by default
 DEFAULT_SEQ_LEN = 256
 _BINARY_PROBE = 8192
+_UTF8_CHUNK = 1 << 20
 
 
-def _is_binary(path: Path) -> bool:
+def _not_text(path: Path) -> str | None:
+    """Why the file at ``path`` is no text document (empty, binary, not UTF-8), or None when it is one.
+    Reads the file through once, a chunk at a time."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
     with open(path, "rb") as f:
-        return b"\0" in f.read(_BINARY_PROBE)
+        while True:
+            chunk = f.read(_BINARY_PROBE if offset == 0 else _UTF8_CHUNK)
+            if offset == 0 and not chunk:
+                return "empty file"
+            if offset == 0 and b"\0" in chunk:
+                return f"a NUL byte in its first {_BINARY_PROBE // 1024} KiB: taken for binary"
+            pending = len(decoder.getstate()[0])  # bytes of a character split across chunks, held back
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:  # err.start counts from the held-back bytes
+                byte = err.object[err.start]
+                at = offset - pending + err.start
+                return f"not UTF-8 text (byte 0x{byte:02x} at offset {at}): re-encode it as UTF-8"
+            if not chunk:
+                return None
+            offset += len(chunk)
 
 
 def collect_documents(
@@ -57,13 +79,18 @@ def collect_documents(
     relative to the input directory (the file name for a file input), so the split
     does not depend on where the data lies. Raises ``FileNotFoundError`` for an input
     that does not exist. ``skipped``, if given, receives ``(path, reason)`` for each entry
-    of a walked directory that is left out (hidden, binary, not a regular file)."""
+    left out: a named file or a walked directory's that is empty, binary or not UTF-8; a walked
+    directory's hidden entries and those that are not regular files."""
     found: dict[Path, str] = {}
     skip = skipped if skipped is not None else []
     for item in inputs:
         path = Path(item)
         if path.is_file():
-            found.setdefault(path.resolve(), path.name)
+            reason = _not_text(path)
+            if reason is None:
+                found.setdefault(path.resolve(), path.name)
+            else:
+                skip.append((path, reason))
         elif path.is_dir():
             for dirpath, dirnames, filenames in os.walk(path):
                 skip.extend((Path(dirpath, d), "hidden directory") for d in sorted(dirnames) if d.startswith("."))
@@ -74,8 +101,8 @@ def collect_documents(
                         skip.append((file, "hidden file"))
                     elif not file.is_file():
                         skip.append((file, "not a regular file"))
-                    elif _is_binary(file):
-                        skip.append((file, f"a NUL byte in its first {_BINARY_PROBE // 1024} KiB: taken for binary"))
+                    elif (reason := _not_text(file)) is not None:
+                        skip.append((file, reason))
                     else:
                         found.setdefault(file.resolve(), file.relative_to(path).as_posix())
         else:
@@ -122,7 +149,7 @@ def prepare(
         tokenizer: ``"byte"``, or a folder holding ``tokenizer.json`` (or that file).
         seq_len: if given, each split must hold one sample of ``seq_len + 1`` tokens, else
             ``ValueError`` says what to change and the files in ``out_dir`` stay as they were.
-        on_skip: called with ``(path, reason)`` for each entry of a directory input left out
+        on_skip: called with ``(path, reason)`` for each input or directory entry left out
             (default: a ``UserWarning`` each).
 
     Returns:
@@ -143,7 +170,8 @@ def prepare(
         else:
             on_skip(path, reason)
     if not docs:
-        raise ValueError(f"no text files found in {[str(i) for i in inputs]}")
+        left_out = f" ({len(skipped)} skipped, each with its reason above)" if skipped else ""
+        raise ValueError(f"no text files found in {[str(i) for i in inputs]}{left_out}")
     # Byte tokens: a document of n bytes is n + 2 tokens, known before reading it; other tokenizers'
     # counts are estimated by the bytes (the split decisions need sizes, not exact counts)
     sizes = {d: d.stat().st_size + 2 for d, _ in docs}

@@ -38,8 +38,11 @@ GPU of compute capability >= 8.9 (Ada, Hopper and later) or a CPU build of PyTor
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import importlib
+import logging
+import re
 import sys
 from typing import Any, Callable, Optional, Union
 
@@ -69,8 +72,44 @@ def normalize_fp8(value: Union[bool, str, None]) -> Union[bool, str]:
     raise ValueError(f"fp8 must be False, True (= 'tensorwise') or one of {FP8_RECIPES}, got {value!r}")
 
 
+class TorchaoImportNoise(logging.Filter):
+    """Drops two kinds of message torchao's import logs that a user cannot act on; passes everything else.
+
+    - ``Failed to load .../torchao/_C_mxfp8...so`` / ``_C_cutlass_90a...so``: torchao's optional MX-FP8 and
+      CUTLASS (sm90a) extensions, which load only on the CUDA build and Python they were built for. The pack
+      runs neither (its FP8 matmuls are ``torch._scaled_mm`` and its own kernels), so nothing is lost.
+    - torch's notice that registering an Enum as a pytree constant is deprecated, for torchao's own Enums
+      (``KernelPreference``): torchao's to change.
+    """
+
+    _LOADER = re.compile(r"Failed to load \S*torchao[\\/]_C_(mxfp8|cutlass)\w*\.[\w.-]*so\b")
+    _ENUM_CONSTANT = "is an Enum subclass and is now natively supported"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "torchao":
+            try:
+                return self._LOADER.match(record.getMessage()) is None
+            except Exception:  # a record whose arguments do not format is not ours to judge
+                return True
+        if record.name == "torch.utils._pytree" and self._ENUM_CONSTANT in str(record.msg):
+            cls = record.args[0] if isinstance(record.args, tuple) and record.args else None
+            ours = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__.split(".")[0] == "torchao"
+            return not ours
+        return True
+
+
+def _filter_torchao_import_noise() -> None:
+    """Attach :class:`TorchaoImportNoise` (once) to the loggers torchao's import writes through: ``torchao``
+    and ``torch.utils._pytree`` (a logger's filter sees only the records logged to that logger)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, TorchaoImportNoise) for f in logger.filters):
+            logger.addFilter(TorchaoImportNoise())
+
+
 def require_torchao() -> Any:
     """``torchao.float8``, or an ImportError saying which extra installs it."""
+    _filter_torchao_import_noise()
     try:
         import torchao
         import torchao.float8 as float8

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 import warnings
 
 import numpy as np
@@ -21,6 +22,8 @@ from lightning_perf.data import (
 )
 from lightning_perf.data.memmap import read_meta, scan_max_token_id
 from lightning_perf.data.prepare import main as prepare_main
+
+prepare_module = sys.modules["lightning_perf.data.prepare"]  # the package exports a function of the same name
 
 DOCS = {
     "a.txt": "first document\n",
@@ -404,3 +407,35 @@ def test_missing_data_dir_is_named(tmp_path):
     data = TokenDataModule(source="memmap", data_dir=str(tmp_path / "nodir"), seq_len=16)
     with pytest.raises(FileNotFoundError, match=r"data_dir .*nodir does not exist: create it with `lightning-perf"):
         data.setup("fit")
+
+
+def test_prepare_skips_empty_and_non_utf8_files_named_or_found(tmp_path, capsys):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "good.txt").write_text("a line of text\n" * 40, encoding="utf-8")
+    (texts / "empty.txt").write_bytes(b"")
+    (texts / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))  # é is 0xe9 at offset 3
+    # an invalid byte past the first chunk, after a character split across the chunks' border
+    late = b"x" * (prepare_module._BINARY_PROBE - 1) + "é".encode() + b"ok\xff"
+    (texts / "late.txt").write_bytes(late)
+    expected = {
+        "empty.txt": "empty file",
+        "latin1.txt": "not UTF-8 text (byte 0xe9 at offset 3): re-encode it as UTF-8",
+        "late.txt": f"not UTF-8 text (byte 0xff at offset {len(late) - 1}): re-encode it as UTF-8",
+    }
+    for inputs in ([texts], sorted(texts.iterdir())):  # a directory walked, or each file named
+        skipped = []
+        metas = prepare(inputs, tmp_path / "out", val_fraction=0.1,
+                        on_skip=lambda path, why: skipped.append((path.name, why)))
+        assert dict(skipped) == expected
+        assert metas["train"].num_tokens + metas["val"].num_tokens == len("a line of text\n" * 40) + 2  # good.txt only
+    # the command prints one line each; with nothing left, the error says why
+    prepare_main(["--input", str(texts), "--out_dir", str(tmp_path / "out"), "--val_fraction", "0.1", "--seq_len", "8"])
+    out = capsys.readouterr().out
+    assert f"skipped {texts / 'empty.txt'}: empty file" in out
+    assert f"skipped {texts / 'latin1.txt'}: not UTF-8 text (byte 0xe9 at offset 3)" in out
+    with pytest.raises(SystemExit):
+        prepare_main(["--input", str(texts / "empty.txt"), "--out_dir", str(tmp_path / "none")])
+    captured = capsys.readouterr()
+    assert f"skipped {texts / 'empty.txt'}: empty file" in captured.out
+    assert "no text files found" in captured.err and "1 skipped" in captured.err

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import enum
+import logging
+import subprocess
 import sys
 
 import pytest
@@ -144,3 +147,44 @@ def test_delayed_layer_records_while_training_and_fp8_matmul_records_in_like():
     torch.testing.assert_close(y, torchao_fp8.fp8_linear_reference(x, w), atol=1e-5, rtol=1e-5)  # empty: current scales
     assert delayed.fp8_amax_history[0, 0] == x.abs().max()
     assert delayed.fp8_amax_history[1, 0] == w.abs().max()  # the matrix it multiplied
+
+
+def _record(logger: str, msg: str, *args) -> logging.LogRecord:
+    return logging.LogRecord(logger, logging.WARNING, "__init__.py", 96, msg, args, None)
+
+
+def test_torchao_import_noise_filter_drops_only_those_messages():
+    noise = torchao_fp8.TorchaoImportNoise()
+    so = "/venv/lib/python3.11/site-packages/torchao/"
+    unloadable = "Could not load this library"
+    mxfp8 = f"{so}_C_mxfp8.cpython-310-x86_64-linux-gnu.so"
+    assert not noise.filter(_record("torchao", f"Failed to load {mxfp8}: {unloadable}"))
+    assert not noise.filter(_record("torchao", f"Failed to load {so}_C_cutlass_90a.abi3.so: {unloadable}"))
+    # torchao's core ops, its other warnings, and the same text on another logger stay
+    assert noise.filter(_record("torchao", f"Failed to load {so}_C.abi3.so: undefined symbol"))
+    assert noise.filter(_record("torchao", "Skipping import of cpp extensions due to incompatible torch version."))
+    assert noise.filter(_record("my_project", f"Failed to load {so}_C_mxfp8.abi3.so: {unloadable}"))
+    # torch's Enum-as-pytree-constant notice: for torchao's Enums only
+    notice = "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type."
+    theirs = enum.Enum("KernelPreference", "AUTO", module="torchao.quantization.quantize_.common.kernel_preference")
+    mine = enum.Enum("Mode", "A", module="my_project.modes")
+    assert not noise.filter(_record("torch.utils._pytree", notice, theirs))
+    assert noise.filter(_record("torch.utils._pytree", notice, mine))
+    assert noise.filter(_record("torch.utils._pytree", "some other pytree warning %s", theirs))
+
+
+def test_importing_torchao_through_the_pack_is_quiet():
+    """A fresh process (torchao's messages come once, from its first import): through ``require_torchao``
+    neither torchao's extension-loading failures nor torch's Enum notice reach the user."""
+    pytest.importorskip("torchao")
+    noise = ("Failed to load", "KernelPreference")
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+    quiet = run("from lightning_perf.kernels.torchao_fp8 import require_torchao; require_torchao()")
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert not [n for n in noise if n in quiet.stdout + quiet.stderr], quiet.stderr[-3000:]
+    raw = run("import torchao.float8")
+    if not [n for n in noise if n in raw.stderr]:
+        pytest.skip("this torchao build logs neither message on import: nothing to filter here")

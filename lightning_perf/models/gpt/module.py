@@ -490,7 +490,13 @@ class GPTLightningModule(L.LightningModule):
     @override
     def on_fit_start(self) -> None:
         gpt = self._gpt()
+        # the FLOPs at the length the data module trains at, which may be below the model's block_size
+        seq_len = getattr(self.trainer.datamodule, "seq_len", None)
+        if isinstance(seq_len, int) and not isinstance(seq_len, bool) and 0 < seq_len <= self.config.block_size:
+            at = f"T={seq_len}"
+        else:
+            seq_len, at = self.config.block_size, f"T={self.config.block_size} (block_size)"
         rank_zero_info(
             f"GPT {self.config.name}: {gpt.num_params() / 1e6:.2f}M parameters, "
-            f"{self.flops_per_token() / 1e6:.1f} MFLOP/token at T={self.config.block_size}"
+            f"{self.flops_per_token(seq_len) / 1e6:.1f} MFLOP/token at {at}"
         )

@@ -298,6 +298,8 @@ def resolve(path: PathLike) -> Path:
     old = p.with_name(p.name + ".old")
     if not p.exists() and is_checkpoint(old):
         return old
+    if not p.exists():
+        raise FileNotFoundError(f"{p} does not exist (expected a checkpoint directory with {EXTRA_FILE} inside)")
     raise FileNotFoundError(f"{p} is not a checkpoint directory (expected {EXTRA_FILE} inside)")
 
 
