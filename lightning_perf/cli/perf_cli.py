@@ -119,6 +119,9 @@ def _follow_root(config: Any) -> None:
 class PerfCLI(LightningCLI):
     """LightningCLI with the pack's precision rule, root-following paths and short errors."""
 
+    #: whether the run needs the recipe's accelerator on this machine (``lightning-perf plan`` does not)
+    needs_device = True
+
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         parser = _ShortErrorParser(**kwargs)
         parser.add_argument(
@@ -138,7 +141,8 @@ class PerfCLI(LightningCLI):
             prog = f"lightning-perf {self.subcommand}" if self.subcommand else "lightning-perf"
             trainer = config.get("trainer") or {}
             _check_strategy_name(trainer.get("strategy"), prog)
-            _check_accelerator(trainer.get("accelerator"), prog)
+            if self.needs_device:
+                _check_accelerator(trainer.get("accelerator"), prog)
             _check_model_preset((config.get("model") or {}).get("config"), prog)
             _follow_root(config)
 

@@ -36,6 +36,7 @@ class _PlanCLI(PerfCLI):
 
     capacity_bytes: Optional[float] = None
     as_json: bool = False
+    needs_device = False
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         self.trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
