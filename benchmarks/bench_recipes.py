@@ -458,7 +458,7 @@ def main() -> None:
     p.add_argument("--child", choices=("recipe", "plain", "fsdp", "mp"))
     p.add_argument("--baselines", default="fsdp,mp",
                    help="a multi-GPU recipe's baselines: fsdp (Lightning FSDPStrategy), mp (Lightning "
-                        "ModelParallelStrategy + FSDP2 + per-block compile), comma-separated")
+                        "ModelParallelStrategy + FSDP2 + per-block compile), comma-separated; none: the recipe alone")
     p.add_argument("--baseline_batch", type=int, default=None, metavar="N",
                    help="sequences per GPU of the multi-GPU baselines (default: the recipe's sequences per step "
                         "over its GPUs), for a recipe whose batch the baseline cannot hold in memory; tokens/s "
@@ -543,8 +543,8 @@ def main() -> None:
         data = recipe.get("data") or {}
         seq_len = SMOKE_SEQ_LEN if args.smoke else int(data.get("seq_len", 1024))
         devices = _devices(recipe)
-        bases = [b for b in args.baselines.split(",") if b] if devices > 1 else ["plain"]
-        base = bases[0]
+        bases = [b for b in args.baselines.split(",") if b and b != "none"] if devices > 1 else ["plain"]
+        base = bases[0] if bases else None
         row: dict = {"name": name, "devices": devices, "baseline": base, "baselines": bases}
         rows.append(row)
         plain_key = json.dumps([dataclasses.asdict(_plain_config(recipe)), data.get("seq_len"), data.get("batch_size"),
