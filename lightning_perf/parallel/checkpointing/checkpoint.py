@@ -18,6 +18,9 @@ Saves are atomic: every rank writes into ``<ckpt>.tmp``; rank 0 renames it into 
 only after all ranks finished, so a crash mid-save leaves the previous checkpoint
 intact (and ``load_checkpoint`` falls back to ``<ckpt>.old`` if it crashed between the two
 renames of an overwrite). :func:`update_link` moves a ``last`` symlink atomically.
+A step of a save that fails on one rank (the ``.tmp`` folder, a file's record, ``extra.pt``,
+the rename) fails on every rank at the collective that ends it (:func:`agreed`), so no rank
+waits for a peer that has given up until the group's timeout.
 
 Saves record every file's size and CRC-32 in ``extra.pt`` (each rank checksums a share of
 the files, read back from the page cache); loads check them first (again shared over the
@@ -45,7 +48,7 @@ import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -83,12 +86,23 @@ __all__ = [
     "resolve",
     "full_model_state_dict",
     "sync_files",
+    "agreed",
+    "CheckpointSaveError",
     "main",
 ]
 
 EXTRA_FILE = "extra.pt"
 _FORMAT = 1
 PathLike = Union[str, os.PathLike]
+T = TypeVar("T")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A step of a save failed on some rank; raised on every rank of the save's group."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 def _dist() -> bool:
@@ -145,6 +159,32 @@ def _my_share(names: list[str], group: Optional[dist.ProcessGroup]) -> list[str]
     return [n for i, n in enumerate(sorted(names)) if i % world == _rank(group)]
 
 
+def agreed(what: str, step: Callable[[], T], *, group: Optional[dist.ProcessGroup] = None) -> T:
+    """``step()`` on this rank; if it raised on any rank of ``group``, :class:`CheckpointSaveError` on every rank.
+
+    Collective (one ``all_gather_object`` of the outcome, which is also a barrier): every rank calls it
+    at the same point, so a rank whose step failed still meets the others there instead of leaving
+    them waiting in the save's next collective. The error names each failed rank and its error.
+    """
+    error: Optional[BaseException] = None
+    value: Any = None
+    try:
+        value = step()
+    except Exception as e:
+        error = e
+    if not _dist():
+        if error is not None:
+            raise error
+        return value
+    outcomes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    failed = {r: o for r, o in enumerate(outcomes) if o is not None}
+    if failed:
+        detail = "; ".join(f"rank {r}: {o}" for r, o in failed.items())
+        raise CheckpointSaveError(f"{what} failed on rank(s) {sorted(failed)} ({detail})", sorted(failed)) from error
+    return value
+
+
 def _gather_dicts(part: dict[str, Any], group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     if not _dist():
         return dict(part)
@@ -156,7 +196,8 @@ def _gather_dicts(part: dict[str, Any], group: Optional[dist.ProcessGroup]) -> d
 def _manifest(tmp: Path, checksum: bool, group: Optional[dist.ProcessGroup]) -> dict[str, list[int]]:
     """``{file: [size, crc32 or -1]}`` of the checkpoint's files (every rank checksums a share)."""
     names = [f.name for f in tmp.iterdir() if f.is_file() and f.name != EXTRA_FILE]
-    part = {n: _record(tmp / n, checksum) for n in _my_share(names, group)}  # each file fsynced
+    part = agreed(f"recording the files of {tmp}",  # each file fsynced
+                  lambda: {n: _record(tmp / n, checksum) for n in _my_share(names, group)}, group=group)
     return _gather_dicts(part, group)
 
 
@@ -246,9 +287,13 @@ def finish_save(
 ) -> None:
     """After every rank's shards are in ``tmp``: the manifest, rank 0's ``extra.pt``, the rename (collective)."""
     files = _manifest(tmp, checksum, group)
-    if _rank(group) == 0:
-        torch.save({**blob, "files": files}, tmp / EXTRA_FILE)
-        fsync_file(tmp / EXTRA_FILE)
+
+    def write_blob() -> None:
+        if _rank(group) == 0:
+            torch.save({**blob, "files": files}, tmp / EXTRA_FILE)
+            fsync_file(tmp / EXTRA_FILE)
+
+    agreed(f"writing {tmp / EXTRA_FILE}", write_blob, group=group)
     commit_tmp(tmp, path, group=group)
 
 
@@ -256,11 +301,14 @@ def prepare_tmp(path: PathLike, *, group: Optional[dist.ProcessGroup] = None) ->
     """Rank 0 creates an empty ``<path>.tmp``; every rank returns it after a barrier."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    if _rank(group) == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier(group)
+
+    def make() -> None:
+        if _rank(group) == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+
+    agreed(f"preparing {tmp}", make, group=group)
     return tmp
 
 
@@ -272,7 +320,10 @@ def commit_tmp(tmp: Path, path: PathLike, *, group: Optional[dist.ProcessGroup] 
     """
     path = Path(path)
     _barrier(group)
-    if _rank(group) == 0:
+
+    def rename() -> None:
+        if _rank(group) != 0:
+            return
         _fsync_dirs(tmp)
         if path.is_symlink() or path.is_file():
             path.unlink()
@@ -287,7 +338,8 @@ def commit_tmp(tmp: Path, path: PathLike, *, group: Optional[dist.ProcessGroup] 
         else:
             os.replace(tmp, path)
             fsync_dir(path.parent)
-    _barrier(group)
+
+    agreed(f"renaming {tmp} to {path.name}", rename, group=group)
 
 
 def resolve(path: PathLike) -> Path:
