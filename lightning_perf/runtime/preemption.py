@@ -346,7 +346,9 @@ class PreemptionCheckpoint(pl.Callback):
             with _foreground(trainer):
                 handler(signum, None)
                 _wait_for_checkpoint(trainer)
-        except Exception as e:
+        except BaseException as e:  # also DCP's CheckpointException, a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
             _log.warning("rank %d: the signal handler %s failed: %s: %s", trainer.global_rank,
                          getattr(handler, "__qualname__", handler), type(e).__name__, e)
             if _is_lightning_requeue(handler) and trainer.is_global_zero:
@@ -402,7 +404,9 @@ def _attempt(save: Callable[[], tuple[str, str]]) -> tuple[Optional[str], str, O
     try:
         path, resume = save()
         return path, resume, None
-    except Exception as e:
+    except BaseException as e:  # also DCP's CheckpointException, a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
         return None, "", f"{type(e).__name__}: {_first_line(e)}"
 
 

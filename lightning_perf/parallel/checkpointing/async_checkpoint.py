@@ -252,7 +252,7 @@ class AsyncCheckpointer:
                checksum: bool) -> Path:
         """The writer thread: the staged shards into ``tmp`` (DCP), then the manifest and the rename."""
         try:
-            _write_shards(staged, tmp, self._group)
+            ckpt.write_shards(staged, tmp, group=self._group, from_host=True)
         finally:
             del staged
             if stager is not None:  # a save's own staging memory goes once written
@@ -341,18 +341,3 @@ class AsyncCheckpointer:
             self._executor.shutdown(wait=True)
             self._release()
 
-
-def _write_shards(staged: dict[str, Any], tmp: Path, group: Optional[dist.ProcessGroup]) -> None:
-    """DCP's save of host copies into ``tmp`` (collective over ``group``).
-
-    ``per_thread_copy_ahead=0``: the writer reads each tensor as it is (already on the host) instead
-    of queueing device-to-host copies on a CUDA stream, the only accelerator call DCP's writer makes.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    writer = FileSystemWriter(str(tmp), per_thread_copy_ahead=0)
-    if group is not None:
-        dcp.save(staged, storage_writer=writer, process_group=group)
-    else:
-        dcp.save(staged, storage_writer=writer, no_dist=True)

@@ -86,6 +86,7 @@ __all__ = [
     "resolve",
     "full_model_state_dict",
     "sync_files",
+    "write_shards",
     "agreed",
     "CheckpointSaveError",
     "main",
@@ -250,14 +251,52 @@ def save_checkpoint(
     numbers, strings, lists, tuples, dicts). Collective: every rank of ``group`` calls it.
     ``checksum``: record each file's CRC-32 (sizes are always recorded).
     """
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     tmp = prepare_tmp(path, group=group)
-    state, blob = sharded_state(model, optimizers, extra)
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _dist())
+    state, blob = agreed(f"reading the state to save into {path}", lambda: sharded_state(model, optimizers, extra),
+                         group=group)
+    write_shards(state, tmp, group=group)
     finish_save(tmp, path, blob, checksum=checksum, group=group)
     return path
+
+
+def write_shards(state: dict[str, Any], tmp: Path, *, group: Optional[dist.ProcessGroup] = None,
+                 from_host: bool = False) -> None:
+    """DCP's save of this rank's shards into ``tmp`` (collective); a failure on any rank raises
+    :class:`CheckpointSaveError` on every rank, naming each failed rank's error.
+
+    ``from_host``: the tensors are host copies (a staged state): DCP's writer reads each as it is
+    (``per_thread_copy_ahead=0``) instead of queueing device-to-host copies on the current CUDA
+    stream, so the calling thread makes no accelerator call.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(str(tmp), per_thread_copy_ahead=0) if from_host else FileSystemWriter(str(tmp))
+    try:
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=not _dist())
+    except BaseException as e:  # DCP's CheckpointException (every rank's errors) derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        raise CheckpointSaveError(f"writing the shards of {tmp} failed: {_dcp_errors(e)}", _dcp_ranks(e)) from e
+
+
+def _dcp_ranks(error: BaseException) -> list[int]:
+    failures = getattr(error, "failures", None)
+    return sorted(failures) if isinstance(failures, dict) else []
+
+
+def _dcp_errors(error: BaseException) -> str:
+    """Each failed rank's error from DCP's exception (its message is every rank's whole traceback)."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return lines[-1] if lines else type(error).__name__
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure  # (exception, its frames)
+        parts.append(f"rank {rank}: {type(error).__name__}: {error}")
+    return "; ".join(parts)
 
 
 def sharded_state(
