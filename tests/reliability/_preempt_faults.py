@@ -8,8 +8,7 @@ writer thread only (``where="writer"``: what a thread on the wrong device hits) 
 (``"always"``: the foreground retry fails too). On a GPU the ranks also fill their card to within
 ``LEFT_FREE`` bytes before the signal. Each rank records what it saw and leaves with the
 ``Preempted`` it got, so the process's exit status is the stop's. ``after``: the uninterrupted
-reference (a checkpoint of every step) and the resume of each interrupted run, each with a final
-checkpoint.
+reference (a checkpoint of every step) and the resume of each interrupted run to the end.
 """
 
 from __future__ import annotations
@@ -33,6 +32,8 @@ SCENARIOS = {  # name: (failing ranks, where)
     "writer_fails_on_both": ({0, 1}, "writer"),
     "every_write_fails_on_rank1": ({1}, "always"),
 }
+FULL_GPU = "full_gpu"  # the GPU run: nothing planted, the card full but LEFT_FREE
+PLANTS = {**SCENARIOS, FULL_GPU: (set(), "writer")}
 
 
 def _strategy(accelerator: str, timeout: float, async_checkpoint: bool):
@@ -87,7 +88,7 @@ def interrupted(rank: int, world: int, out: Path, root: Path, name: str, acceler
 
     from lightning_perf.callbacks import Preempted
 
-    failing, where = SCENARIOS[name]
+    failing, where = PLANTS[name]
     seen: dict[str, Any] = {"name": name}
     filler: list = []
 
@@ -119,23 +120,19 @@ def interrupted(rank: int, world: int, out: Path, root: Path, name: str, acceler
     torch.save(seen, out / f"rank{rank}.pt")
 
 
-def reference(rank: int, world: int, out: Path, root: Path, accelerator: str, timeout: float) -> dict:
-    """The uninterrupted run, with a checkpoint of every step (``reference/epoch=0-step=<n>.ckpt``)."""
+def after(rank: int, world: int, out: Path, root: Path, accelerator: str, timeout: float,
+          names: list[str]) -> dict:
+    """The uninterrupted reference (a checkpoint of every step: ``reference/epoch=0-step=<n>.ckpt``), then each
+    interrupted run of ``names`` resumed with ``ckpt_path="last"`` to the end (its ``last.ckpt`` then holds the
+    final step)."""
     import lightning as L
 
     L.seed_everything(0, verbose=False)
     trainer = _trainer(accelerator, world, root, "reference", timeout=timeout, async_checkpoint=False, every=1,
                        keep_all=True)
     trainer.fit(make_module(), data(GB, world, SAMPLES))
-    return {"global_step": trainer.global_step}
-
-
-def resumed(rank: int, world: int, out: Path, root: Path, accelerator: str, timeout: float) -> dict:
-    """Each interrupted run resumed with ``ckpt_path="last"`` to the end (its ``last.ckpt`` then holds step 6)."""
-    import lightning as L
-
     res: dict[str, Any] = {}
-    for name in SCENARIOS:
+    for name in names:
         L.seed_everything(0, verbose=False)
         module = make_module()
         trainer = _trainer(accelerator, world, root, name, timeout=timeout)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from _harness import launch
-from _preempt_faults import SCENARIOS, STEPS, STOP, assert_same_state, interrupted, reference, resumed
+from _preempt_faults import SCENARIOS, STEPS, STOP, after, assert_same_state, interrupted
 
 TIMEOUT = 60.0  # the strategy's collective timeout: a failed save must not make any rank wait for it
 
@@ -34,7 +34,6 @@ TIMEOUT = 60.0  # the strategy's collective timeout: a failed save must not make
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("preempt_fail")
-    launch(reference, 2, root / "out_ref", root, "cpu", TIMEOUT, timeout=180).check_ok()
     got = {}
     for name in SCENARIOS:
         outcome = launch(interrupted, 2, root / f"out_{name}", root, name, "cpu", TIMEOUT, timeout=180)
@@ -43,8 +42,8 @@ def runs(tmp_path_factory) -> dict:
             shutil.copytree(root / name / "last.ckpt", stop_ckpt)
         got[name] = {"outcome": outcome, "stop_ckpt": stop_ckpt,
                      "names": sorted(p.name for p in (root / name).iterdir())}
-    resumed_out = launch(resumed, 2, root / "out_resumed", root, "cpu", TIMEOUT, timeout=240)
-    return {"root": root, "got": got, "resumed": resumed_out.check_ok()}
+    resumed = launch(after, 2, root / "out_after", root, "cpu", TIMEOUT, list(SCENARIOS), timeout=300)
+    return {"root": root, "got": got, "resumed": resumed.check_ok()}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -113,3 +112,66 @@ def test_writer_thread_binds_the_device_and_makes_no_cuda_call(tmp_path, monkeyp
     fresh = torch.nn.Linear(4, 4)
     assert load_checkpoint(tmp_path / "ckpt", fresh) == {"step": 1}
     torch.testing.assert_close(fresh.weight, model.weight, rtol=0, atol=0)
+
+
+# ---- SLURM: the requeue survives a failed save --------------------------------------------------
+
+
+def _slurm(rank: int, world: int, out: Path, root: Path, where: str) -> None:
+    """One process under ``SLURMEnvironment(auto_requeue=True)``, SIGUSR1 at step 2 and DCP's writes failing from
+    then on (``where``); a stand-in ``scontrol`` records its arguments. Leaves by the stop's ``Preempted``."""
+    import os
+
+    import lightning as L
+    from _harness import data, make_module
+    from _preempt_faults import _fail_writes
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lightning_perf.callbacks import Preempted
+    from lightning_perf.strategies import ZeroStrategy
+
+    bin_dir = root / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {root / 'scontrol.log'}\n")
+    scontrol.chmod(0o755)
+    os.environ.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_NTASKS="1",
+                      SLURM_NTASKS_PER_NODE="1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+                      SLURM_NODELIST="localhost", SLURM_JOB_NAME="train")
+
+    def on_step(module, step):
+        if step == 2:
+            module.trainer.strategy.wait_for_checkpoint()  # step 2's save is final before the writes fail
+            _fail_writes(where)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    L.seed_everything(0, verbose=False)
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2, save_top_k=0,
+                                                      save_last=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=2, async_checkpoint=True),
+                        plugins=[SLURMEnvironment(auto_requeue=True)], max_steps=6, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[checkpoints], default_root_dir=root)
+    try:
+        trainer.fit(make_module(on_step=on_step), data(4, 1, 64))
+    except Preempted as e:
+        torch.save({"step": e.step, "path": e.path, "error": e.error}, out / f"rank{rank}.pt")
+        raise
+
+
+@pytest.mark.parametrize("where", ["writer", "always"])
+def test_slurm_requeue_runs_when_the_save_fails(tmp_path, where) -> None:
+    from lightning_perf.parallel.checkpointing.checkpoint import read_extra
+
+    outcome = launch(_slurm, 1, tmp_path / "out", tmp_path, where, timeout=120)
+    assert outcome.exitcodes == [128 + signal.SIGUSR1], (outcome.exitcodes, outcome.errors)
+    stop = outcome.results[0]
+    assert stop["step"] == 3  # one process: the step the signal arrived in
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]  # exactly one requeue
+    if where == "writer":  # saved again in the foreground, and so was Lightning's own checkpoint
+        assert stop["path"].endswith("last.ckpt") and read_extra(stop["path"])["extra"]["global_step"] == 3
+        assert (tmp_path / "hpc_ckpt_1.ckpt").is_dir()
+    else:  # nothing of step 3 could be written: last.ckpt is step 2's, intact; Lightning's save failed too
+        assert stop["path"] is None and "out of memory" in stop["error"]
+        assert read_extra(tmp_path / "ckpt" / "last.ckpt")["extra"]["global_step"] == 2
+        assert not (tmp_path / "hpc_ckpt_1.ckpt").exists()
