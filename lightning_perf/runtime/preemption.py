@@ -123,7 +123,8 @@ class PreemptionCheckpoint(pl.Callback):
         dirpath: where the checkpoint goes when the fit has no ``ModelCheckpoint`` (default
             ``<default_root_dir>/checkpoints``); the file is ``preempted.ckpt``.
 
-    After a stop, ``stopped`` is ``(signal number, global step, checkpoint path)``.
+    After a stop, ``stopped`` is ``(signal number, global step, checkpoint path)`` (the path empty when no
+    checkpoint of the step could be written).
     """
 
     def __init__(self, signals: Sequence[Union[str, int]] = DEFAULT_SIGNALS, dirpath: Optional[str] = None) -> None:
@@ -342,6 +343,10 @@ class PreemptionCheckpoint(pl.Callback):
 
     def _run_handler(self, trainer: "pl.Trainer", handler: Callable, signum: int) -> None:
         """A previous handler, with saves in the foreground; its failure is reported, never the way out."""
+        if self._agree_error and _is_lightning_requeue(handler):  # its save's collectives would wait for lost peers
+            if trainer.is_global_zero:
+                _requeue_slurm_job()
+            return
         try:
             with _foreground(trainer):
                 handler(signum, None)
