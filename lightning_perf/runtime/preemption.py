@@ -13,12 +13,26 @@ no step waits for it, no host-device synchronisation. All ranks therefore stop a
    ``ModelCheckpoint``'s folder, as ``last`` when it has ``save_last`` (``ckpt_path="last"``
    resumes it; with ``save_last="link"`` a checkpoint of the step's own name and ``last`` pointing
    at it), else under the step's own name; without a ``ModelCheckpoint``, to
-   ``<dirpath or default_root_dir/checkpoints>/preempted.ckpt``;
-2. run the handler that was installed before, for SIGUSR1 (or SLURM's ``requeue_signal``):
-   Lightning's ``SLURMEnvironment(auto_requeue=True)`` saves its ``hpc_ckpt_<n>.ckpt`` and rank 0
-   calls ``scontrol requeue``, as it does in Lightning, but at a step boundary on every rank;
-3. print one line (rank 0) naming the checkpoint, and raise :class:`Preempted`, a ``SystemExit``
-   whose code is 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT).
+   ``<dirpath or default_root_dir/checkpoints>/preempted.ckpt``. The ranks then agree on whether
+   every one of them succeeded (one all-reduce on the same gloo group). If any failed (a background
+   write that ran out of device memory, say), every rank frees what it can (``gc.collect()``,
+   ``torch.cuda.empty_cache()``) and writes the same checkpoint again in its own thread (the pack's
+   strategies: ``foreground_checkpoints()``), and they agree again;
+2. run the handler that was installed before, for SIGUSR1 (or SLURM's ``requeue_signal``), with
+   saves in the foreground: Lightning's ``SLURMEnvironment(auto_requeue=True)`` saves its
+   ``hpc_ckpt_<n>.ckpt`` and rank 0 calls ``scontrol requeue``, as it does in Lightning, but at a
+   step boundary on every rank. Should that handler fail, rank 0 requeues the job itself; another
+   handler's failure is reported and the stop goes on;
+3. print one line (rank 0) naming the checkpoint (or saying that none of this step could be
+   written, and why: the previous checkpoints are intact), and raise :class:`Preempted`, a
+   ``SystemExit`` whose code is 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1, 130
+   for SIGINT). A failed save never turns the stop into an ordinary error: the handlers, the
+   requeue and the exit code are the same.
+
+No rank waits for another longer than the strategy's collective ``timeout``: a save that fails on
+one rank fails on every rank at its next collective (see ``checkpoint.agreed``), and the agreement
+has the group's timeout; a rank that cannot reach the others (the agreement itself failed) skips
+the second save and stops.
 
 A second Ctrl-C raises ``KeyboardInterrupt`` at once (Lightning's way out, without a checkpoint).
 Lightning's own SIGTERM handler is not called during training: it broadcasts from inside the
@@ -33,11 +47,16 @@ fit that has none; pass ``PreemptionCheckpoint(signals=())`` to the Trainer to t
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import os
+import re
 import signal
+import subprocess
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -50,17 +69,20 @@ __all__ = ["PreemptionCheckpoint", "Preempted", "attach_preemption"]
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 PREEMPTED_NAME = "preempted.ckpt"
 
+_log = logging.getLogger(__name__)
+
 
 class Preempted(SystemExit):
     """Raised on every rank once a signal stopped the fit and its checkpoint is final.
 
     ``code`` is 128 + ``signum`` (what a shell reports for a process the signal ended); ``step`` the
-    global step the checkpoint holds; ``path`` the checkpoint.
+    global step the checkpoint holds; ``path`` the checkpoint, or None when no checkpoint of this step
+    could be written (``error`` says why; the previous checkpoints are intact).
     """
 
-    def __init__(self, signum: int, step: int, path: str) -> None:
+    def __init__(self, signum: int, step: int, path: Optional[str], error: Optional[str] = None) -> None:
         super().__init__(128 + int(signum))
-        self.signum, self.step, self.path = int(signum), int(step), path
+        self.signum, self.step, self.path, self.error = int(signum), int(step), path, error
 
 
 def _signum(value: Union[str, int, signal.Signals]) -> int:
@@ -101,7 +123,8 @@ class PreemptionCheckpoint(pl.Callback):
         dirpath: where the checkpoint goes when the fit has no ``ModelCheckpoint`` (default
             ``<default_root_dir>/checkpoints``); the file is ``preempted.ckpt``.
 
-    After a stop, ``stopped`` is ``(signal number, global step, checkpoint path)``.
+    After a stop, ``stopped`` is ``(signal number, global step, checkpoint path)`` (the path empty when no
+    checkpoint of the step could be written).
     """
 
     def __init__(self, signals: Sequence[Union[str, int]] = DEFAULT_SIGNALS, dirpath: Optional[str] = None) -> None:
@@ -119,6 +142,7 @@ class PreemptionCheckpoint(pl.Callback):
         self._work: Optional[Any] = None
         self._box: Optional[torch.Tensor] = None
         self._stepped_at: Optional[int] = None
+        self._agree_error = ""  # why the last agreement on the save failed ("" : it did not)
 
     # ---- signals ------------------------------------------------------------------------------
 
@@ -248,24 +272,98 @@ class PreemptionCheckpoint(pl.Callback):
 
     def _stop(self, trainer: "pl.Trainer", signum: int) -> None:
         step = trainer.global_step
-        path, resume = self._save(trainer)
+        path, resume, error = self._final_save(trainer)
         # the handlers that were there before, at the same point on every rank: Lightning's SLURM requeue
         # (its own checkpoint, then scontrol requeue on rank 0), the user's; not Python's KeyboardInterrupt
         for handler in _chained(self._previous.get(signum)) if signum != signal.SIGINT else []:
-            handler(signum, None)
-            _wait_for_checkpoint(trainer)
+            self._run_handler(trainer, handler, signum)
         code = 128 + signum
         if trainer.is_global_zero:
-            shown = f"{path} -> {os.readlink(path)}" if os.path.islink(path) else path
-            print(f"lightning_perf: {signal.Signals(signum).name} received; stopped at global step {step} with the "
-                  f'checkpoint {shown} (final); exiting with code {code}; resume with ckpt_path="{resume}"',
-                  flush=True)
-        trainer.strategy.barrier("preempted")  # no rank leaves before rank 0 has requeued and printed
-        self.stopped = (signum, step, path)
-        raise Preempted(signum, step, path)
+            name = signal.Signals(signum).name
+            if path is not None:
+                shown = f"{path} -> {os.readlink(path)}" if os.path.islink(path) else path
+                print(f"lightning_perf: {name} received; stopped at global step {step} with the checkpoint {shown} "
+                      f'(final); exiting with code {code}; resume with ckpt_path="{resume}"', flush=True)
+            else:
+                print(f"lightning_perf: {name} received; stopped at global step {step} WITHOUT a checkpoint of it: "
+                      f"{error}. The previous checkpoints are intact; exiting with code {code}; resume with "
+                      'ckpt_path="last" (the newest complete checkpoint)', flush=True)
+        self._meet(trainer)  # no rank leaves before rank 0 has requeued and printed
+        self.stopped = (signum, step, path or "")
+        raise Preempted(signum, step, path, error)
 
-    def _save(self, trainer: "pl.Trainer") -> tuple[str, str]:
-        """Every rank: write the checkpoint of this step and wait until it is final; (its path, what resumes it)."""
+    def _final_save(self, trainer: "pl.Trainer") -> tuple[Optional[str], str, Optional[str]]:
+        """The checkpoint of this step, agreed final on every rank: (its path or None, what resumes it, the error)."""
+        outcome = _attempt(lambda: self._save(trainer))
+        agreed = self._all_succeeded(outcome[0] is not None)
+        if agreed:
+            return outcome[0], outcome[1], None
+        error = outcome[2] or "another rank's save failed"
+        if agreed is None:  # the agreement itself failed: the peers are out of reach, a second save would hang
+            return None, "", f"{error}; the ranks could not agree on the save ({self._agree_error})"
+        _log.warning("rank %d: the checkpoint of the stop failed (%s); freeing memory and writing it again in the "
+                     "foreground", trainer.global_rank, error)
+        _free_memory()
+        retry = _attempt(lambda: self._save_in_foreground(trainer))
+        agreed = self._all_succeeded(retry[0] is not None)
+        if agreed:
+            return retry[0], retry[1], None
+        return None, "", (f"the background save failed ({error}), then the save in the foreground too "
+                          f"({retry[2] or 'on another rank'})")
+
+    def _save_in_foreground(self, trainer: "pl.Trainer") -> tuple[str, str]:
+        with _foreground(trainer):
+            return self._save(trainer, again=True)
+
+    def _all_succeeded(self, ok: bool) -> Optional[bool]:
+        """Whether every rank's save succeeded (the same answer on every rank); None: the ranks could not agree."""
+        self._agree_error = ""
+        if self._group is None:
+            return ok
+        try:
+            box = torch.tensor([int(ok)], dtype=torch.int32, device=self._device)
+            dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._group)
+            return bool(box.item())
+        except Exception as e:  # a peer gone or past the group's timeout
+            self._agree_error = f"{type(e).__name__}: {e}"
+            return None
+
+    def _meet(self, trainer: "pl.Trainer") -> None:
+        """A barrier before leaving, on the agreement's gloo group where there is one (no device memory)."""
+        if self._agree_error:
+            return  # a peer out of reach: nothing to wait for
+        try:
+            if self._group is not None and not self._blocking:
+                dist.barrier(group=self._group)
+            else:
+                trainer.strategy.barrier("preempted")
+        except Exception as e:
+            _log.warning("rank %d: the ranks did not meet before leaving (%s: %s)", trainer.global_rank,
+                         type(e).__name__, e)
+
+    def _run_handler(self, trainer: "pl.Trainer", handler: Callable, signum: int) -> None:
+        """A previous handler, with saves in the foreground; its failure is reported, never the way out."""
+        if self._agree_error and _is_lightning_requeue(handler):  # its save's collectives would wait for lost peers
+            if trainer.is_global_zero:
+                _requeue_slurm_job()
+            return
+        try:
+            with _foreground(trainer):
+                handler(signum, None)
+                _wait_for_checkpoint(trainer)
+        except BaseException as e:  # also DCP's CheckpointException, a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
+            _log.warning("rank %d: the signal handler %s failed: %s: %s", trainer.global_rank,
+                         getattr(handler, "__qualname__", handler), type(e).__name__, e)
+            if _is_lightning_requeue(handler) and trainer.is_global_zero:
+                _requeue_slurm_job()  # its save failed before it requeued: the job is still requeued
+
+    def _save(self, trainer: "pl.Trainer", again: bool = False) -> tuple[str, str]:
+        """Every rank: write the checkpoint of this step and wait until it is final; (its path, what resumes it).
+
+        ``again``: a first attempt failed, so the ``ModelCheckpoint``'s record that it saved this step is not
+        trusted."""
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         cb = next((c for c in trainer.checkpoint_callbacks
@@ -277,7 +375,7 @@ class PreemptionCheckpoint(pl.Callback):
             trainer.save_checkpoint(path)
             _wait_for_checkpoint(trainer)
             return path, path
-        if cb._last_global_step_saved == step and cb._last_checkpoint_saved:  # it saved this step already
+        if not again and cb._last_global_step_saved == step and cb._last_checkpoint_saved:  # saved this step already
             path = cb.last_model_path if cb.save_last else cb._last_checkpoint_saved
         else:
             candidates = cb._monitor_candidates(trainer)
@@ -304,6 +402,68 @@ def _wait_for_checkpoint(trainer: "pl.Trainer") -> None:
     io = getattr(trainer.strategy, "checkpoint_io", None)
     if isinstance(io, AsyncCheckpointIO):
         io.teardown()  # joins its writer thread (the fit is ending: no save follows)
+
+
+def _attempt(save: Callable[[], tuple[str, str]]) -> tuple[Optional[str], str, Optional[str]]:
+    """``save()`` as (path, resume, None), or (None, "", its error) if it raised."""
+    try:
+        path, resume = save()
+        return path, resume, None
+    except BaseException as e:  # also DCP's CheckpointException, a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        return None, "", f"{type(e).__name__}: {_first_line(e)}"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0][:800] if lines else ""
+
+
+def _free_memory() -> None:
+    """What a retry needs: Python's cycles collected and the device's cached, unused blocks released."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _foreground(trainer: "pl.Trainer") -> Iterator[None]:
+    """Saves in the calling thread: the pack's strategies' ``foreground_checkpoints()``; under Lightning's
+    ``AsyncCheckpointIO``, the plugin it wraps, for the rest of the fit (it is ending, and the async
+    plugin's teardown would raise a failed save's error again, in place of the stop)."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    if isinstance(io, AsyncCheckpointIO) and io.checkpoint_io is not None:
+        trainer.strategy.checkpoint_io = io.checkpoint_io
+    foreground = getattr(trainer.strategy, "foreground_checkpoints", None)
+    if not callable(foreground):
+        yield
+        return
+    with foreground():
+        yield
+
+
+def _is_lightning_requeue(handler: Callable) -> bool:
+    owner = getattr(handler, "__self__", None)
+    return type(owner).__name__ == "_SignalConnector" and getattr(handler, "__name__", "") == "_slurm_sigusr_handler_fn"
+
+
+def _requeue_slurm_job() -> None:
+    """``scontrol requeue`` of this SLURM job (an array task as ``<array job>_<task>``), as Lightning does it."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}" if array_job else os.environ.get("SLURM_JOB_ID")
+    if not job or not re.fullmatch(r"[0-9_]+", job):
+        _log.warning("no SLURM job id to requeue (SLURM_JOB_ID=%r)", job)
+        return
+    try:
+        result = subprocess.call(["scontrol", "requeue", job])
+    except OSError as e:
+        _log.warning("requeuing SLURM job %s failed: %s", job, e)
+        return
+    if result != 0:
+        _log.warning("requeuing SLURM job %s failed with exit code %d", job, result)
 
 
 def attach_preemption(trainer: "pl.Trainer") -> PreemptionCheckpoint:

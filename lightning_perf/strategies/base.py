@@ -18,6 +18,10 @@ keep only what differs:
   background with ``async_checkpoint`` (``lightning_perf.parallel.checkpointing.async_checkpoint``): the save
   in flight is polled at each batch start, waited for before the next save, a load, the end of
   the fit and on an exception, and ``remove_checkpoint`` waits for it to be final before deleting.
+  Once the first optimizer step has made the optimizer's state, the host memory the saves stage
+  into is reserved (pinned on CUDA), where the host can hold it (``AsyncCheckpointer.reserve``).
+  ``foreground_checkpoints()`` makes the saves inside it write in the calling thread (what a
+  preemption falls back to when a background save failed).
   ``ModelCheckpoint(save_last="link")`` moves its ``last`` link through ``link_checkpoint``: in one
   rename, once the checkpoint it points at is final; a checkpoint a link points at is deleted only
   after the link has moved (``lightning_perf.runtime.resume``);
@@ -53,10 +57,11 @@ that dict nested as ``extra["lightning"]`` load too.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from abc import abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
@@ -271,7 +276,7 @@ class PerfParallelStrategy(ParallelStrategy):
         check_every_n_steps(gc_every_n_steps, allow_none=True, name="gc_every_n_steps")
         if async_checkpoint and not async_save_supported():
             raise ValueError(
-                "async_checkpoint=True needs torch.distributed.checkpoint.async_save and the gloo backend, "
+                "async_checkpoint=True needs torch.distributed.checkpoint's DefaultStager and the gloo backend, "
                 "which this torch build lacks: pass async_checkpoint=False or None"
             )
         super().__init__(
@@ -287,6 +292,8 @@ class PerfParallelStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._async_option = async_checkpoint
         self._checkpointer: Optional[AsyncCheckpointer] = None
+        self._foreground = False  # inside foreground_checkpoints()
+        self._staging_reserved = False  # AsyncCheckpointer.reserve was called this fit
         self._collection = DefaultCollection(gc_every_n_steps)
         self._held_removals: list[Path] = []  # checkpoints a link still points at (rank 0)
 
@@ -347,12 +354,33 @@ class PerfParallelStrategy(ParallelStrategy):
     def _write_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         """Every rank writes its model and optimizer shards to ``path``, rank 0 ``extra`` beside them."""
         assert self.lightning_module is not None
-        if self.async_checkpoint:
-            if self._checkpointer is None:  # every rank saves together: it may create its group now
-                self._checkpointer = AsyncCheckpointer(timeout=self._timeout)
-            self._checkpointer.save(path, self.lightning_module, self.optimizers, extra=extra)
+        if self.async_checkpoint and not self._foreground:
+            self._async_checkpointer().save(path, self.lightning_module, self.optimizers, extra=extra)
+        elif self._checkpointer is not None:  # in this thread, on the saves' gloo group (no device memory)
+            self._checkpointer.save_now(path, self.lightning_module, self.optimizers, extra=extra)
         else:
             ckpt.save_checkpoint(path, self.lightning_module, self.optimizers, extra=extra)
+
+    def _async_checkpointer(self) -> AsyncCheckpointer:
+        """The background saver (every rank calls this together: it may create its group now)."""
+        if self._checkpointer is None:
+            self._checkpointer = AsyncCheckpointer(timeout=self._timeout, device=self.root_device)
+        return self._checkpointer
+
+    @contextlib.contextmanager
+    def foreground_checkpoints(self) -> Iterator[None]:
+        """Saves inside write in the calling thread and are final when ``save_checkpoint`` returns.
+
+        The save in flight is waited for first (its error, if any, is raised). Where saves are
+        asynchronous they still coordinate on the background saver's gloo group, so their collectives
+        need no device memory.
+        """
+        self.wait_for_checkpoint()
+        previous, self._foreground = self._foreground, True
+        try:
+            yield
+        finally:
+            self._foreground = previous
 
     def _read_checkpoint(self, path: Path, weights_only: bool) -> dict[str, Any]:
         """Every rank loads its shards from ``path`` (resharding as needed); returns the saved ``extra``."""
@@ -594,6 +622,26 @@ class PerfParallelStrategy(ParallelStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if self._checkpointer is not None:
             self._checkpointer.poll()  # no wait: finishes the bookkeeping of a save that became final
+        self._reserve_staging()
+
+    def _reserve_staging(self) -> None:
+        """Once per fit, after the first optimizer step (every rank at the same batch): the staging buffers."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if self._staging_reserved or not self.async_checkpoint or trainer is None or trainer.global_step < 1:
+            return
+        self._staging_reserved = True
+        assert self.lightning_module is not None
+        kept = self._async_checkpointer().reserve(self.lightning_module, self.optimizers,
+                                                  ranks_on_host=max(1, self.num_processes))
+        if not kept:
+            rank_zero_warn("async_checkpoint: the host cannot hold a staging copy of every rank's shards beside "
+                           "the run, so each save stages into memory of its own (allocated at the save)",
+                           category=RuntimeWarning)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._staging_reserved = False
 
     @override
     def on_train_end(self) -> None:

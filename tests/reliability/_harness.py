@@ -108,6 +108,8 @@ def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: t
     try:
         result = fn(rank, world, out, *args)
         torch.save(result, out / f"rank{rank}.pt")
+    except SystemExit:  # a requested stop (PreemptionCheckpoint's Preempted): the process ends with its code
+        raise
     except BaseException as e:
         (out / f"rank{rank}.err").write_text(f"{time.time()}\n{type(e).__name__}\n{traceback.format_exc()}")
         raise SystemExit(1)

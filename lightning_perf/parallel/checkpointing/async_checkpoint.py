@@ -1,15 +1,17 @@
-"""Sharded checkpoints written in the background while training goes on (DCP ``async_save``).
+"""Sharded checkpoints written in the background while training goes on.
 
 The layout, manifest and atomic rename are those of :mod:`lightning_perf.parallel.checkpointing.checkpoint`;
 only the timing differs:
 
 1. ``save`` (collective) waits for the previous save to be final, prepares ``<ckpt>.tmp``, and
-   *stages* this rank's shards: ``async_save`` copies them to host memory before returning, so
-   the optimizer steps that follow cannot change what is written. Rank 0's ``extra`` is copied
-   too.
-2. A background thread on every rank writes the staged shards into ``<ckpt>.tmp``, then
-   finalizes: the size/CRC-32 manifest (each rank checksums a share), rank 0's ``extra.pt``, and
-   rank 0's rename of ``<ckpt>.tmp`` to ``<ckpt>``. Only then is the checkpoint visible.
+   *stages* this rank's shards with DCP's ``DefaultStager``: a copy in host memory, made before
+   ``save`` returns, so the optimizer steps that follow cannot change what is written. Rank 0's
+   ``extra`` is copied too. The ranks then agree that every one of them staged (a rank that could
+   not fails the save on all of them, before anything is written).
+2. The checkpointer's one writer thread writes the staged copy into ``<ckpt>.tmp`` with DCP's
+   ``save`` and finalizes: the size/CRC-32 manifest (each rank checksums a share), rank 0's
+   ``extra.pt``, and rank 0's rename of ``<ckpt>.tmp`` to ``<ckpt>``. Only then is the checkpoint
+   visible.
 3. ``poll`` (cheap: no collective, no wait) tells whether the save is final and raises its error if
    it failed; ``wait`` blocks until it is final. Removals of older checkpoints asked for while a
    save is in flight (``remove``) run once it is final, so the previous checkpoint survives a
@@ -17,17 +19,32 @@ only the timing differs:
    the same way (the pack's strategies move a ``last`` link with it: never onto a checkpoint that
    is not yet final).
 
+The writer thread touches no accelerator: it writes host copies (DCP's writer is told to copy
+nothing ahead from a device, so it never reads a CUDA stream), and it sets the rank's device before
+anything else in case a later torch reaches for one. A thread that never set its device is on
+device 0: the first CUDA call there would create a context on another rank's GPU, which fails with
+"out of memory" when that GPU is full.
+
+Host memory: by default each save stages into memory of its own, freed once written. ``reserve``
+stages once, ahead of the first save, into buffers that every later save reuses (pinned on CUDA
+devices, so the copies run at full PCIe speed), when the host can hold them (see ``reserve``);
+a save then allocates nothing, which is what a save at the moment of a preemption needs.
+
+``save_now`` writes in the calling thread instead, on the same gloo group (no device memory for its
+collectives): the way out when a background save failed (see ``PreemptionCheckpoint``).
+
 The background collectives (DCP's plan and metadata exchange, the manifest, the rename's
-barriers) use a gloo group of their own over the same ranks, created at construction: DCP's
-asynchronous save needs a CPU backend, and a group shared with the training thread would
-interleave two threads' collectives. A rank that dies mid-write makes the others' background
-collectives fail (or time out after the group's ``timeout``), so ``<ckpt>.tmp`` is never renamed.
+barriers) use a gloo group of their own over the same ranks, created at construction: a group
+shared with the training thread would interleave two threads' collectives. A step that fails on
+one rank fails on every rank at the collective that ends it (DCP gathers its ranks' errors; the
+finalize steps go through ``checkpoint.agreed``), so the others learn of it at once; a rank that
+dies mid-write makes the others' collectives fail (or time out after the group's ``timeout``).
+Either way ``<ckpt>.tmp`` is never renamed.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,15 +52,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_perf.parallel.checkpointing import checkpoint as ckpt
 
-__all__ = ["AsyncCheckpointer", "AsyncCheckpointError", "async_save_supported"]
+__all__ = ["AsyncCheckpointer", "AsyncCheckpointError", "async_save_supported", "host_memory_available",
+           "staged_bytes"]
 
 PathLike = Union[str, os.PathLike]
+
+#: ``reserve`` keeps buffers only while every rank of the host together needs at most this share of its
+#: available memory: the rest stays for the data loaders, the page cache of the writes, and the OS
+RESERVE_SHARE = 0.5
 
 
 class AsyncCheckpointError(RuntimeError):
@@ -51,28 +74,90 @@ class AsyncCheckpointError(RuntimeError):
 
 
 def async_save_supported() -> bool:
-    """Whether this torch has DCP's ``async_save`` and (in a process group) the gloo backend it coordinates on."""
-    import torch.distributed.checkpoint as dcp
-
-    if not hasattr(dcp, "async_save"):
+    """Whether this torch has DCP's stager and (in a process group) the gloo backend the saves coordinate on."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
+    except ImportError:
         return False
     return not (dist.is_available() and dist.is_initialized()) or dist.is_gloo_available()
 
 
+def host_memory_available() -> Optional[int]:
+    """Bytes of host memory available to new allocations (Linux's ``MemAvailable``); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def staged_bytes(state: Any) -> int:
+    """Bytes a staged copy of ``state`` takes: every tensor's local storage once (a DTensor's own shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+
+    def visit(x: Any) -> None:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            local = x.to_local() if isinstance(x, DTensor) else x  # a DTensor stages its shard
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+
+    visit(state)
+    return total
+
+
+def _stager(pinned: bool) -> Any:
+    """DCP's ``DefaultStager`` staging in the calling thread (pinned buffers and non-blocking copies on CUDA)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=pinned))
+
+
+def _bind_device(device: Optional[torch.device]) -> None:
+    """The writer thread's first act: this rank's device, so that no call of it lands on another GPU."""
+    if device is not None and device.type != "cpu":
+        torch.get_device_module(device.type).set_device(device)
+
+
 class AsyncCheckpointer:
-    """At most one save in flight; each finalized (manifest + rename) by a background thread.
+    """At most one save in flight; each written and finalized (manifest + rename) by one writer thread.
 
     Construct it on every rank at the same point (it creates a gloo process group over the world
-    when a process group exists). ``timeout``: how long the background collectives wait for a
-    rank before the save fails.
+    when a process group exists).
+
+    Args:
+        timeout: how long the background collectives wait for a rank before the save fails.
+        device: this rank's device, which the writer thread sets before anything else (None: the
+            current CUDA device of the constructing thread where CUDA is in use, else none).
     """
 
-    def __init__(self, *, timeout: Optional[timedelta] = None) -> None:
+    def __init__(self, *, timeout: Optional[timedelta] = None, device: Optional[torch.device] = None) -> None:
         if not async_save_supported():
             raise RuntimeError(
-                "asynchronous checkpoints need torch.distributed.checkpoint.async_save and the gloo "
+                "asynchronous checkpoints need torch.distributed.checkpoint's DefaultStager and the gloo "
                 "backend: use synchronous saves (async_checkpoint=False) with this torch build"
             )
+        if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = None if device is None else torch.device(device)
         self._group: Optional[dist.ProcessGroup] = None
         if dist.is_available() and dist.is_initialized():
             kwargs: dict[str, Any] = {"backend": "gloo"}
@@ -80,7 +165,11 @@ class AsyncCheckpointer:
                 kwargs["timeout"] = timeout
             self._group = dist.new_group(**kwargs)
         self._rank = dist.get_rank() if self._group is not None else 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_perf_ckpt")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_perf_ckpt",
+                                            initializer=_bind_device, initargs=(self.device,))
+        self._pinned = self.device is not None and self.device.type == "cuda"
+        self._reserved: Optional[Any] = None  # the stager whose buffers every save reuses (see reserve)
+        self.reserved_bytes = 0
         self._pending: Optional[Future] = None
         self._pending_path: Optional[Path] = None
         # (the checkpoint it deletes, if any; the action), in the order asked for
@@ -91,6 +180,37 @@ class AsyncCheckpointer:
     def pending(self) -> Optional[Path]:
         """The checkpoint being written (not yet renamed into place), or None."""
         return self._pending_path
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The gloo group the saves coordinate on (None without a process group)."""
+        return self._group
+
+    def reserve(self, model: nn.Module, optimizers: Sequence[Optimizer] = (), *, ranks_on_host: int = 1) -> int:
+        """Stage the current state once into buffers that every later save reuses; the bytes kept (0: none).
+
+        Not collective. Kept only while ``ranks_on_host`` ranks with as much each need at most
+        ``RESERVE_SHARE`` of the host's available memory; otherwise saves keep staging into memory of
+        their own (freed once written) and this returns 0. Call it once the optimizer has state
+        (after the first step): what it does not hold yet is allocated by the save that first has it.
+        """
+        self.wait()
+        state, _ = ckpt.sharded_state(model, optimizers)
+        need = staged_bytes(state)
+        available = host_memory_available()
+        if available is None or need * max(1, ranks_on_host) > RESERVE_SHARE * available:
+            self._release()
+            return 0
+        if self._reserved is None:
+            self._reserved = _stager(self._pinned)
+        self._reserved.stage(state)  # allocates (and pins) the buffers, filled with today's values
+        self.reserved_bytes = need
+        return need
+
+    def _release(self) -> None:
+        if self._reserved is not None:
+            self._reserved.close()
+        self._reserved, self.reserved_bytes = None, 0
 
     def save(
         self,
@@ -103,32 +223,59 @@ class AsyncCheckpointer:
     ) -> Future:
         """Stage this rank's shards and write them to ``path`` in the background (collective).
 
-        Returns once the state is copied; the future completes when ``path`` is final.
+        Returns once the state is copied; the future completes when ``path`` is final. A rank that
+        cannot stage fails the save on every rank (``checkpoint.CheckpointSaveError``), before
+        anything is written.
         """
-        import torch.distributed.checkpoint as dcp
-
         self.wait()
         path = Path(path)
         self._deferred = [(p, a) for p, a in self._deferred if p != path]  # a new save of it cancels its removal
         tmp = ckpt.prepare_tmp(path, group=self._group)
-        state, blob = ckpt.sharded_state(model, optimizers, extra)
-        blob = copy.deepcopy(blob)  # loop counters, callback states: as they are now
-        kwargs: dict[str, Any] = {"checkpoint_id": str(tmp)}
-        if self._group is not None:
-            kwargs["process_group"] = self._group
-        elif "no_dist" in inspect.signature(dcp.async_save).parameters:
-            kwargs["no_dist"] = True
-        written = dcp.async_save(state, **kwargs)  # staged (copied to host memory) on return
-        written = getattr(written, "upload_completion", written)  # torch's zero-overhead response type
-        del state
+        stager = self._reserved if self._reserved is not None else _stager(False)
+
+        def stage() -> tuple[Any, dict[str, Any]]:
+            state, blob = ckpt.sharded_state(model, optimizers, extra)
+            return stager.stage(state), copy.deepcopy(blob)  # loop counters, callback states: as they are now
+
+        try:
+            staged, blob = ckpt.agreed(f"staging checkpoint {path} in host memory", stage, group=self._group)
+        except BaseException:
+            if stager is not self._reserved:
+                stager.close()
+            raise
+        own = None if stager is self._reserved else stager
         self._pending_path = path
-        self._pending = self._executor.submit(self._finalize, written, tmp, path, blob, checksum)
+        self._pending = self._executor.submit(self._write, staged, own, tmp, path, blob, checksum)
         return self._pending
 
-    def _finalize(self, written: Future, tmp: Path, path: Path, blob: dict[str, Any], checksum: bool) -> Path:
-        written.result()  # every rank's shards and DCP's .metadata are in tmp
+    def _write(self, staged: dict[str, Any], stager: Optional[Any], tmp: Path, path: Path, blob: dict[str, Any],
+               checksum: bool) -> Path:
+        """The writer thread: the staged shards into ``tmp`` (DCP), then the manifest and the rename."""
+        try:
+            ckpt.write_shards(staged, tmp, group=self._group, from_host=True)
+        finally:
+            del staged
+            if stager is not None:  # a save's own staging memory goes once written
+                stager.close()
         ckpt.finish_save(tmp, path, blob, checksum=checksum, group=self._group)
         return path
+
+    def save_now(
+        self,
+        path: PathLike,
+        model: nn.Module,
+        optimizers: Sequence[Optimizer] = (),
+        extra: Optional[dict[str, Any]] = None,
+        *,
+        checksum: bool = True,
+    ) -> Path:
+        """Write ``path`` in the calling thread, on this checkpointer's gloo group (collective).
+
+        Waits for the save in flight first (raising its error, if any). The device's shards are
+        copied to the host as they are written: no staging memory, no writer thread.
+        """
+        self.wait()
+        return ckpt.save_checkpoint(path, model, optimizers, extra=extra, group=self._group, checksum=checksum)
 
     def poll(self) -> bool:
         """True when no save is in flight (the last one is final; deferred removals done). Never blocks."""
@@ -187,8 +334,10 @@ class AsyncCheckpointer:
         return path
 
     def close(self) -> None:
-        """Wait for the save in flight and stop the background thread."""
+        """Wait for the save in flight, stop the writer thread and free the reserved buffers."""
         try:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            self._release()
+

@@ -18,6 +18,9 @@ Saves are atomic: every rank writes into ``<ckpt>.tmp``; rank 0 renames it into 
 only after all ranks finished, so a crash mid-save leaves the previous checkpoint
 intact (and ``load_checkpoint`` falls back to ``<ckpt>.old`` if it crashed between the two
 renames of an overwrite). :func:`update_link` moves a ``last`` symlink atomically.
+A step of a save that fails on one rank (the ``.tmp`` folder, a file's record, ``extra.pt``,
+the rename) fails on every rank at the collective that ends it (:func:`agreed`), so no rank
+waits for a peer that has given up until the group's timeout.
 
 Saves record every file's size and CRC-32 in ``extra.pt`` (each rank checksums a share of
 the files, read back from the page cache); loads check them first (again shared over the
@@ -45,7 +48,7 @@ import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -83,12 +86,24 @@ __all__ = [
     "resolve",
     "full_model_state_dict",
     "sync_files",
+    "write_shards",
+    "agreed",
+    "CheckpointSaveError",
     "main",
 ]
 
 EXTRA_FILE = "extra.pt"
 _FORMAT = 1
 PathLike = Union[str, os.PathLike]
+T = TypeVar("T")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A step of a save failed on some rank; raised on every rank of the save's group."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 def _dist() -> bool:
@@ -145,6 +160,32 @@ def _my_share(names: list[str], group: Optional[dist.ProcessGroup]) -> list[str]
     return [n for i, n in enumerate(sorted(names)) if i % world == _rank(group)]
 
 
+def agreed(what: str, step: Callable[[], T], *, group: Optional[dist.ProcessGroup] = None) -> T:
+    """``step()`` on this rank; if it raised on any rank of ``group``, :class:`CheckpointSaveError` on every rank.
+
+    Collective (one ``all_gather_object`` of the outcome, which is also a barrier): every rank calls it
+    at the same point, so a rank whose step failed still meets the others there instead of leaving
+    them waiting in the save's next collective. The error names each failed rank and its error.
+    """
+    error: Optional[BaseException] = None
+    value: Any = None
+    try:
+        value = step()
+    except Exception as e:
+        error = e
+    if not _dist():
+        if error is not None:
+            raise error
+        return value
+    outcomes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    failed = {r: o for r, o in enumerate(outcomes) if o is not None}
+    if failed:
+        detail = "; ".join(f"rank {r}: {o}" for r, o in failed.items())
+        raise CheckpointSaveError(f"{what} failed on rank(s) {sorted(failed)} ({detail})", sorted(failed)) from error
+    return value
+
+
 def _gather_dicts(part: dict[str, Any], group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     if not _dist():
         return dict(part)
@@ -156,7 +197,8 @@ def _gather_dicts(part: dict[str, Any], group: Optional[dist.ProcessGroup]) -> d
 def _manifest(tmp: Path, checksum: bool, group: Optional[dist.ProcessGroup]) -> dict[str, list[int]]:
     """``{file: [size, crc32 or -1]}`` of the checkpoint's files (every rank checksums a share)."""
     names = [f.name for f in tmp.iterdir() if f.is_file() and f.name != EXTRA_FILE]
-    part = {n: _record(tmp / n, checksum) for n in _my_share(names, group)}  # each file fsynced
+    part = agreed(f"recording the files of {tmp}",  # each file fsynced
+                  lambda: {n: _record(tmp / n, checksum) for n in _my_share(names, group)}, group=group)
     return _gather_dicts(part, group)
 
 
@@ -209,14 +251,52 @@ def save_checkpoint(
     numbers, strings, lists, tuples, dicts). Collective: every rank of ``group`` calls it.
     ``checksum``: record each file's CRC-32 (sizes are always recorded).
     """
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     tmp = prepare_tmp(path, group=group)
-    state, blob = sharded_state(model, optimizers, extra)
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _dist())
+    state, blob = agreed(f"reading the state to save into {path}", lambda: sharded_state(model, optimizers, extra),
+                         group=group)
+    write_shards(state, tmp, group=group)
     finish_save(tmp, path, blob, checksum=checksum, group=group)
     return path
+
+
+def write_shards(state: dict[str, Any], tmp: Path, *, group: Optional[dist.ProcessGroup] = None,
+                 from_host: bool = False) -> None:
+    """DCP's save of this rank's shards into ``tmp`` (collective); a failure on any rank raises
+    :class:`CheckpointSaveError` on every rank, naming each failed rank's error.
+
+    ``from_host``: the tensors are host copies (a staged state): DCP's writer reads each as it is
+    (``per_thread_copy_ahead=0``) instead of queueing device-to-host copies on the current CUDA
+    stream, so the calling thread makes no accelerator call.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(str(tmp), per_thread_copy_ahead=0) if from_host else FileSystemWriter(str(tmp))
+    try:
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=not _dist())
+    except BaseException as e:  # DCP's CheckpointException (every rank's errors) derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        raise CheckpointSaveError(f"writing the shards of {tmp} failed: {_dcp_errors(e)}", _dcp_ranks(e)) from e
+
+
+def _dcp_ranks(error: BaseException) -> list[int]:
+    failures = getattr(error, "failures", None)
+    return sorted(failures) if isinstance(failures, dict) else []
+
+
+def _dcp_errors(error: BaseException) -> str:
+    """Each failed rank's error from DCP's exception (its message is every rank's whole traceback)."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return lines[-1] if lines else type(error).__name__
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure  # (exception, its frames)
+        parts.append(f"rank {rank}: {type(error).__name__}: {error}")
+    return "; ".join(parts)
 
 
 def sharded_state(
@@ -246,9 +326,13 @@ def finish_save(
 ) -> None:
     """After every rank's shards are in ``tmp``: the manifest, rank 0's ``extra.pt``, the rename (collective)."""
     files = _manifest(tmp, checksum, group)
-    if _rank(group) == 0:
-        torch.save({**blob, "files": files}, tmp / EXTRA_FILE)
-        fsync_file(tmp / EXTRA_FILE)
+
+    def write_blob() -> None:
+        if _rank(group) == 0:
+            torch.save({**blob, "files": files}, tmp / EXTRA_FILE)
+            fsync_file(tmp / EXTRA_FILE)
+
+    agreed(f"writing {tmp / EXTRA_FILE}", write_blob, group=group)
     commit_tmp(tmp, path, group=group)
 
 
@@ -256,11 +340,14 @@ def prepare_tmp(path: PathLike, *, group: Optional[dist.ProcessGroup] = None) ->
     """Rank 0 creates an empty ``<path>.tmp``; every rank returns it after a barrier."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    if _rank(group) == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier(group)
+
+    def make() -> None:
+        if _rank(group) == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+
+    agreed(f"preparing {tmp}", make, group=group)
     return tmp
 
 
@@ -272,7 +359,10 @@ def commit_tmp(tmp: Path, path: PathLike, *, group: Optional[dist.ProcessGroup] 
     """
     path = Path(path)
     _barrier(group)
-    if _rank(group) == 0:
+
+    def rename() -> None:
+        if _rank(group) != 0:
+            return
         _fsync_dirs(tmp)
         if path.is_symlink() or path.is_file():
             path.unlink()
@@ -287,7 +377,8 @@ def commit_tmp(tmp: Path, path: PathLike, *, group: Optional[dist.ProcessGroup] 
         else:
             os.replace(tmp, path)
             fsync_dir(path.parent)
-    _barrier(group)
+
+    agreed(f"renaming {tmp} to {path.name}", rename, group=group)
 
 
 def resolve(path: PathLike) -> Path:
