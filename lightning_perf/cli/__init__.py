@@ -23,6 +23,8 @@ What the CLI adds to Lightning's:
   ``--trainer.accelerator cpu`` and the CPU recipe.
 - A step-bounded run's progress bar counts steps of ``max_steps``; Lightning's notices a user cannot act
   on are left out (``quiet``).
+- GPU memory: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set (less fragmentation: the memory
+  planner's headroom assumes it).
 - A CUDA out-of-memory error ends in three lines naming the settings to change and ``lightning-perf plan``;
   the traceback goes to ``oom_rank<R>.log`` under the run's ``default_root_dir``.
 - Bad input found while a run sets up (a missing file, a layout or checkpoint that does not fit, a
@@ -41,6 +43,7 @@ The modules: ``recipes`` (``--config`` names, the default recipe, a GPU recipe o
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from typing import Optional
 
@@ -106,6 +109,10 @@ def _print_help() -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args, debug = _pop_debug(list(sys.argv[1:] if argv is None else argv))
+    # CUDA's caching allocator grows segments instead of splitting them (the memory planner's headroom assumes
+    # it); read when the first CUDA allocation is made, inherited by the ranks Lightning starts. A value the
+    # user set stays.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         _main(args)
     except Exception as err:
