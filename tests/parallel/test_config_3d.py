@@ -148,6 +148,11 @@ def test_the_pipeline_recipes_leave_the_schedule_to_auto(name, expected) -> None
     model = recipe["model"]["config"]
     model = GPTConfig.from_name(model) if isinstance(model, str) else GPTConfig(**model)
     data = recipe["data"]
-    choice = settle_pipeline(config, None, model, batch_size=data["batch_size"], seq_len=data["seq_len"]).choice
+    batch = data["batch_size"]
+    if batch == "auto":  # the planner gives each replica its share of the global batch (a pipeline splits it)
+        devices = recipe["trainer"]["devices"]
+        dp = config.dims(devices).data_parallel_size
+        batch = data["global_batch_size"] * devices // data.get("global_batch_per_gpus", devices) // dp
+    choice = settle_pipeline(config, None, model, batch_size=batch, seq_len=data["seq_len"]).choice
     assert (choice.schedule, choice.num_microbatches, choice.stages_per_rank, choice.microbatch_tokens) == expected
     assert choice.bubble == pytest.approx(1 / 9)
