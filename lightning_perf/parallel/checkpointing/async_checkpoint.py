@@ -26,8 +26,8 @@ device 0: the first CUDA call there would create a context on another rank's GPU
 "out of memory" when that GPU is full.
 
 Host memory: by default each save stages into memory of its own, freed once written. ``reserve``
-stages once, ahead of the first save, into buffers that every later save reuses (pinned on CUDA
-devices, so the copies run at full PCIe speed), when the host can hold them (see ``reserve``);
+stages once, ahead of the first save, into buffers that every later save reuses (pageable memory:
+pinning tens of GB would stall the step that reserves), when the host can hold them (see ``reserve``);
 a save then allocates nothing, which is what a save at the moment of a preemption needs.
 
 ``save_now`` writes in the calling thread instead, on the same gloo group (no device memory for its
@@ -123,12 +123,18 @@ def staged_bytes(state: Any) -> int:
     return total
 
 
-def _stager(pinned: bool) -> Any:
-    """DCP's ``DefaultStager`` staging in the calling thread (pinned buffers and non-blocking copies on CUDA)."""
+def _stager() -> Any:
+    """DCP's ``DefaultStager`` staging in the calling thread, into pageable host memory."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=pinned))
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))
+    # torch < 2.13's copier has no entry for classes, which a DTensor's placements hand it (KeyError: <class
+    # 'type'>); a class is copied as itself, as later versions do
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    if isinstance(table, dict) and type not in table:
+        table[type] = lambda x, memo: x
+    return stager
 
 
 def _bind_device(device: Optional[torch.device]) -> None:
@@ -167,7 +173,6 @@ class AsyncCheckpointer:
         self._rank = dist.get_rank() if self._group is not None else 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_perf_ckpt",
                                             initializer=_bind_device, initargs=(self.device,))
-        self._pinned = self.device is not None and self.device.type == "cuda"
         self._reserved: Optional[Any] = None  # the stager whose buffers every save reuses (see reserve)
         self.reserved_bytes = 0
         self._pending: Optional[Future] = None
@@ -202,8 +207,10 @@ class AsyncCheckpointer:
             self._release()
             return 0
         if self._reserved is None:
-            self._reserved = _stager(self._pinned)
-        self._reserved.stage(state)  # allocates (and pins) the buffers, filled with today's values
+            # pageable: pinning tens of GB takes the driver tens of seconds, a stall of the training step that
+            # reserves; the staging copies of each save are slower for it, never the training steps
+            self._reserved = _stager()
+        self._reserved.stage(state)  # allocates the buffers, filled with today's values
         self.reserved_bytes = need
         return need
 
@@ -231,7 +238,7 @@ class AsyncCheckpointer:
         path = Path(path)
         self._deferred = [(p, a) for p, a in self._deferred if p != path]  # a new save of it cancels its removal
         tmp = ckpt.prepare_tmp(path, group=self._group)
-        stager = self._reserved if self._reserved is not None else _stager(False)
+        stager = self._reserved if self._reserved is not None else _stager()
 
         def stage() -> tuple[Any, dict[str, Any]]:
             state, blob = ckpt.sharded_state(model, optimizers, extra)
