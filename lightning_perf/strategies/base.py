@@ -276,7 +276,7 @@ class PerfParallelStrategy(ParallelStrategy):
         check_every_n_steps(gc_every_n_steps, allow_none=True, name="gc_every_n_steps")
         if async_checkpoint and not async_save_supported():
             raise ValueError(
-                "async_checkpoint=True needs torch.distributed.checkpoint's DefaultStager and the gloo backend, "
+                "async_checkpoint=True needs torch.distributed's state-dict copies (_state_dict_utils) and the gloo backend, "
                 "which this torch build lacks: pass async_checkpoint=False or None"
             )
         super().__init__(

@@ -4,7 +4,7 @@ The layout, manifest and atomic rename are those of :mod:`lightning_perf.paralle
 only the timing differs:
 
 1. ``save`` (collective) waits for the previous save to be final, prepares ``<ckpt>.tmp``, and
-   *stages* this rank's shards with DCP's ``DefaultStager``: a copy in host memory, made before
+   *stages* this rank's shards (:class:`HostStager`): a copy in host memory, made before
    ``save`` returns, so the optimizer steps that follow cannot change what is written. Rank 0's
    ``extra`` is copied too. The ranks then agree that every one of them staged (a rank that could
    not fails the save on all of them, before anything is written).
@@ -59,7 +59,7 @@ from torch.optim import Optimizer
 
 from lightning_perf.parallel.checkpointing import checkpoint as ckpt
 
-__all__ = ["AsyncCheckpointer", "AsyncCheckpointError", "async_save_supported", "host_memory_available",
+__all__ = ["AsyncCheckpointer", "AsyncCheckpointError", "HostStager", "async_save_supported", "host_memory_available",
            "staged_bytes"]
 
 PathLike = Union[str, os.PathLike]
@@ -74,9 +74,10 @@ class AsyncCheckpointError(RuntimeError):
 
 
 def async_save_supported() -> bool:
-    """Whether this torch has DCP's stager and (in a process group) the gloo backend the saves coordinate on."""
+    """Whether this torch has DCP's state-dict copies and (in a process group) the gloo backend the saves
+    coordinate on."""
     try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict  # noqa: F401
     except ImportError:
         return False
     return not (dist.is_available() and dist.is_initialized()) or dist.is_gloo_available()
@@ -123,18 +124,49 @@ def staged_bytes(state: Any) -> int:
     return total
 
 
-def _stager() -> Any:
-    """DCP's ``DefaultStager`` staging in the calling thread, into pageable host memory."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+class HostStager:
+    """Copies a state dict's tensors (a DTensor's local shard) into host memory it keeps for the next copy.
 
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-                                          use_non_blocking_copy=False))
-    # torch < 2.13's copier has no entry for classes, which a DTensor's placements hand it (KeyError: <class
-    # 'type'>); a class is copied as itself, as later versions do
-    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-    if isinstance(table, dict) and type not in table:
-        table[type] = lambda x, memo: x
-    return stager
+    Built on DCP's own state-dict utilities (``_create_cpu_state_dict`` makes host tensors of the same
+    structure, DTensors included; ``_copy_state_dict`` fills them), which behave alike on every torch this
+    pack supports. The buffers are pageable: pinning tens of GB would stall the step that allocates them for
+    tens of seconds. Copies run in the calling thread, synchronously, so nothing is left in flight on a
+    CUDA stream when the writer thread reads them.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: Optional[dict[str, Any]] = None
+        self._layout: Optional[list[tuple[str, tuple[int, ...], torch.dtype]]] = None
+
+    @staticmethod
+    def _layout_of(state: dict[str, Any]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+
+        def visit(prefix: str, x: Any) -> None:
+            if isinstance(x, torch.Tensor):
+                local = x.to_local() if hasattr(x, "to_local") and hasattr(x, "device_mesh") else x
+                out.append((prefix, tuple(local.shape), local.dtype))
+            elif isinstance(x, dict):
+                for k, v in x.items():
+                    visit(f"{prefix}/{k}", v)
+            elif isinstance(x, (list, tuple)):
+                for i, v in enumerate(x):
+                    visit(f"{prefix}/{i}", v)
+
+        visit("", state)
+        return out
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A host copy of ``state``; the buffers of the last call are reused when the layout is the same."""
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = self._layout_of(state)
+        if self._buffers is None or layout != self._layout:
+            self._buffers, self._layout = _create_cpu_state_dict(state), layout
+        return _copy_state_dict(state, self._buffers, non_blocking=False)
+
+    def close(self) -> None:
+        self._buffers = self._layout = None
 
 
 def _bind_device(device: Optional[torch.device]) -> None:
@@ -158,7 +190,7 @@ class AsyncCheckpointer:
     def __init__(self, *, timeout: Optional[timedelta] = None, device: Optional[torch.device] = None) -> None:
         if not async_save_supported():
             raise RuntimeError(
-                "asynchronous checkpoints need torch.distributed.checkpoint's DefaultStager and the gloo "
+                "asynchronous checkpoints need torch.distributed's state-dict copies (_state_dict_utils) and the gloo "
                 "backend: use synchronous saves (async_checkpoint=False) with this torch build"
             )
         if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -209,7 +241,7 @@ class AsyncCheckpointer:
         if self._reserved is None:
             # pageable: pinning tens of GB takes the driver tens of seconds, a stall of the training step that
             # reserves; the staging copies of each save are slower for it, never the training steps
-            self._reserved = _stager()
+            self._reserved = HostStager()
         self._reserved.stage(state)  # allocates the buffers, filled with today's values
         self.reserved_bytes = need
         return need
@@ -238,7 +270,7 @@ class AsyncCheckpointer:
         path = Path(path)
         self._deferred = [(p, a) for p, a in self._deferred if p != path]  # a new save of it cancels its removal
         tmp = ckpt.prepare_tmp(path, group=self._group)
-        stager = self._reserved if self._reserved is not None else _stager()
+        stager = self._reserved if self._reserved is not None else HostStager()
 
         def stage() -> tuple[Any, dict[str, Any]]:
             state, blob = ckpt.sharded_state(model, optimizers, extra)
