@@ -66,6 +66,8 @@ RESERVED_OUTSIDE_ALLOCATOR = 2.0 * GB
 REFUSE_MARGIN = 0.10
 #: relative cost of recomputation per checkpointing mode (share of a micro-batch's compute)
 RECOMPUTE_COST = {"none": 0.0, "selective": 0.03, "full": 0.30}
+#: speed factor of what ZeRO keeps between the micro-batches of a step (against one micro-batch per step)
+ACCUMULATION_COST = {"gather_once": 0.995, "reduce_once": 0.99, "reduce_each": 0.985}
 _AC_ORDER = ("none", "selective", "full")
 _MAX_MICRO_BATCH = 64
 
@@ -225,7 +227,7 @@ def relative_speed(model: ModelShape, *, micro_batch: int, seq_len: int, accumul
     (launches, per-unit collectives a micro-batch cannot hide) and per optimizer step (the step itself over the
     rank's share of the weights, clipping, FP8 scale updates), in units of one token's compute."""
     flops_per_token = 6 * model.num_params() + 6 * model.n_layer * model.n_embd * seq_len
-    per_micro = 0.03 * seq_len * flops_per_token  # ~3% of one sequence's compute
+    per_micro = 0.05 * seq_len * flops_per_token  # ~5% of one sequence's compute
     # the optimizer step reads and writes ~28 bytes per local parameter: at ~1/300 of a FLOP's time per byte
     per_step = 28 * model.num_params() / max(1, data_parallel_size) * 300
     tokens = micro_batch * seq_len * accumulate
@@ -360,10 +362,9 @@ def plan_training(
             fits = capacity_bytes is None or est.peak_bytes <= usable_bytes(capacity_bytes)
             speed = relative_speed(model, micro_batch=micro, seq_len=seq_len, accumulate=accum, ac=ac,
                                    data_parallel_size=dp)
-            if acc == "reduce_each":
-                speed *= 0.995  # a reduce-scatter per micro-batch
-            elif acc == "gather_once":
-                speed *= 1.005  # one all-gather per step
+            # what accumulation keeps between micro-batches costs against one micro-batch per step: a
+            # reduce-scatter per micro-batch, or gathers per micro-batch; never a gain over no accumulation
+            speed *= ACCUMULATION_COST.get(acc, 1.0)
             candidates.append({"batch_size": micro, "activation_checkpointing": ac, "accumulate_grad_batches": accum,
                                "accumulation": acc, "peak_gb": est.peak_gb, "fits": fits, "speed": speed,
                                "allowed": allowed, "_estimate": est})
