@@ -131,16 +131,22 @@ def run_one(spec: dict[str, Any], layers: Optional[int], steps: int, cpu: bool) 
                 self.row["reserved_peak"] = torch.cuda.max_memory_reserved()
             rows.append(self.row)
 
+    from lightning_perf.plugins import PerfPrecision
+
     strategy = _strategy(spec["strategy"], cpu)
-    trainer = L.Trainer(accelerator="cpu" if cpu else "gpu", devices=1, strategy=strategy,
-                        precision="32-true" if cpu else "bf16-mixed", max_steps=steps, logger=False,
+    precision = "32-true" if cpu else "bf16-mixed"
+    # on one device the pack's precision plugin, as the CLI installs it (Lightning's refuses clipping with the
+    # fused AdamW); the pack's strategies install it themselves
+    plugins = [PerfPrecision(precision)] if strategy == "auto" else None
+    trainer = L.Trainer(accelerator="cpu" if cpu else "gpu", devices=1, strategy=strategy, plugins=plugins,
+                        precision=None if plugins else precision, max_steps=steps, logger=False,
                         enable_checkpointing=False, limit_val_batches=0, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0, callbacks=[Probe()])
     t0 = time.perf_counter()
     trainer.fit(module, data)
     seconds = time.perf_counter() - t0
     estimate = lightning_perf.estimate_memory(module, trainer.strategy, devices=1, batch_size=spec["batch"],
-                                              seq_len=spec["seq_len"], precision=str(trainer.precision))
+                                              seq_len=spec["seq_len"], precision=precision)
     return {"rows": rows, "seconds": seconds, "n_layer": module.config.n_layer,
             "tokens": spec["batch"] * spec["seq_len"], "estimate": estimate.as_dict(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not cpu else "cpu"}
