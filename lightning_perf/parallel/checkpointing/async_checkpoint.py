@@ -156,17 +156,42 @@ class HostStager:
         visit("", state)
         return out
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A host copy of ``state``; the buffers of the last call are reused when the layout is the same."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    def allocate(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Host buffers of ``state``'s layout (the ones kept, where the layout is the same), not yet filled."""
+        from torch.distributed._state_dict_utils import _create_cpu_state_dict
 
         layout = self._layout_of(state)
         if self._buffers is None or layout != self._layout:
             self._buffers, self._layout = _create_cpu_state_dict(state), layout
-        return _copy_state_dict(state, self._buffers, non_blocking=False)
+        return self._buffers
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A host copy of ``state``; the buffers of the last call are reused when the layout is the same."""
+        from torch.distributed._state_dict_utils import _copy_state_dict
+
+        return _copy_state_dict(state, self.allocate(state), non_blocking=False)
 
     def close(self) -> None:
         self._buffers = self._layout = None
+
+
+def _commit_pages(buffers: dict[str, Any]) -> None:
+    """Write every host buffer once, so that its pages exist before a save copies into them."""
+    from torch.distributed.tensor import DTensor
+
+    def visit(x: Any) -> None:
+        if isinstance(x, DTensor):
+            x.to_local().zero_()
+        elif isinstance(x, torch.Tensor):
+            x.zero_()
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+
+    visit(buffers)
 
 
 def _bind_device(device: Optional[torch.device]) -> None:
@@ -205,7 +230,8 @@ class AsyncCheckpointer:
         self._rank = dist.get_rank() if self._group is not None else 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_perf_ckpt",
                                             initializer=_bind_device, initargs=(self.device,))
-        self._reserved: Optional[Any] = None  # the stager whose buffers every save reuses (see reserve)
+        self._reserved: Optional[HostStager] = None  # the stager whose buffers every save reuses (see reserve)
+        self._committing: Optional[Future] = None  # the writer thread's fill of the reserved buffers
         self.reserved_bytes = 0
         self._pending: Optional[Future] = None
         self._pending_path: Optional[Path] = None
@@ -224,7 +250,10 @@ class AsyncCheckpointer:
         return self._group
 
     def reserve(self, model: nn.Module, optimizers: Sequence[Optimizer] = (), *, ranks_on_host: int = 1) -> int:
-        """Stage the current state once into buffers that every later save reuses; the bytes kept (0: none).
+        """Allocate host buffers of the state's layout that every later save stages into; the bytes kept (0: none).
+
+        The buffers are allocated here and their pages committed by the writer thread while training goes on
+        (a save waits for that), so the step that reserves is not held up by tens of GB of copies.
 
         Not collective. Kept only while ``ranks_on_host`` ranks with as much each need at most
         ``RESERVE_SHARE`` of the host's available memory; otherwise saves keep staging into memory of
@@ -239,14 +268,18 @@ class AsyncCheckpointer:
             self._release()
             return 0
         if self._reserved is None:
-            # pageable: pinning tens of GB takes the driver tens of seconds, a stall of the training step that
-            # reserves; the staging copies of each save are slower for it, never the training steps
             self._reserved = HostStager()
-        self._reserved.stage(state)  # allocates the buffers, filled with today's values
+        buffers = self._reserved.allocate(state)  # no copy: the training step that reserves is not held up
+        # the writer thread commits the pages (a fill of every buffer) while training goes on; a save waits
+        # for it before staging into them
+        self._committing = self._executor.submit(_commit_pages, buffers)
         self.reserved_bytes = need
         return need
 
     def _release(self) -> None:
+        if self._committing is not None:
+            self._committing.result()
+            self._committing = None
         if self._reserved is not None:
             self._reserved.close()
         self._reserved, self.reserved_bytes = None, 0
@@ -270,6 +303,9 @@ class AsyncCheckpointer:
         path = Path(path)
         self._deferred = [(p, a) for p, a in self._deferred if p != path]  # a new save of it cancels its removal
         tmp = ckpt.prepare_tmp(path, group=self._group)
+        if self._committing is not None:  # the reserved buffers' pages, committed in the background
+            self._committing.result()
+            self._committing = None
         stager = self._reserved if self._reserved is not None else HostStager()
 
         def stage() -> tuple[Any, dict[str, Any]]:
