@@ -31,7 +31,8 @@ GPUs; the ``gb_*`` variants, also selected by ``--only 'gb_*'``), every layout t
 per optimizer step: ``gb_dp2_zero3_compile`` is ``ZeroStrategy(stage=3, accumulation="auto")`` accumulating
 micro-batches of 8 sequences per GPU (the memory planner chooses what stays gathered between them),
 ``gb_dp2_zero2_compile`` the same through ``Parallel3DStrategy``'s data-parallel path, ``gb_pp2_1f1b_compile``
-one batch per step cut into microbatches of 4 sequences (64 on two GPUs), ``gb_pp2_auto_compile`` the
+one batch per step cut into microbatches of 4 sequences (64 on two GPUs; ``gb_pp2_1f1b_runtime_compile``
+the same order through torch's action runtime, which posts receives ahead), ``gb_pp2_auto_compile`` the
 strategy's default pipeline for that batch, ``gb_tp2_compile_batch`` tp2 accumulating 16 sequences per
 micro-batch. Their steps (warm-up, window, the profiled one) are optimizer steps; each row adds
 ``accumulate_grad_batches``, ``micro_batch``, ``accumulation`` (ZeroStrategy's settled mode) and, like every
@@ -157,6 +158,10 @@ GLOBAL_BATCH_VARIANTS: dict[str, dict[str, Any]] = {
     "gb_dp2_zero2_compile": {"dp": 2, "zero": 2, "micro": 8, "compile": "default"},
     # microbatches of 4 sequences (8192 tokens, the "auto" floor): 64 of them on two GPUs at the default batch
     "gb_pp2_1f1b_compile": {"pp": 2, "schedule": "1f1b", "micro": 4, "compile": "default"},
+    # the same 1F1B order run by torch's action runtime (the interleaved schedule on one stage per rank), which
+    # posts each receive ahead of the compute that needs it: torch's single-stage 1F1B posts it just before
+    "gb_pp2_1f1b_runtime_compile": {"pp": 2, "schedule": "interleaved_1f1b", "spr": 1, "micro": 4,
+                                    "compile": "default"},
     "gb_pp2_auto_compile": {"pp": 2, "auto": True, "compile": "default"},
     "gb_tp2_compile_batch": {"tp": 2, "micro": 16, "compile": "default", "sp": "batch"},
 }
