@@ -37,9 +37,10 @@ strategy's default pipeline for that batch, ``gb_tp2_compile_batch`` tp2 accumul
 micro-batch. Their steps (warm-up, window, the profiled one) are optimizer steps; each row adds
 ``accumulate_grad_batches``, ``micro_batch``, ``accumulation`` (ZeroStrategy's settled mode) and, like every
 profiled row, the step breakdown of ``lightning_perf.perf.comm.step_breakdown`` (``compute_pct``,
-``exposed_p2p_pct``, ``exposed_collectives_pct``, ``idle_pct``: the slowest rank's, each rank's under
-``step_breakdown_per_rank``); pipelines also ``bubble_trace`` (exposed P2P plus idle) beside
-``bubble_theory`` and the bubble measured against ``gb_dp2_zero3_compile``.
+``exposed_p2p_pct``, ``exposed_collectives_pct``, ``idle_pct`` of the profiled step: the rank computing
+the least of it, ``step_breakdown_rank``; each rank's under ``step_breakdown_per_rank``); pipelines also
+``bubble_trace`` (exposed P2P plus idle) beside ``bubble_theory`` and the bubble measured against
+``gb_dp2_zero3_compile``.
 
 Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 (1F1B with 4
 microbatches, and ``llama8b_pp2_auto``: the default pipeline) and tp2 with full activation
@@ -320,6 +321,16 @@ def _timer(warmup: int, steps: int, trace_dir: str) -> Any:
                 out = [b - a for a, b in self.marks if b is not None]
             return out[warmup : warmup + steps]
 
+        def profiled_step_s(self) -> Optional[float]:
+            """The profiled step's own length (under the profiler, a little longer than the timed ones)."""
+            if len(self.marks) <= warmup + steps or self.marks[warmup + steps][1] is None:
+                return None
+            a, b = self.marks[warmup + steps]
+            if cuda:
+                torch.cuda.synchronize()
+                return a.elapsed_time(b) / 1e3
+            return b - a
+
         def host_times(self) -> list[float]:
             return [b - a for a, b in self.host if b is not None][warmup : warmup + steps]
 
@@ -454,7 +465,8 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
     trainer = L.Trainer(
         accelerator="cpu" if smoke else "gpu", devices=world, strategy=strategy,
         precision="32-true" if smoke else "bf16-mixed", max_steps=args["warmup"] + args["steps"] + 1,
-        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, window] + _gc_callbacks(spec),
     )
     t0 = time.perf_counter()
@@ -481,7 +493,8 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "tp_split": spec.get("tp_split", 1),
         "global_batch": global_batch, "seq_len": T, "global_batch_tokens": global_batch * T,
         "micro_batch": B, "accumulate_grad_batches": accumulate,
-        "accumulation": getattr(trainer.strategy, "accumulation_mode", None), "step_s_median": step, "step_s_min": min(times),
+        "accumulation": getattr(trainer.strategy, "accumulation_mode", None),
+        "step_s_median": step, "step_s_min": min(times),
         "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
         "tokens_per_s_median_step": tokens_per_s_median_step,
         "mfu": config.flops_per_token(T) * tokens_per_s / world / PEAK_BF16,
@@ -513,8 +526,8 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         out["gpu_time"] = gpu_time_breakdown(timer.trace, steps=1, top=40)
         from lightning_perf.perf.comm import step_breakdown
 
-        # where the step goes: compute, P2P waits (a pipeline's bubble, mostly), other collectives, nothing
-        breakdown = step_breakdown(timer.trace, step_s=mean_step).as_dict()
+        # where the profiled step goes: compute, P2P waits (a pipeline's bubble, mostly), other collectives, nothing
+        breakdown = step_breakdown(timer.trace, step_s=timer.profiled_step_s() or mean_step).as_dict()
         out["step_breakdown"] = breakdown
         out.update({key: breakdown[key] for key in ("compute_pct", "exposed_p2p_pct", "exposed_collectives_pct",
                                                     "idle_pct")})
@@ -563,12 +576,16 @@ def merge_ranks(name: str, ranks: list[dict], error: str | None) -> dict:
         return {"variant": name, "ok": False, "error": error or "no result"}
     res = dict(next((x for x in ranks if not x.get("ok")), ranks[0]))
     for key in ("peak_mem_gb", "exposed_comm_pct", "compute_idle_pct", "exposed_comm_pct_median_step",
-                "compute_idle_pct_median_step", "exposed_p2p_pct", "exposed_collectives_pct", "idle_pct"):
+                "compute_idle_pct_median_step"):
         vals = [x[key] for x in ranks if x.get(key) is not None]
         if vals:
             res[key] = max(vals)
-    if any(x.get("compute_pct") is not None for x in ranks):  # the busiest-idle rank sets the pace
-        res["compute_pct"] = min(x["compute_pct"] for x in ranks if x.get("compute_pct") is not None)
+    profiled = [x for x in ranks if x.get("step_breakdown")]
+    if profiled:  # the step breakdown of the rank that computes the smallest share of its step
+        slowest = min(profiled, key=lambda x: x["compute_pct"])
+        res.update({key: slowest[key] for key in ("compute_pct", "exposed_p2p_pct", "exposed_collectives_pct",
+                                                  "idle_pct")})
+        res["step_breakdown_rank"] = slowest["rank"]
         res["step_breakdown_per_rank"] = [x.get("step_breakdown") for x in ranks]
     for key in ("gc_count_in_window", "gc_ms_in_window", "recompiles_in_window"):
         if any(key in x for x in ranks):
