@@ -5,8 +5,8 @@
     python benchmarks/bench_8gpu.py --out DIR --part auto      # the default pipeline against 1F1B m=8
     python benchmarks/bench_8gpu.py --out DIR --part 4gpu --gpus 4   # llama-8b layouts on 4 GPUs, ~9 min
     python benchmarks/bench_8gpu.py --smoke                    # same code paths, tiny models, CPU/gloo
-    python benchmarks/bench_8gpu.py --out DIR --part 4gpu --gpus 4 --global-batch-tokens --warmup 1 --steps 2 \
-        --only 'gb_llama8b_dp4*,gb_llama8b_pp2*auto'         # at a real global batch, ~7 min per two layouts
+    python benchmarks/bench_8gpu.py --out DIR --part 4gpu --gpus 4 --global-batch-tokens 524288 --warmup 1 \
+        --steps 2 --budget 450 --only 'gb_llama8b_dp4*,gb_llama8b_pp2*auto'   # at a large global batch, ~6 min
 
 Every variant trains inside Lightning's ``Trainer.fit`` (bf16-mixed, AdamW, random tokens,
 parameters built on meta and initialised on the GPUs) through the measuring code of
@@ -47,7 +47,8 @@ ZeRO-3 as ``ZeroStrategy(stage=3, accumulation="auto")`` accumulating 16 micro-b
 pp2 x dp2 with 64 microbatches of one sequence per replica (1F1B, and the default pipeline), tp2 x dp2
 accumulating 16 micro-batches of 4 sequences; steps are optimizer steps, each row carries the step breakdown
 (compute, exposed P2P, exposed collectives, idle) and the pipelines their bubble against theory and against
-ZeRO-3. At about 20 s a step, run two layouts per call (``--only``) with ``--warmup 1 --steps 2``.
+ZeRO-3. A step of the default batch takes about 20 s: run one or two layouts per call (``--only``) with
+``--warmup 1 --steps 2``, or half the batch (``--global-batch-tokens 524288``, 64 sequences) for two.
 
 Reported per variant: tokens/s in all and per GPU, MFU per GPU (causal attention counted once,
 989 TFLOP/s dense bf16; ``mfu_attention_twice`` over the full square), peak allocated memory (max
