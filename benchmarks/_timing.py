@@ -210,7 +210,8 @@ class WallClockWindow(Callback):
     checkpoint save (``checkpoint``) are timed beside it. ``warmup`` and ``out`` default to
     ``BENCH_WINDOW_WARMUP`` and ``BENCH_WINDOW_OUT``, ``checkpoint`` to ``BENCH_WINDOW_CHECKPOINT``
     (environment variables, so a recipe run needs no extra arguments); the result is written there
-    as JSON.
+    as JSON. A step is an optimizer step: under gradient accumulation its mark is at its first
+    micro-batch and its tokens those of all its micro-batches.
     """
 
     def __init__(self, warmup: int | None = None, out: str | None = None, steps: int | None = None,
@@ -226,6 +227,7 @@ class WallClockWindow(Callback):
         self.result: dict[str, Any] = {}
         self.window: Window | None = None
         self._val_s: list[float] = []
+        self._marked_step: Optional[int] = None
         profiled = int(os.environ.get("BENCH_PROFILE_STEPS", 0))
         self._profile = StepProfile(profiled) if profiled else None
 
@@ -250,13 +252,17 @@ class WallClockWindow(Callback):
             self.window = Window(trainer.strategy.root_device.type == "cuda", barrier=trainer.strategy.barrier,
                                  first_step=step)
             self.window.open()
-        if self.window is not None and self.window.is_open:
+        # one mark per optimizer step, at its first micro-batch (with gradient accumulation Lightning calls this
+        # hook once per micro-batch, all of a step's under one global_step)
+        if self.window is not None and self.window.is_open and step != self._marked_step:
+            self._marked_step = step
             if self._profile is not None and step == self._last_step(trainer) - self._profile.steps:
                 self._profile.start()
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
             # every data-parallel replica sees its own batch; tensor / pipeline ranks share one
             replicas = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
-            self.window.step(int(x.numel()) * max(1, int(replicas)))
+            micro_batches = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+            self.window.step(int(x.numel()) * max(1, int(replicas)) * micro_batches)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.window is not None and self.window.is_open and trainer.global_step >= self._last_step(trainer):

@@ -5,6 +5,8 @@
     python benchmarks/bench_8gpu.py --out DIR --part auto      # the default pipeline against 1F1B m=8
     python benchmarks/bench_8gpu.py --out DIR --part 4gpu --gpus 4   # llama-8b layouts on 4 GPUs, ~9 min
     python benchmarks/bench_8gpu.py --smoke                    # same code paths, tiny models, CPU/gloo
+    python benchmarks/bench_8gpu.py --out DIR --part 4gpu --gpus 4 --global-batch-tokens 524288 --warmup 1 \
+        --steps 2 --budget 450 --only 'gb_llama8b_dp4*,gb_llama8b_pp2*auto'   # at a large global batch, ~6 min
 
 Every variant trains inside Lightning's ``Trainer.fit`` (bf16-mixed, AdamW, random tokens,
 parameters built on meta and initialised on the GPUs) through the measuring code of
@@ -38,6 +40,15 @@ fused q / k / v, the pack's kernels, compiled blocks and selective checkpointing
 gathered in FP8), tp2 x dp2 (batch-sharded sequence parallelism, ZeRO-3 over dp; synchronous and async
 TP) and pp2 x dp2 (the default pipeline, and interleaved 1F1B on 4 stages per rank; ZeRO-3 over dp):
 each 3D layout against ZeRO-3 on the same GPUs.
+
+With ``--global-batch-tokens [N]`` (default 262,144 tokens per GPU: 1,048,576 = 128 sequences of 8192), part
+``4gpu`` runs its layouts at that global batch instead (:func:`global_batch_specs`, group ``llama8b_4gpu_gb``):
+ZeRO-3 as ``ZeroStrategy(stage=3, accumulation="auto")`` accumulating 16 micro-batches of 2 sequences per GPU,
+pp2 x dp2 with 64 microbatches of one sequence per replica (1F1B, and the default pipeline), tp2 x dp2
+accumulating 16 micro-batches of 4 sequences; steps are optimizer steps, each row carries the step breakdown
+(compute, exposed P2P, exposed collectives, idle) and the pipelines their bubble against theory and against
+ZeRO-3. A step of the default batch takes about 20 s: run one or two layouts per call (``--only``) with
+``--warmup 1 --steps 2``, or half the batch (``--global-batch-tokens 524288``, 64 sequences) for two.
 
 Reported per variant: tokens/s in all and per GPU, MFU per GPU (causal attention counted once,
 989 TFLOP/s dense bf16; ``mfu_attention_twice`` over the full square), peak allocated memory (max
@@ -125,9 +136,25 @@ GROUPS: list[tuple[str, str, int, dict[str, dict[str, Any]]]] = [
     }),
 ]
 
+
+
+def global_batch_specs() -> dict[str, dict[str, Any]]:
+    """The 4-GPU llama-8b layouts of part ``4gpu`` at one global batch in tokens (``--global-batch-tokens``):
+    ZeRO-3 over the four GPUs (``ZeroStrategy(accumulation="auto")``, FP8 weight gathers) accumulating micro-batches
+    of 2 sequences per GPU; pp2 x dp2 (ZeRO-3 over dp) cutting each replica's batch into microbatches of one
+    sequence, by 1F1B and by the strategy's default; tp2 x dp2 accumulating 4 sequences per replica
+    (``micro``: see ``bench_parallel3d.GLOBAL_BATCH_VARIANTS``)."""
+    return {
+        "gb_llama8b_dp4_zero3_fp8": dict(LLAMA_4GPU, strategy="zero", zero=3, fp8_all_gather=True, micro=2),
+        "gb_llama8b_pp2_dp2_fp8_auto": dict(LLAMA_4GPU, pp=2, zero=3, auto=True),
+        "gb_llama8b_pp2_dp2_fp8_1f1b": dict(LLAMA_4GPU, pp=2, zero=3, schedule="1f1b", micro=1),
+        "gb_llama8b_tp2_dp2_fp8": dict(LLAMA_4GPU, tp=2, zero=3, sp="batch", micro=4),
+    }
+
+
 # a group's deadline: seconds per variant plus the group's start (spawn, imports, NCCL)
 PER_VARIANT_S = {"llama8b_8gpu": 85.0, "llama8b_8gpu_compile": 150.0, "llama8b_8gpu_gc": 85.0,
-                 "llama8b_8gpu_auto": 85.0, "llama8b_4gpu": 130.0}
+                 "llama8b_8gpu_auto": 85.0, "llama8b_4gpu": 130.0, "llama8b_4gpu_gb": 240.0}
 DEFAULT_PER_VARIANT_S = 35.0
 GROUP_START_S = 30.0
 
@@ -162,16 +189,22 @@ def add_figures(results: list[dict]) -> None:
         r["tokens_per_s_per_gpu_median_step"] = r["tokens_per_s_median_step"] / r["world"]
         if r.get("pp", 1) > 1:
             r["bubble_theory"] = bubble_fraction(r["pp"], r["microbatches"], r.get("stages_per_rank", 1))
+            shares = [b["exposed_p2p_pct"] + b["idle_pct"] for b in r.get("step_breakdown_per_rank") or [] if b]
+            if shares:  # the largest share of the profiled step in which a rank computes nothing
+                r["bubble_trace"] = max(shares) / 100.0
     fsdp = next((r for r in results if r.get("ok") and r["variant"] == "gpt13b_dp8_lightning_fsdp"), None)
     for r in results:
         if fsdp is not None and r.get("ok") and r["variant"].startswith("gpt13b_dp8"):
             r["vs_lightning_fsdp_dp8"] = r["tokens_per_s"] / fsdp["tokens_per_s"]
             r["vs_lightning_fsdp_dp8_median_step"] = r["tokens_per_s_median_step"] / fsdp["tokens_per_s_median_step"]
-    zero3_4 = next((r for r in results if r.get("ok") and r["variant"] == "llama8b_dp4_zero3_fp8"), None)
-    for r in results:  # the 4-GPU 3D layouts against ZeRO-3 on the same four GPUs
-        if zero3_4 is not None and r.get("ok") and r.get("group") == "llama8b_4gpu":
-            r["vs_zero3_dp4"] = r["tokens_per_s"] / zero3_4["tokens_per_s"]
-            r["vs_zero3_dp4_median_step"] = r["tokens_per_s_median_step"] / zero3_4["tokens_per_s_median_step"]
+    for group, baseline in (("llama8b_4gpu", "llama8b_dp4_zero3_fp8"), ("llama8b_4gpu_gb", "gb_llama8b_dp4_zero3_fp8")):
+        zero3_4 = next((r for r in results if r.get("ok") and r["variant"] == baseline), None)
+        for r in results:  # the 4-GPU 3D layouts against ZeRO-3 on the same four GPUs (and batch)
+            if zero3_4 is not None and r.get("ok") and r.get("group") == group:
+                r["vs_zero3_dp4"] = r["tokens_per_s"] / zero3_4["tokens_per_s"]
+                r["vs_zero3_dp4_median_step"] = r["tokens_per_s_median_step"] / zero3_4["tokens_per_s_median_step"]
+                if r.get("pp", 1) > 1:  # same tokens per step: the step-time ratio
+                    r["bubble_measured"] = 1.0 - r["vs_zero3_dp4"]
     lfsdp8b = next((r for r in results if r.get("ok") and r["variant"] == "llama8b_dp8_lightning_fsdp"), None)
     for r in results:
         if lfsdp8b is not None and r.get("ok") and r["variant"].startswith("llama8b"):
@@ -235,6 +268,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--budget", type=float, default=540.0, help="seconds; a group that cannot finish is skipped")
     parser.add_argument("--only", default=None, help="comma-separated variant patterns (default: the part's all)")
+    parser.add_argument("--global-batch-tokens", nargs="?", type=int, const=0, default=None, metavar="N",
+                        help="part 4gpu only: its layouts at N tokens per optimizer step (no N: "
+                             f"{b3.GLOBAL_TOKENS_PER_GPU} per GPU; --smoke: {b3.SMOKE_GLOBAL_TOKENS})")
     parser.add_argument("--plot-from", nargs="+", default=None,
                         help="only draw the scaling plot from saved JSON results (merged) into --out")
     a = parser.parse_args(argv)
@@ -252,9 +288,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         a.warmup, a.steps = 1, 1
     args = {"smoke": a.smoke, "preset": "gpt-1.3b", "seq_len": 32 if a.smoke else 2048, "global_batch": 16,
             "warmup": a.warmup, "steps": a.steps, "compile_backend": "aot_eager" if a.smoke else "inductor"}
+    groups = GROUPS
+    if a.global_batch_tokens is not None:
+        if a.part != "4gpu":
+            parser.error("--global-batch-tokens runs the layouts of --part 4gpu at a global batch: add --part 4gpu")
+        tokens = a.global_batch_tokens or (b3.SMOKE_GLOBAL_TOKENS if a.smoke else b3.GLOBAL_TOKENS_PER_GPU * 4)
+        specs = {k: dict(v, global_tokens=tokens) for k, v in global_batch_specs().items()}
+        for name in b3.select(list(specs), a.only):  # the numbers checked before any process starts
+            try:
+                b3.global_batch_layout(specs[name], 4, tokens, args["seq_len"] if a.smoke else specs[name]["seq_len"],
+                                       a.smoke)
+            except ValueError as e:
+                parser.error(f"{name}: {e}")
+        groups = [("4gpu", "llama8b_4gpu_gb", 4, specs)]
+        args["global_batch_tokens"] = tokens
     start = time.perf_counter()
     results: list[dict] = []
-    for part, group, world, specs in GROUPS:
+    for part, group, world, specs in groups:
         if a.part != "all" and part != a.part:
             continue
         names = b3.select(list(specs), a.only)
@@ -294,7 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else a.gpus,
         "torch": torch.__version__,
         "triton": triton_version,
-        "config": {**args, "groups": [(p, g, w, s) for p, g, w, s in GROUPS], "peak_flops": b3.PEAK_BF16},
+        "config": {**args, "groups": [(p, g, w, s) for p, g, w, s in groups], "peak_flops": b3.PEAK_BF16},
         "headline": "tokens / wall-clock seconds over the timed window (mean step), rank 0's clock",
         "wall_s": time.perf_counter() - start,
         "weak_scaling": weak_scaling(results),
@@ -323,6 +373,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         bub = f"{100 * r['bubble_theory']:.0f}%" if r.get("bubble_theory") is not None else "-"
         print(f"{r['variant']:30s} {r['tokens_per_s']:9.0f} {r['tokens_per_s_per_gpu']:7.0f} {100 * r['mfu']:5.1f}% "
               f"{mem:>6s} {pct('exposed_comm_pct'):>8s} {pct('compute_idle_pct'):>6s} {bub:>10s}")
+    b3.print_step_breakdown(results)
     ws = report["weak_scaling"]
     if ws:
         print("weak scaling (gpt-1.3b ZeRO-2, tokens/s per GPU vs dp1): " + ", ".join(

@@ -13,8 +13,9 @@ by ``_timing.WallClockWindow`` (a device synchronisation and a barrier on every 
 ends only; rank 0's host clock between them), then one profiled step for the
 exposed-communication share (NCCL kernel time not overlapped by any compute kernel, over the
 mean step). The ``*_acc8_*`` variants accumulate 8 micro-batches per optimizer step, one per
-``ZeroStrategy(accumulation=...)`` mode; their steps (warm-up, window) count optimizer steps, their
-step times are micro-batches, and the profiled step is the second micro-batch of an optimizer step.
+``ZeroStrategy(accumulation=...)`` mode; their steps (warm-up, window and its ``step_ms_*``) are optimizer
+steps, their CUDA-event step times (``step_s_median``) micro-batches, and the profiled step is the second
+micro-batch of an optimizer step.
 
 Headline: ``tokens_per_s``, the tokens of all ranks over the window's wall time (the mean step,
 slow steps included), with ``step_ms_mean`` / ``_median`` / ``_p90`` / ``_max``, the garbage
@@ -170,8 +171,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "llama8b_model_parallel_compile": {"baseline": "model_parallel", "preset": "llama-8b", "seq_len": 8192,
                                        "batch": 2, "warmup": 4, "steps": 8, "ac": "full"},
     # gradient accumulation, 8 micro-batches of 1 sequence per optimizer step, in each ZeroStrategy(accumulation=)
-    # mode: gathers and reduce-scatters per micro-batch against memory held between them (warmup / steps count
-    # optimizer steps; the window's tokens and step times are per micro-batch)
+    # mode: gathers and reduce-scatters per micro-batch against memory held between them (warmup / steps and the
+    # window's step times count optimizer steps; step_s_median is per micro-batch)
     **{f"zero3_acc8_{mode}": {"zero": {"stage": 3, "accumulation": mode}, "batch": 1, "accumulate": 8,
                               "warmup": 2, "steps": 4}
        for mode in ("reduce_each", "reduce_once", "gather_once")},

@@ -3,6 +3,7 @@
     python benchmarks/bench_parallel3d.py --out DIR     # every variant, ~6-8 min on 2x H200
     python benchmarks/bench_parallel3d.py --out DIR --only 'dp2*,tp2*,pp2_1f1b_m4*' --no-llama
     python benchmarks/bench_parallel3d.py --smoke       # same code paths, tiny models, CPU/gloo
+    python benchmarks/bench_parallel3d.py --out DIR --global-batch-tokens --warmup 2 --steps 3   # ~6 min
 
 All variants train inside Lightning's ``Trainer.fit`` with ``Parallel3DStrategy``
 (bf16-mixed, random tokens, AdamW, eager unless ``_compile``, parameters built on meta and initialised
@@ -24,6 +25,22 @@ same global batch of 16 x 2048 tokens per step in every layout:
   placed by Inductor's runtime-estimated scheduler (``_schedule``), sublayer compile scope,
   the residual stream sharded along the batch instead of the sequence (``_batch``), q/k/v from one
   matmul (``_fused_qkv``, dp2 too); ``_fp8``: FP8 linears (dp2 also gathers its weights in FP8).
+
+At a real global batch (``--global-batch-tokens [N]``, default 262,144 tokens per GPU: 524,288 on two
+GPUs; the ``gb_*`` variants, also selected by ``--only 'gb_*'``), every layout trains on the same N tokens
+per optimizer step: ``gb_dp2_zero3_compile`` is ``ZeroStrategy(stage=3, accumulation="auto")`` accumulating
+micro-batches of 8 sequences per GPU (the memory planner chooses what stays gathered between them),
+``gb_dp2_zero2_compile`` the same through ``Parallel3DStrategy``'s data-parallel path, ``gb_pp2_1f1b_compile``
+one batch per step cut into microbatches of 4 sequences (64 on two GPUs; ``gb_pp2_1f1b_runtime_compile``
+the same order through torch's action runtime, which posts receives ahead), ``gb_pp2_auto_compile`` the
+strategy's default pipeline for that batch, ``gb_tp2_compile_batch`` tp2 accumulating 16 sequences per
+micro-batch. Their steps (warm-up, window, the profiled one) are optimizer steps; each row adds
+``accumulate_grad_batches``, ``micro_batch``, ``accumulation`` (ZeroStrategy's settled mode) and, like every
+profiled row, the step breakdown of ``lightning_perf.perf.comm.step_breakdown`` (``compute_pct``,
+``exposed_p2p_pct``, ``exposed_collectives_pct``, ``idle_pct`` of the profiled step: the rank computing
+the least of it, ``step_breakdown_rank``; each rank's under ``step_breakdown_per_rank``); pipelines also
+``bubble_trace`` (exposed P2P plus idle) beside ``bubble_theory`` and the bubble measured against
+``gb_dp2_zero3_compile``.
 
 Then llama-8b (does not fit one GPU with Adam: 16 bytes/parameter) under pp2 (1F1B with 4
 microbatches, and ``llama8b_pp2_auto``: the default pipeline) and tp2 with full activation
@@ -124,6 +141,61 @@ LLAMA_VARIANTS: dict[str, dict[str, Any]] = {
     "llama8b_tp2": {"tp": 2, "ac": "full"},
 }
 
+#: the global-batch variants' default optimizer step, in tokens per GPU (``--global-batch-tokens`` defaults to
+#: this times ``--gpus``: 524,288 tokens on two GPUs). A real run steps on about a million tokens: a pipeline then
+#: cuts each replica's batch into tens of microbatches and ZeRO accumulates micro-batches, so the layouts are
+#: compared there rather than at the 16 sequences above, where a pipeline has 4 microbatches and its bubble decides.
+GLOBAL_TOKENS_PER_GPU = 262144
+#: the smoke run's global batch for the global-batch variants: 16 sequences of its 32 tokens
+SMOKE_GLOBAL_TOKENS = 16 * 32
+
+# Every layout at the same global batch in tokens (``--global-batch-tokens``). ``micro``: sequences per forward (a
+# ZeRO / TP micro-batch per data-parallel rank, accumulated to the global batch; a pipeline's microbatch, the
+# replica's whole batch being one Lightning batch cut into microbatches). A smoke run divides ``micro`` by 4.
+GLOBAL_BATCH_VARIANTS: dict[str, dict[str, Any]] = {
+    # ZeroStrategy(stage=3, accumulation="auto"): the memory planner picks gather_once / reduce_once / reduce_each
+    "gb_dp2_zero3_compile": {"strategy": "zero", "zero": 3, "micro": 8, "compile": "default"},
+    # Parallel3DStrategy's data-parallel path (ZeRO-2): gradients reduce-scattered once per optimizer step
+    "gb_dp2_zero2_compile": {"dp": 2, "zero": 2, "micro": 8, "compile": "default"},
+    # microbatches of 4 sequences (8192 tokens, the "auto" floor): 64 of them on two GPUs at the default batch
+    "gb_pp2_1f1b_compile": {"pp": 2, "schedule": "1f1b", "micro": 4, "compile": "default"},
+    # the same 1F1B order run by torch's action runtime (the interleaved schedule on one stage per rank), which
+    # posts each receive ahead of the compute that needs it: torch's single-stage 1F1B posts it just before
+    "gb_pp2_1f1b_runtime_compile": {"pp": 2, "schedule": "interleaved_1f1b", "spr": 1, "micro": 4,
+                                    "compile": "default"},
+    "gb_pp2_auto_compile": {"pp": 2, "auto": True, "compile": "default"},
+    "gb_tp2_compile_batch": {"tp": 2, "micro": 16, "compile": "default", "sp": "batch"},
+}
+
+
+def global_batch_layout(spec: dict[str, Any], world: int, global_tokens: int, seq_len: int,
+                        smoke: bool = False) -> dict[str, Any]:
+    """How a global-batch variant reaches ``global_tokens`` per optimizer step on ``world`` GPUs.
+
+    Returns ``batch`` (sequences per Lightning batch per data-parallel rank), ``accumulate`` (Lightning
+    micro-batches per optimizer step) and ``microbatches`` (a pipeline's, ``None`` where "auto" chooses or
+    there is no pipeline). Raises ``ValueError`` where the numbers do not divide.
+    """
+    pp, tp = spec.get("pp", 1), spec.get("tp", 1)
+    dp = world // (pp * tp)
+    if global_tokens % seq_len:
+        raise ValueError(f"--global-batch-tokens {global_tokens} is not a whole number of {seq_len}-token sequences")
+    per_replica, left = divmod(global_tokens // seq_len, dp)
+    if left or per_replica == 0:
+        raise ValueError(f"{global_tokens // seq_len} sequences do not split over {dp} data-parallel replicas")
+    micro = spec.get("micro")
+    if micro is not None and smoke:  # a batch-sharded TP micro-batch keeps a sequence per TP rank
+        micro = max(tp if spec.get("sp") == "batch" else 1, micro // 4)
+    if pp > 1:  # one Lightning batch per step, cut into the pipeline's microbatches
+        if spec.get("auto"):
+            return {"batch": per_replica, "accumulate": 1, "microbatches": None}
+        if per_replica % micro:
+            raise ValueError(f"{per_replica} sequences per replica do not cut into microbatches of {micro}")
+        return {"batch": per_replica, "accumulate": 1, "microbatches": per_replica // micro}
+    if per_replica % micro:
+        raise ValueError(f"{per_replica} sequences per replica are no whole number of micro-batches of {micro}")
+    return {"batch": micro, "accumulate": per_replica // micro, "microbatches": None}
+
 
 def select(names: list[str], only: Optional[str]) -> list[str]:
     """``names`` matching any of the comma-separated shell patterns in ``only`` (all when None)."""
@@ -158,6 +230,11 @@ def _strategy(spec: dict[str, Any], world: int, compile_backend: str = "inductor
 
         return FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, state_dict_type="sharded",
                             activation_checkpointing_policy={Block} if spec.get("ac", "none") != "none" else None)
+    if spec.get("strategy") == "zero":  # the ZeRO strategy itself (compile: the module's, per block)
+        from lightning_perf.strategies import ZeroStrategy
+
+        return ZeroStrategy(stage=spec.get("zero", 3), accumulation=spec.get("accumulation", "auto"), init="meta",
+                            fp8_all_gather=spec.get("fp8_all_gather", False))
     pp, tp = spec.get("pp", 1), spec.get("tp", 1)
     auto = spec.get("auto", False)
     return Parallel3DStrategy(
@@ -187,7 +264,7 @@ def _timer(warmup: int, steps: int, trace_dir: str) -> Any:
     cuda = torch.cuda.is_available()
 
     class Timer(L.Callback):
-        """CUDA-event step times; the step after the timed ones is profiled."""
+        """CUDA-event times of optimizer steps; the step after the timed ones is profiled (all its micro-batches)."""
 
         def __init__(self) -> None:
             self.marks: list[list[Any]] = []
@@ -207,8 +284,11 @@ def _timer(warmup: int, steps: int, trace_dir: str) -> Any:
             ev.record()
             return ev
 
+        # one mark per optimizer step: at the start of its first micro-batch and the end of its last
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == warmup + steps:
+            if batch_idx % trainer.accumulate_grad_batches:
+                return
+            if trainer.global_step == warmup + steps:
                 from torch.profiler import ProfilerActivity, profile
 
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -218,6 +298,8 @@ def _timer(warmup: int, steps: int, trace_dir: str) -> Any:
             self.host.append([time.perf_counter(), None])
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % trainer.accumulate_grad_batches:
+                return
             self.marks[-1][1] = self._now()
             self.host[-1][1] = time.perf_counter()
             if self.prof is not None:
@@ -238,6 +320,16 @@ def _timer(warmup: int, steps: int, trace_dir: str) -> Any:
             else:
                 out = [b - a for a, b in self.marks if b is not None]
             return out[warmup : warmup + steps]
+
+        def profiled_step_s(self) -> Optional[float]:
+            """The profiled step's own length (under the profiler, a little longer than the timed ones)."""
+            if len(self.marks) <= warmup + steps or self.marks[warmup + steps][1] is None:
+                return None
+            a, b = self.marks[warmup + steps]
+            if cuda:
+                torch.cuda.synchronize()
+                return a.elapsed_time(b) / 1e3
+            return b - a
 
         def host_times(self) -> list[float]:
             return [b - a for a, b in self.host if b is not None][warmup : warmup + steps]
@@ -320,7 +412,14 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
     T = spec.get("seq_len", args["seq_len"]) if not smoke else args["seq_len"]
     global_batch = spec.get("global_batch", args["global_batch"])
     dp = world // (spec.get("pp", 1) * spec.get("tp", 1))
-    B = global_batch // dp
+    B, accumulate = global_batch // dp, 1
+    layout = None
+    if spec.get("global_tokens"):  # a global-batch variant: micro-batches accumulated, or a pipeline's microbatches
+        layout = global_batch_layout(spec, world, spec["global_tokens"], T, smoke)
+        B, accumulate = layout["batch"], layout["accumulate"]
+        global_batch = B * dp * accumulate
+        if layout["microbatches"] is not None:
+            spec = dict(spec, m=layout["microbatches"])
     small = "tiny-llama" if "llama" in preset else "tiny"
     config = GPTConfig.from_name(small if smoke else preset, block_size=max(T, 16), tie_embeddings=False,
                                  fused_qkv=spec.get("fused_qkv", False), fp8=spec.get("fp8", False),
@@ -349,7 +448,11 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         inductor_config._micro_pipeline_tp = False
     census = (_collective_census() if spec.get("compile") and spec.get("tp", 1) > 1 and args["compile_backend"] == "inductor"
               else None)
-    module = GPTLightningModule(config, warmup_steps=0)
+    # the ZeRO strategy compiles and checkpoints nothing itself: the module does, per block (compiled by inductor;
+    # eager on the CPU smoke run)
+    zero = spec.get("strategy") == "zero"
+    module = GPTLightningModule(config, warmup_steps=0, compile=spec.get("compile") if zero and not smoke else None,
+                                activation_checkpointing=spec.get("ac", "none") if zero else "none")
     timer = _timer(args["warmup"], args["steps"], trace_dir)
     window = WallClockWindow(warmup=args["warmup"], steps=args["steps"], checkpoint=False)
     # the smoke run's tiny batch: the microbatch floor scaled by its sequence length (the GPU runs' 2048)
@@ -362,7 +465,8 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
     trainer = L.Trainer(
         accelerator="cpu" if smoke else "gpu", devices=world, strategy=strategy,
         precision="32-true" if smoke else "bf16-mixed", max_steps=args["warmup"] + args["steps"] + 1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, window] + _gc_callbacks(spec),
     )
     t0 = time.perf_counter()
@@ -387,7 +491,10 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         "fused_qkv": spec.get("fused_qkv", False), "fp8": spec.get("fp8", False),
         "fp8_all_gather": spec.get("fp8_all_gather", False),
         "tp_split": spec.get("tp_split", 1),
-        "global_batch": global_batch, "seq_len": T, "step_s_median": step, "step_s_min": min(times),
+        "global_batch": global_batch, "seq_len": T, "global_batch_tokens": global_batch * T,
+        "micro_batch": B, "accumulate_grad_batches": accumulate,
+        "accumulation": getattr(trainer.strategy, "accumulation_mode", None),
+        "step_s_median": step, "step_s_min": min(times),
         "step_s_max": max(times), "host_step_s_median": statistics.median(timer.host_times()),
         "tokens_per_s_median_step": tokens_per_s_median_step,
         "mfu": config.flops_per_token(T) * tokens_per_s / world / PEAK_BF16,
@@ -417,6 +524,13 @@ def _run_one(name: str, spec: dict, args: dict, world: int, rank: int, trace_dir
         from lightning_perf.perf.gpu_time import gpu_time_breakdown
 
         out["gpu_time"] = gpu_time_breakdown(timer.trace, steps=1, top=40)
+        from lightning_perf.perf.comm import step_breakdown
+
+        # where the profiled step goes: compute, P2P waits (a pipeline's bubble, mostly), other collectives, nothing
+        breakdown = step_breakdown(timer.trace, step_s=timer.profiled_step_s() or mean_step).as_dict()
+        out["step_breakdown"] = breakdown
+        out.update({key: breakdown[key] for key in ("compute_pct", "exposed_p2p_pct", "exposed_collectives_pct",
+                                                    "idle_pct")})
         idle, idle_median = _idle_share(timer.trace, mean_step), _idle_share(timer.trace, step)
         out["compute_idle_pct"] = None if idle is None else 100.0 * idle
         out["compute_idle_pct_median_step"] = None if idle_median is None else 100.0 * idle_median
@@ -466,6 +580,13 @@ def merge_ranks(name: str, ranks: list[dict], error: str | None) -> dict:
         vals = [x[key] for x in ranks if x.get(key) is not None]
         if vals:
             res[key] = max(vals)
+    profiled = [x for x in ranks if x.get("step_breakdown")]
+    if profiled:  # the step breakdown of the rank that computes the smallest share of its step
+        slowest = min(profiled, key=lambda x: x["compute_pct"])
+        res.update({key: slowest[key] for key in ("compute_pct", "exposed_p2p_pct", "exposed_collectives_pct",
+                                                  "idle_pct")})
+        res["step_breakdown_rank"] = slowest["rank"]
+        res["step_breakdown_per_rank"] = [x.get("step_breakdown") for x in ranks]
     for key in ("gc_count_in_window", "gc_ms_in_window", "recompiles_in_window"):
         if any(key in x for x in ranks):
             res[f"{key}_per_rank"] = [x.get(key) for x in ranks]
@@ -478,32 +599,65 @@ def add_bubble_figures(results: list[dict]) -> None:
 
     The baseline is dp2 in the same mode: ``dp2_compile_fp8`` for an FP8 variant and ``dp2_compile``
     for a compiled one (when they ran), ``dp2`` otherwise (named in ``baseline``); ``vs_dp2_eager``
-    always compares with eager dp2.
+    compares with eager dp2 at the same batch. A global-batch variant (``gb_*``) is compared with ZeRO-3
+    data parallelism at its batch (``gb_dp2_zero3_compile``, else ``gb_dp2_zero2_compile``). A pipeline
+    also gets ``bubble_trace``: the largest share of its profiled step in which a rank computes nothing
+    (exposed P2P plus idle, :func:`lightning_perf.perf.comm.step_breakdown`).
     """
     from lightning_perf.parallel.model_parallel.pipeline import bubble_fraction
 
     ok = {r["variant"]: r for r in results if r.get("ok")}
     eager = ok.get("dp2")
+
+    def same_step(a: dict, b: dict) -> bool:  # the same model and tokens per optimizer step
+        return all(a.get(k) == b.get(k) for k in ("preset", "global_batch", "seq_len"))
+
     for r in results:
         if not r.get("ok"):
             continue
-        base = ok.get("dp2_compile") if r.get("compile") and "dp2_compile" in ok else eager
+        if r.get("pp", 1) > 1:
+            r["bubble_theory"] = bubble_fraction(r["pp"], r["microbatches"], r["stages_per_rank"])
+            # from the profiled step itself: the largest share over ranks in which a rank computes nothing and
+            # waits on a send / recv or on nothing at all
+            shares = [b["exposed_p2p_pct"] + b["idle_pct"] for b in r.get("step_breakdown_per_rank") or [] if b]
+            if shares:
+                r["bubble_trace"] = max(shares) / 100.0
+        if r["variant"].startswith("gb_"):  # the global-batch layouts against ZeRO data parallelism at that batch
+            base = ok.get("gb_dp2_zero3_compile") or ok.get("gb_dp2_zero2_compile")
+        else:
+            base = ok.get("dp2_compile") if r.get("compile") and "dp2_compile" in ok else eager
         if r.get("fp8") and "dp2_compile_fp8" in ok:  # FP8 layouts against FP8 dp2
             base = ok["dp2_compile_fp8"]
-        if base is None or r["preset"] != base["preset"]:
+        if base is None or not same_step(r, base):
             continue
         r["baseline"] = base["variant"]
         for suffix in ("", "_median_step"):
             tokens_per_s = f"tokens_per_s{suffix}"
             r[f"vs_dp2_tokens_per_s{suffix}"] = r[tokens_per_s] / base[tokens_per_s]
-            if eager is not None:
+            if eager is not None and same_step(r, eager):
                 r[f"vs_dp2_eager{suffix}"] = r[tokens_per_s] / eager[tokens_per_s]
             if r.get("pp", 1) > 1:
-                theory = bubble_fraction(r["pp"], r["microbatches"], r["stages_per_rank"])
-                r["bubble_theory"] = theory
+                theory = r["bubble_theory"]
                 # the same tokens per step in every layout: the step-time ratio is the throughput ratio
                 r[f"bubble_measured{suffix}"] = 1.0 - r[tokens_per_s] / base[tokens_per_s]
                 r[f"share_of_bubble_bound{suffix}"] = r[tokens_per_s] / (base[tokens_per_s] * (1.0 - theory))
+
+
+def print_step_breakdown(results: list[dict]) -> None:
+    """Per profiled row: where the step goes (compute, exposed P2P, exposed collectives, idle; the busiest-idle
+    rank's), the median and p90 step, and sequences per forward x micro-batches per optimizer step."""
+    rows = [r for r in results if r.get("ok") and r.get("compute_pct") is not None]
+    if not rows:
+        return
+    print(f"\n{'step (slowest rank)':30s} {'compute':>8s} {'exp.P2P':>8s} {'exp.coll':>8s} {'idle':>6s} "
+          f"{'median ms':>9s} {'p90 ms':>8s} {'micro x acc':>11s} {'bubble trace/th.':>16s}")
+    for r in rows:
+        shape = f"{r.get('micro_batch')}x{r.get('accumulate_grad_batches', 1)}"
+        bubble = (f"{100 * r['bubble_trace']:.1f}%/{100 * r['bubble_theory']:.1f}%"
+                  if r.get("bubble_trace") is not None and r.get("bubble_theory") is not None else "-")
+        print(f"{r['variant']:30s} {r['compute_pct']:7.1f}% {r['exposed_p2p_pct']:7.1f}% "
+              f"{r['exposed_collectives_pct']:7.1f}% {r['idle_pct']:5.1f}% {r['step_ms_median']:9.1f} "
+              f"{r['step_ms_p90']:8.1f} {shape:>11s} {bubble:>16s}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -523,6 +677,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="comma-separated variant patterns, e.g. 'dp2,tp2*,pp2_1f1b_m4*' (default: all)")
     parser.add_argument("--compile-backend", default=None,
                         help="torch.compile backend of the _compile variants (default inductor; aot_eager with --smoke)")
+    parser.add_argument("--global-batch-tokens", nargs="?", type=int, const=0, default=None, metavar="N",
+                        help="run the global-batch variants (gb_*) at N tokens per optimizer step (no N: "
+                             f"{GLOBAL_TOKENS_PER_GPU} per GPU; --smoke: {SMOKE_GLOBAL_TOKENS}); --only 'gb_*' "
+                             "selects them too, at that default")
     a = parser.parse_args(argv)
     if a.smoke:
         a.seq_len, a.global_batch, a.warmup, a.steps = 32, 8, 1, 2
@@ -530,11 +688,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = {"smoke": a.smoke, "preset": a.preset, "seq_len": a.seq_len, "global_batch": a.global_batch,
             "warmup": a.warmup, "steps": a.steps, "compile_backend": backend}
     llama = {k: dict(v, preset="llama-8b", global_batch=4 if not a.smoke else 8) for k, v in LLAMA_VARIANTS.items()}
+    tokens = a.global_batch_tokens or (SMOKE_GLOBAL_TOKENS if a.smoke else GLOBAL_TOKENS_PER_GPU * a.gpus)
+    global_batch = {k: dict(v, global_tokens=tokens) for k, v in GLOBAL_BATCH_VARIANTS.items()}
     start = time.perf_counter()
     gpt_names, llama_names = select(list(GPT_VARIANTS), a.only), select(list(llama), a.only)
-    if not gpt_names and not (llama_names and not a.no_llama):
-        parser.error(f"--only {a.only!r} matches no variant of {list(GPT_VARIANTS) + list(llama)}")
+    # the global-batch variants run where asked for: --global-batch-tokens, or --only naming them
+    gb_names = select(list(global_batch), a.only if a.only else None) if (a.global_batch_tokens is not None or a.only) \
+        else []
+    if a.global_batch_tokens is not None and not a.only:
+        gpt_names, llama_names = [], []
+    if not gpt_names and not gb_names and not (llama_names and not a.no_llama):
+        parser.error(f"--only {a.only!r} matches no variant of {list(GPT_VARIANTS) + list(global_batch) + list(llama)}")
+    if gb_names:  # the layouts check the numbers before any process starts
+        for name in gb_names:
+            try:
+                global_batch_layout(global_batch[name], a.gpus, tokens, a.seq_len, a.smoke)
+            except ValueError as e:
+                parser.error(f"{name}: {e}")
     results = run_group(gpt_names, GPT_VARIANTS, args, a.gpus, a.timeout) if gpt_names else []
+    if gb_names:
+        results += run_group(gb_names, global_batch, args, a.gpus, a.timeout)
     if llama_names and not a.no_llama:
         results += run_group(llama_names, llama, args, a.gpus, a.llama_timeout)
     add_bubble_figures(results)
@@ -551,7 +724,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "gpus": a.gpus,
         "torch": torch.__version__,
         "triton": triton_version,
-        "config": {**args, "variants": {**GPT_VARIANTS, **llama}, "peak_flops": PEAK_BF16, "only": a.only,
+        "config": {**args, "variants": {**GPT_VARIANTS, **global_batch, **llama}, "peak_flops": PEAK_BF16,
+                   "only": a.only, "global_batch_tokens": tokens if gb_names else None,
                    "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")},
         "headline": "tokens / wall-clock seconds over the timed window (mean step), rank 0's clock",
         "wall_s": time.perf_counter() - start,
@@ -575,16 +749,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
         vs = f"{r['vs_dp2_tokens_per_s']:.2f}x" if r.get("vs_dp2_tokens_per_s") is not None else "-"
-        bub = (f"{100 * r['bubble_measured']:.0f}%/{100 * r['bubble_theory']:.0f}%"
-               if r.get("bubble_theory") is not None else "-")
+        measured = f"{100 * r['bubble_measured']:.0f}%" if r.get("bubble_measured") is not None else "-"
+        bub = f"{measured}/{100 * r['bubble_theory']:.0f}%" if r.get("bubble_theory") is not None else "-"
         bound = f"{100 * r['share_of_bubble_bound']:.0f}%" if r.get("share_of_bubble_bound") is not None else "-"
         print(f"{r['variant']:28s} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% {mem:>6s} "
               f"{pct('exposed_comm_pct'):>8s} {pct('compute_idle_pct'):>6s} {vs:>7s} {bub:>13s} {bound:>8s}")
     for r in results:
         if r.get("ok") and r.get("pipeline_choice", {}).get("auto"):
             print(f"{r['variant']:28s} {r['pipeline']}")
+    print_step_breakdown(results)
     print("vs dp2 and bubble: against dp2 in the same mode (dp2_compile for *_compile variants)")
-    print("bubble = measured (1 - t_dp2 / t_pp) / theory (p-1)/(s*m+p-1)")
+    print("bubble = measured (1 - t_dp2 / t_pp) / theory (p-1)/(s*m+p-1); gb_* rows against gb_dp2_zero3_compile")
     print(f"\nwrote {path}")
     return 0
 

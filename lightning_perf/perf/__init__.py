@@ -5,7 +5,16 @@ dataloader stalls, memory by category, advice that knows the run's settings, and
 summary."""
 
 from lightning_perf.perf.advice import Advice, advise
-from lightning_perf.perf.comm import BUS_FACTORS, LINKS, CommAnalysis, analyze_comm_trace, bus_bandwidth, expected_link
+from lightning_perf.perf.comm import (
+    BUS_FACTORS,
+    LINKS,
+    CommAnalysis,
+    StepBreakdown,
+    analyze_comm_trace,
+    bus_bandwidth,
+    expected_link,
+    step_breakdown,
+)
 from lightning_perf.perf.dataloader import dataloader_advice, exposed_wait
 from lightning_perf.perf.documents import (
     AttentionFlops,
@@ -51,7 +60,8 @@ from lightning_perf.perf.throughput import (
 
 __all__ = [
     "Advice", "advise",
-    "BUS_FACTORS", "LINKS", "CommAnalysis", "analyze_comm_trace", "bus_bandwidth", "expected_link",
+    "BUS_FACTORS", "LINKS", "CommAnalysis", "StepBreakdown", "analyze_comm_trace", "bus_bandwidth", "expected_link",
+    "step_breakdown",
     "dataloader_advice", "exposed_wait",
     "AttentionFlops", "DocumentWork", "DocumentWorkReader", "document_attention_flops", "document_lengths",
     "document_work", "packed_batch_flops",

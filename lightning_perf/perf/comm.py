@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from lightning_perf.perf.intervals import OverlapStats, overlap_stats
+from lightning_perf.perf.intervals import OverlapStats, intersect, overlap_stats, total, union
 
 __all__ = [
     "BUS_FACTORS",
@@ -28,7 +28,9 @@ __all__ = [
     "expected_link",
     "CollectiveStats",
     "CommAnalysis",
+    "StepBreakdown",
     "analyze_comm_trace",
+    "step_breakdown",
     "collective_kind",
 ]
 
@@ -166,8 +168,12 @@ def _size_of(meta: dict[str, Any], kind: str) -> float:
     return float(_numel(dims[0]) * _element_size(first_type))
 
 
-def analyze_comm_trace(events: Iterable[dict[str, Any]], *, ranks: int, window: Optional[float] = None) -> CommAnalysis:
-    """Exposed communication and per-kind bus bandwidth from Chrome-trace events (``ts``/``dur`` in us)."""
+def _split_trace(events: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict], list[dict]]:
+    """``(communication, compute, launch records)`` of a trace's complete events.
+
+    GPU: NCCL kernels, the other kernels and memcpys / memsets, and the ``record_param_comms`` (else
+    ``c10d::``) host records; CPU (gloo): the ``gloo:*`` annotations, the main thread's ``aten::`` ops
+    and the ``c10d::`` ops."""
     events = [e for e in events if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if kernels:  # GPU trace
@@ -176,17 +182,27 @@ def analyze_comm_trace(events: Iterable[dict[str, Any]], *, ranks: int, window: 
         metas = [e for e in events if e.get("name") == "record_param_comms"]
         if not metas:
             metas = [e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("c10d::")]
-    else:  # CPU (gloo) trace
-        comm = [e for e in events if e["name"].startswith("gloo:")]
-        ops = [e for e in events if e.get("cat") == "cpu_op"]
-        tids: dict[Any, int] = defaultdict(int)
-        for e in ops:
-            tids[e.get("tid")] += 1
-        main = max(tids, key=tids.get) if tids else None
-        compute = [e for e in ops if e.get("tid") == main and e["name"].startswith("aten::")]
-        metas = [e for e in ops if e["name"].startswith("c10d::")]
-    to_iv = lambda es: [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in es]  # noqa: E731
-    stats = overlap_stats(to_iv(comm), to_iv(compute), window)
+        return comm, compute, metas
+    comm = [e for e in events if e["name"].startswith("gloo:")]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    tids: dict[Any, int] = defaultdict(int)
+    for e in ops:
+        tids[e.get("tid")] += 1
+    main = max(tids, key=tids.get) if tids else None
+    compute = [e for e in ops if e.get("tid") == main and e["name"].startswith("aten::")]
+    metas = [e for e in ops if e["name"].startswith("c10d::")]
+    return comm, compute, metas
+
+
+def _intervals(events: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Chrome-trace events (``ts`` / ``dur`` in us) as intervals in seconds."""
+    return [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events]
+
+
+def analyze_comm_trace(events: Iterable[dict[str, Any]], *, ranks: int, window: Optional[float] = None) -> CommAnalysis:
+    """Exposed communication and per-kind bus bandwidth from Chrome-trace events (``ts``/``dur`` in us)."""
+    comm, compute, metas = _split_trace(events)
+    stats = overlap_stats(_intervals(comm), _intervals(compute), window)
 
     # pair the i-th communication event of a kind with the i-th launch record of that kind
     meta_by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -211,3 +227,57 @@ def analyze_comm_trace(events: Iterable[dict[str, Any]], *, ranks: int, window: 
         if s.seconds > 0 and s.bytes > 0:
             s.algbw, s.busbw = bus_bandwidth(s.kind, s.bytes, s.seconds, ranks)
     return CommAnalysis(overlap=stats, collectives=per_kind)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBreakdown:
+    """Where one rank's step goes, in seconds; the four parts add up to ``step``.
+
+    ``compute``: some compute kernel runs. ``exposed_p2p``: only point-to-point transfers run (a
+    pipeline's send / recv; a recv posted before its sender is ready waits here, so a pipeline's bubble
+    shows up mostly as exposed P2P). ``exposed_collectives``: only other collectives run (all-gathers,
+    reduce-scatters, all-reduces, broadcasts). ``idle``: nothing runs (the host is behind, or a wait the
+    trace does not show as a kernel).
+    """
+
+    step: float
+    compute: float
+    exposed_p2p: float
+    exposed_collectives: float
+    idle: float
+
+    def shares(self) -> dict[str, float]:
+        """Each part as a share of the step."""
+        parts = ("compute", "exposed_p2p", "exposed_collectives", "idle")
+        return {k: (getattr(self, k) / self.step if self.step > 0 else 0.0) for k in parts}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step_s": self.step, "compute_s": self.compute, "exposed_p2p_s": self.exposed_p2p,
+                "exposed_collectives_s": self.exposed_collectives, "idle_s": self.idle,
+                **{f"{k}_pct": 100.0 * v for k, v in self.shares().items()}}
+
+
+def step_breakdown(events: Iterable[dict[str, Any]], *, step_s: Optional[float] = None) -> StepBreakdown:
+    """Split one profiled step (Chrome-trace events of one rank) into compute, exposed P2P, exposed
+    collectives and idle time (:class:`StepBreakdown`).
+
+    ``step_s``: the step's length, e.g. the measured mean step (default: the span of the trace's
+    communication and compute); the idle part is what is left of it, never below zero. Point-to-point
+    and collective time that overlaps compute counts as compute; P2P overlapping a collective counts as
+    P2P.
+    """
+    comm, compute, _ = _split_trace(events)
+    p2p = [e for e in comm if collective_kind(e["name"]) == "send_recv"]
+    other = [e for e in comm if collective_kind(e["name"]) != "send_recv"]
+    busy = union(_intervals(compute))
+    p2p_u = union(_intervals(p2p))
+    p2p_exposed = total(p2p_u) - total(intersect(p2p_u, busy))
+    covered = union(busy + p2p_u)
+    other_u = union(_intervals(other))
+    other_exposed = total(other_u) - total(intersect(other_u, covered))
+    everything = union(covered + other_u)
+    if step_s is None:
+        step_s = (everything[-1][1] - everything[0][0]) if everything else 0.0
+    used = total(busy) + p2p_exposed + other_exposed
+    return StepBreakdown(step=step_s, compute=total(busy), exposed_p2p=p2p_exposed,
+                         exposed_collectives=other_exposed, idle=max(0.0, step_s - used))

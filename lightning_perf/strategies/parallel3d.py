@@ -15,6 +15,15 @@ aside in ``training_step`` and put back in ``backward``, which skips autograd bu
 still fires the precision and callback hooks. Gradient accumulation scales each
 microbatch loss by ``1 / accumulate_grad_batches``. Validation runs forward only.
 
+Under data parallelism gradients are reduced once per optimizer step: with
+``accumulate_grad_batches > 1`` the non-final micro-batches (``block_backward_sync``) keep them unreduced
+(FSDP2 with a pipeline: unsharded inside FSDP2, the stages resharded after each schedule step; FSDP2
+without one: ``FSDPAccumulation`` in ``"reduce_once"``; ZeRO 0: no all-reduce until the last). Within one
+schedule step torch's pipelining gathers each FSDP2 unit once and reduce-scatters once, whatever the
+number of microbatches. A pipeline's own microbatches are cheaper than accumulation on top of it: each
+schedule step fills and drains the pipeline, so ``k`` accumulated batches of ``m`` microbatches pay ``k``
+bubbles of ``(p-1)/(m+p-1)``, one batch of ``k * m`` microbatches one of ``(p-1)/(k*m+p-1)``.
+
 Under context parallelism the protocol model's ``forward(inputs, targets)`` cuts the sequence,
 runs this rank's part and returns the loss over the whole sequences (``parallel.model_parallel.context_parallel``),
 so a ``training_step`` needs no change there either.
@@ -51,6 +60,7 @@ from lightning_perf.parallel.model_parallel.pipeline import (
 )
 from lightning_perf.parallel.model_parallel.tensor_parallel import tp_sequence_check
 from lightning_perf.parallel.model_parallel.tied import check_tied_layout, tied_parameter_names
+from lightning_perf.parallel.sharding.accumulation import FSDPAccumulation
 from lightning_perf.parallel.sharding.fp8_all_gather import require_fp8_linears
 from lightning_perf.parallel.sharding.gradients import allreduce_gradients, clip_grad_norm_3d
 from lightning_perf.parallel.sharding.optim import localize_optimizers
@@ -153,7 +163,11 @@ class Parallel3DStrategy(PerfParallelStrategy):
       stage owning the embedding and the last the final norm, head and loss (for
       ``pipeline_parallel_size > 1``); a parameter both of these stages use (a tied embedding and
       LM head) is held by both stage ranks and kept equal (``parallel.model_parallel.tied``), one the config
-      declares with ``tie_embeddings`` where the network is built in ``configure_model``;
+      declares with ``tie_embeddings`` where the network is built in ``configure_model``; optionally, on the
+      last stage, ``pipeline_loss(output, targets)``: one microbatch's loss from what the stage returns (the
+      GPT's last stage returns the final norm's output and applies the head and the cross-entropy there, in
+      its compiled or fused ``lm_head_loss``), else the stage returns logits and the pipeline takes their
+      mean cross-entropy;
     - ``enable_context_parallel(self, attention)``: route every attention core through
       ``attention(q, k, v)``, with ``forward(idx, targets=None, *, positions=None)`` taking the
       tokens' global positions (for ``context_parallel_size > 1``);
@@ -211,6 +225,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
         self.meta_init = meta_init
         self._parallel: Optional[Parallelized3D] = None
         self._pp_grads: Optional[list[Optional[Tensor]]] = None
+        self._accumulation: Optional[FSDPAccumulation] = None  # FSDP2 without a pipeline: reduce once per step
+        self._deferring = False  # inside a non-final accumulation micro-batch (block_backward_sync)
 
     # ---- layout ------------------------------------------------------------------------------
 
@@ -262,9 +278,13 @@ class Parallel3DStrategy(PerfParallelStrategy):
                 tensor_parallel_size=c.tensor_parallel_size, pipeline_parallel_size=c.pipeline_parallel_size,
                 context_parallel_size=c.context_parallel_size, zero_stage=c.zero_stage, engine=engine,
                 blocks_per_unit=c.fsdp_blocks_per_unit, prefetch=c.fsdp_prefetch, fp8_all_gather=c.fp8_all_gather,
+                # under a pipeline no unit reshards after forward, at any stage (apply_data_parallel)
+                reshard_after_forward=False if c.pipeline_parallel_size > 1 else None,
                 sequence_parallel=c.sequence_parallel is not False, pipeline_schedule=schedule,
                 num_microbatches=m if c.pipeline_parallel_size > 1 else 1, stages_per_rank=stages,
-                # a pipeline keeps its stages gathered across a step's micro-batches
+                # a pipeline's stages stay gathered over a step's microbatches, their gradients unsharded until
+                # the optimizer step's last micro-batch (block_backward_sync); without a pipeline FSDP2 reduces
+                # once per optimizer step and gathers for every micro-batch
                 accumulation="gather_once" if c.pipeline_parallel_size > 1 else "reduce_once"),
             micro_batch=micro,
             activation_checkpointing=None if c.activation_checkpointing == "none" else c.activation_checkpointing,
@@ -407,6 +427,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
         if self._parallel.runner is not None:
             self._parallel.runner.announce = rank_zero_info  # the pipeline's choice, once, on the Trainer's console
             self._install_pipeline_forward(self._parallel)
+        elif self._parallel.fsdp:  # what memory_layout tells the planner: gradients reduced once per step
+            self._accumulation = FSDPAccumulation(self._parallel.fsdp_units, "reduce_once")
         self.model = precision.convert_module(module)
         self.model_to_device()
         self.barrier()
@@ -449,7 +471,8 @@ class Parallel3DStrategy(PerfParallelStrategy):
                     scale = strategy.precision_plugin.scale_loss
                     trainer = strategy.lightning_module.trainer if strategy.lightning_module else None
                     accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-                    return runner.train_step(inputs, targets, loss_factor=1.0 / accumulate, scale_loss=scale)
+                    return runner.train_step(inputs, targets, loss_factor=1.0 / accumulate, scale_loss=scale,
+                                             reduce_grads=not strategy._deferring)
                 return runner.eval_step(inputs, targets)
 
         parallel.target.forward = pipeline_forward  # type: ignore[method-assign]
@@ -514,6 +537,24 @@ class Parallel3DStrategy(PerfParallelStrategy):
         with self._tp_loss_context():
             return super().test_step(*args, **kwargs)
 
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Around a non-final accumulation micro-batch (its forward and backward): gradients are reduced over
+        data parallelism at the optimizer step's last micro-batch only. A pipeline's FSDP2 stages keep them
+        unsharded inside FSDP2 (``PipelineRunner.train_step(reduce_grads=False)``), FSDP2 without a pipeline
+        turns its reduce-scatter off (``FSDPAccumulation`` in ``"reduce_once"``), replicated parameters
+        (ZeRO 0) skip their all-reduce."""
+        self._deferring = True
+        try:
+            if self._accumulation is not None:
+                with self._accumulation.deferred():
+                    yield None
+            else:
+                yield None
+        finally:
+            self._deferring = False
+
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         assert self.lightning_module is not None
@@ -529,7 +570,7 @@ class Parallel3DStrategy(PerfParallelStrategy):
         else:
             with self._tp_loss_context():
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        if not self.parallel.fsdp:  # replicated over "dp" and "cp": one average over both
+        if not self.parallel.fsdp and not self._deferring:  # replicated over "dp" and "cp": one average over both
             allreduce_gradients(self._params(), data_parallel_mesh(self.device_mesh).get_group())
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)

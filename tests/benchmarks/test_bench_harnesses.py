@@ -146,3 +146,44 @@ def test_a_recipe_child_killed_after_its_window_keeps_the_window(tmp_path) -> No
     assert child_result(out, -9, "timed out", 1.0) == {"error": "timed out", "process_s": 1.0}
     out.write_text(json.dumps({"tokens_per_s": 6.0}))
     assert child_result(out, 0, "", 2.0) == {"tokens_per_s": 6.0, "process_s": 2.0}
+
+
+def test_global_batch_layouts_reach_the_same_tokens_per_step():
+    """524,288 tokens of 2048 on two GPUs: ZeRO accumulates 16 micro-batches of 8 sequences per GPU, a 2-stage
+    pipeline cuts one batch of 256 sequences into 64 microbatches of 4, tp2 accumulates 16 of 16."""
+    variants, tokens = bench_parallel3d.GLOBAL_BATCH_VARIANTS, 2 * bench_parallel3d.GLOBAL_TOKENS_PER_GPU
+    layout = lambda name, **kw: bench_parallel3d.global_batch_layout(variants[name], 2, tokens, 2048, **kw)  # noqa
+    assert layout("gb_dp2_zero3_compile") == {"batch": 8, "accumulate": 16, "microbatches": None}
+    assert layout("gb_pp2_1f1b_compile") == {"batch": 256, "accumulate": 1, "microbatches": 64}
+    assert layout("gb_pp2_auto_compile") == {"batch": 256, "accumulate": 1, "microbatches": None}
+    assert layout("gb_tp2_compile_batch") == {"batch": 16, "accumulate": 16, "microbatches": None}
+    # the smoke run: micro-batches a quarter as large
+    assert bench_parallel3d.global_batch_layout(variants["gb_dp2_zero3_compile"], 2, 512, 32, smoke=True) == \
+        {"batch": 2, "accumulate": 4, "microbatches": None}
+    with pytest.raises(ValueError, match="not a whole number of 2048-token sequences"):
+        bench_parallel3d.global_batch_layout(variants["gb_dp2_zero3_compile"], 2, 1000, 2048)
+    with pytest.raises(ValueError, match="no whole number of micro-batches of 8"):
+        bench_parallel3d.global_batch_layout(variants["gb_dp2_zero3_compile"], 2, 12 * 2048, 2048)
+    # four GPUs, llama-8b at T=8192: ZeRO-3 dp4 accumulates 16 x 2 sequences; pp2 x dp2 cuts 64 per replica
+    four, big = bench_8gpu.global_batch_specs(), 4 * bench_parallel3d.GLOBAL_TOKENS_PER_GPU
+    assert bench_parallel3d.global_batch_layout(four["gb_llama8b_dp4_zero3_fp8"], 4, big, 8192) == \
+        {"batch": 2, "accumulate": 16, "microbatches": None}
+    assert bench_parallel3d.global_batch_layout(four["gb_llama8b_pp2_dp2_fp8_1f1b"], 4, big, 8192) == \
+        {"batch": 64, "accumulate": 1, "microbatches": 64}
+
+
+def test_global_batch_rows_compare_with_zero3_at_their_batch_and_read_the_bubble_off_the_trace():
+    # 524,288 tokens per step: ZeRO-3 takes 4.0 s, the pipeline 4.4 s; its slowest rank idles 3% and waits on
+    # P2P 5% of the profiled step (the other rank less)
+    common = {"preset": "gpt-1.3b", "global_batch": 256, "seq_len": 2048}
+    zero3 = _row("gb_dp2_zero3_compile", 524288 / 4.0, 524288 / 3.9, **common)
+    legacy = _row("dp2", 1000.0, 1000.0, preset="gpt-1.3b", global_batch=16, seq_len=2048)
+    pp = _row("gb_pp2_1f1b_compile", 524288 / 4.4, 524288 / 4.3, pp=2, microbatches=64, stages_per_rank=1,
+              step_breakdown_per_rank=[{"exposed_p2p_pct": 5.0, "idle_pct": 3.0},
+                                       {"exposed_p2p_pct": 2.0, "idle_pct": 1.0}], **common)
+    bench_parallel3d.add_bubble_figures([legacy, zero3, pp])
+    assert pp["baseline"] == "gb_dp2_zero3_compile" and "vs_dp2_eager" not in pp  # dp2 ran another batch
+    assert pp["vs_dp2_tokens_per_s"] == pytest.approx(4.0 / 4.4)
+    assert pp["bubble_theory"] == pytest.approx(1 / 65)
+    assert pp["bubble_measured"] == pytest.approx(1 - 4.0 / 4.4)
+    assert pp["bubble_trace"] == pytest.approx(0.08)

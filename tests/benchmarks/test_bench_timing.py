@@ -110,6 +110,18 @@ def test_wall_clock_window_times_the_steps_after_warmup_and_stops_after_steps(tm
         assert key in result
 
 
+def test_wall_clock_window_marks_optimizer_steps_under_accumulation(tmp_path):
+    """With 4 micro-batches per optimizer step, a step's mark and tokens are those of all four."""
+    data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    callback = WallClockWindow(warmup=1, steps=2, checkpoint=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[callback])
+    trainer.fit(_Regression(), DataLoader(data, batch_size=4))
+    _assert_headline(callback.result, tokens=2 * 4 * 4 * 8, steps=2)
+    assert {s["step"] for s in callback.result["slowest_steps"]} == {1, 2}
+
+
 @pytest.mark.parametrize("warmup,steps,max_steps", [(4, None, 4), (2, 3, 4), (2, 0, 6)])
 def test_wall_clock_window_refuses_a_window_outside_the_fit(warmup, steps, max_steps, tmp_path):
     data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))

@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_perf.models.gpt import GPT, GPTConfig
+from lightning_perf.models.gpt import GPT, GPTConfig, ops
 from lightning_perf.parallel.model_parallel.pipeline import (
     PipelineConfig,
     bubble_fraction,
     build_stage_modules,
+    lm_cross_entropy,
     prune_to_stages,
     stage_indices,
+    stage_loss,
     stage_owner,
 )
 
@@ -63,7 +65,14 @@ def test_stages_chain_to_the_full_model_and_keep_names() -> None:
     x = idx
     for s in stages:
         x = s(x)
-    torch.testing.assert_close(x, full)
+    # the last stage hands on the final norm's output: its loss applies the head (one compiled / fused region)
+    assert x.shape == (2, 16, model.config.n_embd) and [s.head_in_loss for s in stages] == [False] * 3 + [True]
+    torch.testing.assert_close(ops.lm_logits(x, stages[3].head_weight), full)
+    targets = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(stages[3].pipeline_loss(x, targets), model(idx, targets))
+    assert stage_loss(stages[3]) == stages[3].pipeline_loss and stage_loss(None) is lm_cross_entropy
+    with pytest.raises(RuntimeError, match="pipeline's last stage"):
+        model.pipeline_loss(x, targets)  # the whole model's forward returns logits
     assert list(stages[1].blocks.keys()) == ["1"] and stages[1].tok_emb is None and stages[1].norm is None
     assert stages[3].lm_head is model.lm_head
     # rank 1 of pp=2 with two stages per rank (loop placement) runs stages 1 and 3

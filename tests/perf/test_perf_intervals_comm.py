@@ -107,6 +107,46 @@ def test_gpu_trace_analysis():
     assert ar.busbw == pytest.approx(ar.algbw * 2 * 3 / 4)
 
 
+def test_step_breakdown_splits_a_pipeline_step() -> None:
+    """A 1000 us step of one pipeline rank: compute 0-300 and 500-800 us; a send/recv waiting 250-500 us
+    (50 us under compute, 200 us alone); an all-gather 780-900 us (20 us under compute, 120 us alone) and a
+    broadcast 880-920 us (its 20 us beside the all-gather counted once); nothing runs 920-1000 us."""
+    from lightning_perf.perf import step_breakdown
+
+    def k(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [k("nvjet_sm90_gemm", 0, 300), k("nvjet_sm90_gemm", 500, 300), k("ncclDevKernel_SendRecv", 250, 250),
+              k("ncclDevKernel_AllGather_RING_LL", 780, 120), k("ncclDevKernel_Broadcast_RING_LL", 880, 40),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 2000}]  # host ops: not GPU time
+    b = step_breakdown(events, step_s=1000e-6)
+    assert b.compute == pytest.approx(600e-6)
+    assert b.exposed_p2p == pytest.approx(200e-6)
+    assert b.exposed_collectives == pytest.approx(120e-6)
+    assert b.idle == pytest.approx(80e-6)
+    assert sum(b.shares().values()) == pytest.approx(1.0)
+    assert b.as_dict()["exposed_p2p_pct"] == pytest.approx(20.0)
+    # without a step length: the span of the kernels (0-920 us), so no idle time
+    assert step_breakdown(events).step == pytest.approx(920e-6) and step_breakdown(events).idle == 0.0
+    # a P2P wait under an all-gather counts as P2P, once
+    both = [k("ncclDevKernel_SendRecv", 0, 100), k("ncclDevKernel_AllGather_RING_LL", 50, 100)]
+    b = step_breakdown(both, step_s=200e-6)
+    assert (b.exposed_p2p, b.exposed_collectives, b.idle) == pytest.approx((100e-6, 50e-6, 50e-6))
+
+
+def test_step_breakdown_of_a_gloo_trace() -> None:
+    """On CPU the gloo threads' annotations are the communication, the main thread's aten ops the compute."""
+    from lightning_perf.perf import step_breakdown
+
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [op("aten::mm", 0, 100), op("aten::add", 100, 100), op("aten::mm", 400, 100),
+              op("gloo:send", 150, 150, tid=7), op("gloo:all_gather", 300, 50, tid=8), op("aten::mm", 0, 1, tid=9)]
+    b = step_breakdown(events, step_s=600e-6)
+    assert (b.compute, b.exposed_p2p, b.exposed_collectives, b.idle) == pytest.approx((300e-6, 100e-6, 50e-6, 150e-6))
+
+
 def test_gpu_time_breakdown_by_kernel_name() -> None:
     """Hopper kernel names as a profiled gpt-1.3b step reports them, two steps of a known timeline."""
     from lightning_perf.perf.gpu_time import gpu_time_breakdown, gpu_time_category

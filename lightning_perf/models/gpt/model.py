@@ -238,11 +238,15 @@ class GPT(nn.Module):
     A pipeline stage keeps a subset: ``tok_emb`` / ``pos_emb`` on the first stage,
     ``norm`` / ``lm_head`` on the last (a tied head's ``lm_head`` there is the ``tok_emb``
     module itself: only its (V, d) weight is used); a missing embedding means the input is
-    already hidden states, a missing head means the output is hidden states.
+    already hidden states, a missing head means the output is hidden states. The last stage's
+    ``forward`` returns the final norm's output and :meth:`pipeline_loss` applies the head and the loss.
     """
 
     #: a Hugging Face checkpoint folder that ``init_weights()`` loads instead of drawing random values
     init_from_hf: Optional[str] = None
+    #: a pipeline's last stage (:meth:`pipeline_stage`): ``forward`` without targets stops at the final norm and
+    #: the schedule computes each microbatch's loss with :meth:`pipeline_loss`
+    head_in_loss: bool = False
 
     def __init__(self, config: GPTConfig, *, init_from_hf: Optional[str] = None) -> None:
         super().__init__()
@@ -403,12 +407,26 @@ class GPT(nn.Module):
             return x  # an inner pipeline stage hands hidden states on
         x = self.norm(x)
         if targets is None:
+            if self.head_in_loss:
+                return x  # (B, T, d): a pipeline's last stage, whose loss applies the head (pipeline_loss)
             return ops.lm_logits(x, self.head_weight)  # (B, T, V_padded)
         return self.lm_head_loss(x, targets)
 
     def lm_head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the LM head on the final norm's output ``x`` (a strategy may compile it)."""
         return ops.lm_loss(x, self.head_weight, targets, impl=self.config.kernels)
+
+    def pipeline_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One microbatch's loss on a pipeline's last stage, from its output ``x`` (B, T, d), the final norm's.
+
+        The head and the cross-entropy run together in :meth:`lm_head_loss`, compiled or fused as on a whole
+        model, so the (B, T, V) logits stay inside it instead of being the stage's output, kept by the
+        schedule until the microbatch's backward and then turned into fp32 by an eager cross-entropy.
+        """
+        if not self.head_in_loss:
+            raise RuntimeError("pipeline_loss takes the output of a pipeline's last stage (GPT.pipeline_stage), "
+                               "whose forward stops at the final norm; this GPT's forward returns logits")
+        return self.lm_head_loss(x, targets)
 
     # ---- 3D parallelism protocol (see parallelize.py) -----------------------------------
 

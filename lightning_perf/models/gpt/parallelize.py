@@ -172,7 +172,8 @@ def gpt_pipeline_stage(model: nn.Module, stage_idx: int, num_stages: int) -> nn.
 
     The returned stage shares its submodules (and so its parameters) with ``model``.
     Its ``forward(x)`` takes token ids on the first stage and hidden states (B, T, d)
-    elsewhere, and returns hidden states, or logits (B, T, V) on the last stage. With a tied
+    elsewhere, and returns hidden states (B, T, d): on the last stage the final norm's output, which its
+    ``pipeline_loss(x, targets)`` turns into the loss through the head (``lm_head_loss``). With a tied
     head the first and the last stage share ``model.tok_emb`` (the last as its ``lm_head``). The stage is
     an instance of ``model``'s class, built without running its ``__init__``.
     """
@@ -203,6 +204,8 @@ def gpt_pipeline_stage(model: nn.Module, stage_idx: int, num_stages: int) -> nn.
     # a tied head on a later stage than the embedding: the embedding module, whose (V, d) weight the head uses
     tied = model.lm_head is None and not first
     stage.lm_head = (model.tok_emb if tied else model.lm_head) if last else None
+    # the last stage's loss applies the head (GPT.pipeline_loss), so its logits never leave the loss
+    stage.head_in_loss = last
     stage.register_buffer("rope_cos", model.rope_cos, persistent=False)
     stage.register_buffer("rope_sin", model.rope_sin, persistent=False)
     return stage

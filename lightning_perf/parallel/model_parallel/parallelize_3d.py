@@ -23,7 +23,7 @@ clipping of the ZeRO 0 path in ``parallel.sharding.gradients``.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,7 +37,6 @@ from lightning_perf.parallel.model_parallel.context_parallel import apply_contex
 from lightning_perf.parallel.model_parallel.pipeline import (
     PipelineRunner,
     build_stage_modules,
-    lm_cross_entropy,
     prune_to_stages,
 )
 from lightning_perf.parallel.model_parallel.tensor_parallel import (
@@ -47,7 +46,7 @@ from lightning_perf.parallel.model_parallel.tensor_parallel import (
     unfuse_linear_biases,
 )
 from lightning_perf.parallel.model_parallel.tied import TiedParameters, check_tied_layout, tied_parameter_names
-from lightning_perf.parallel.sharding.fsdp import apply_fsdp, find_blocks
+from lightning_perf.parallel.sharding.fsdp import FSDPUnit, apply_fsdp, find_blocks, fsdp_unit_plan
 from lightning_perf.parallel.sharding.init import has_meta_tensors, materialize_local
 from lightning_perf.perf.run_settings import PerfSettings
 
@@ -70,6 +69,7 @@ class Parallelized3D:
     runner: Optional[PipelineRunner]  # the schedule, with pp > 1
     fsdp: bool  # FSDP2 shards over "dp"
     tied: Optional[TiedParameters] = None  # this rank's copies of parameters the first and last stage share
+    fsdp_units: list[FSDPUnit] = field(default_factory=list)  # every stage's FSDP2 units, as apply_fsdp made them
 
 
 def parallelize_3d(
@@ -79,7 +79,7 @@ def parallelize_3d(
     *,
     device: torch.device,
     mp_policy: Optional[Any] = None,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_cross_entropy,
+    loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
     batch_shape: tuple[Optional[int], Optional[int]] = (None, None),
 ) -> Parallelized3D:
     """Split, shard and (if built on meta) materialise ``model`` for this rank of ``mesh``.
@@ -87,7 +87,8 @@ def parallelize_3d(
     ``mesh`` is the (pp, dp, cp, tp) mesh of :meth:`ParallelDims.build_mesh`. With pipeline
     parallelism ``model`` is pruned in place to this rank's stages (names unchanged). A pipeline's
     ``"auto"`` values are settled from the model and ``batch_shape`` (sequences per replica, sequence
-    length; ``None`` where not known: the runner then chooses at the first batch).
+    length; ``None`` where not known: the runner then chooses at the first batch). ``loss_fn``: a
+    microbatch's loss from the last stage's output (``None``: the stage's own, ``pipeline.stage_loss``).
     """
     target = check_model(model, config)
     if config.pipeline_auto:
@@ -124,8 +125,7 @@ def parallelize_3d(
         apply_compile_3d(stages, mode, config, device=device)
     # 6. data parallelism over "dp" x "cp" (without FSDP2 the strategy all-reduces gradients itself);
     #    under HSDP FSDP2 gets the 2-D (replicate, shard) mesh
-    if use_fsdp:
-        apply_data_parallel(stages, fsdp_mesh(mesh), config, mp_policy=mp_policy)
+    units = apply_data_parallel(stages, fsdp_mesh(mesh), config, mp_policy=mp_policy) if use_fsdp else []
     # 7. after sharding: each rank allocates only its own stages and shards
     if pp > 1:
         prune_to_stages(target, stages)
@@ -139,7 +139,7 @@ def parallelize_3d(
     if pp > 1:
         runner = PipelineRunner(config.pipeline, stages, mesh["pp"].get_group(), device, loss_fn=loss_fn, tied=tied,
                                 choose=choose)
-    return Parallelized3D(target=target, stages=stages, runner=runner, fsdp=use_fsdp, tied=tied)
+    return Parallelized3D(target=target, stages=stages, runner=runner, fsdp=use_fsdp, tied=tied, fsdp_units=units)
 
 
 def apply_pipeline_split(target: nn.Module, mesh: Any, config: Parallel3DConfig) -> dict[int, nn.Module]:
@@ -177,12 +177,19 @@ def apply_compile_3d(stages: dict[int, nn.Module], mode: str, config: Parallel3D
 
 
 def apply_data_parallel(stages: dict[int, nn.Module], dp_mesh: Any, config: Parallel3DConfig, *,
-                        mp_policy: Optional[Any] = None) -> None:
+                        mp_policy: Optional[Any] = None) -> list[FSDPUnit]:
     """FSDP2 over ``dp_mesh`` (``"dp"``, or ``"dp_cp"`` with context parallelism; for HSDP the 2-D
     ("dp_replicate", "dp_shard") mesh, see ``parallel.layout.dims.fsdp_mesh``) on every stage, one unit per
-    ``fsdp_blocks_per_unit`` blocks."""
-    # under pp every microbatch would re-gather a resharded stage: keep it gathered (ZeRO-2 memory)
+    ``fsdp_blocks_per_unit`` blocks; returns every stage's units (``fsdp_unit_plan``).
+
+    Under pipeline parallelism no unit reshards after forward, at any ZeRO stage: torch's schedules turn
+    FSDP2's resharding after backward and its gradient reduction off for every microbatch of a step and
+    reduce-scatter once after the last (``PipelineStage.perform_reduce_grad``), so each unit is gathered
+    once per step; resharding after forward would gather it again for every microbatch's forward and
+    backward. Parameters are sharded again from the end of a step to the next step's first forward.
+    """
     reshard = config.zero_stage == 3 and config.pipeline_parallel_size == 1
+    units: list[FSDPUnit] = []
     for stage in stages.values():
         apply_fsdp(
             stage,
@@ -194,6 +201,9 @@ def apply_data_parallel(stages: dict[int, nn.Module], dp_mesh: Any, config: Para
             fp8_all_gather=config.fp8_all_gather,
             blocks_per_unit=config.fsdp_blocks_per_unit,
         )
+        units += fsdp_unit_plan(stage, find_blocks(stage), reshard_after_forward=reshard,
+                                blocks_per_unit=config.fsdp_blocks_per_unit)
+    return units
 
 
 def _compile_mode(model: nn.Module, stages: dict[int, nn.Module], config: Parallel3DConfig) -> Optional[str]:

@@ -33,8 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
 
 from lightning_perf.parallel.layout.dims import check_size
+from lightning_perf.parallel.sharding.fsdp import is_fsdp_module
 
 __all__ = [
     "SCHEDULES",
@@ -46,11 +48,13 @@ __all__ = [
     "settle_before_batch",
     "check_pipeline_options",
     "PipelineRunner",
+    "ReducibleStage",
     "TiedGradients",
     "stage_indices",
     "build_stage_modules",
     "prune_to_stages",
     "lm_cross_entropy",
+    "stage_loss",
     "bubble_fraction",
     "check_schedule_backend",
     "zbv_runs_on_gloo",
@@ -489,6 +493,15 @@ def lm_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
+def stage_loss(last_stage: Optional[nn.Module]) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The loss of one microbatch from the last stage's output: the stage's ``pipeline_loss`` (the protocol's
+    optional hook: the stage computes its loss itself, e.g. head and cross-entropy in one compiled region),
+    else :func:`lm_cross_entropy` of the logits it returns. ``None`` (a rank without the last stage, which
+    never computes a loss): :func:`lm_cross_entropy`."""
+    own = getattr(last_stage, "pipeline_loss", None)
+    return own if callable(own) else lm_cross_entropy
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
@@ -497,6 +510,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _log_on_rank_zero(message: str) -> None:
     if dist.get_rank() == 0:
         log.info(message)
+
+
+class ReducibleStage(PipelineStage):
+    """A pipeline stage whose gradient reduction after a schedule's step can be left to a later step.
+
+    Over one step torch's schedules keep an FSDP2-sharded stage gathered and its gradients unreduced for every
+    microbatch, then reduce-scatter once and reshard (``perform_reduce_grad``). With :attr:`reduce_grads` off
+    (a non-final micro-batch of gradient accumulation) the step ends resharded but with the gradients still
+    unsharded inside FSDP2, so the next step adds to them and the step that reduces reduce-scatters them all
+    once. A stage without FSDP2 is unaffected. The runner's schedules never scale gradients (the loss is
+    scaled), so there is nothing else to leave out.
+    """
+
+    reduce_grads: bool = True
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.reduce_grads:
+            super().perform_reduce_grad(grad_scale_factor)
+            return
+        for module in self.submod.modules():
+            if is_fsdp_module(module):
+                module.reshard()
 
 
 class TiedGradients(Protocol):
@@ -516,7 +551,10 @@ class PipelineRunner:
         stage_modules: ``{stage_index: module}`` for this rank (from :func:`build_stage_modules`).
         pp_group: the pipeline process group (``mesh["pp"].get_group()``).
         device: where activations live.
-        loss_fn: ``(last stage output, targets) -> mean loss`` of one microbatch.
+        loss_fn: ``(last stage output, targets) -> mean loss`` of one microbatch; ``None``: the last stage
+            module's own ``pipeline_loss`` where it has one (the pack's GPT: its head and cross-entropy on the
+            final norm's output, compiled or fused with the stage's ``lm_head_loss``), else
+            :func:`lm_cross_entropy` of its logits.
         tied: the copies of parameters the first and the last stage share (``parallel.model_parallel.tied``): their
             gradients are summed over the embedding group after each training step's backward.
         choose: ``(batch_size, seq_len) -> PipelineChoice``, called at the first batch where the schedule and the
@@ -537,21 +575,21 @@ class PipelineRunner:
         stage_modules: dict[int, nn.Module],
         pp_group: Any,
         device: torch.device,
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_cross_entropy,
+        loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
         tied: Optional[TiedGradients] = None,
         choose: Optional[Callable[[int, int], PipelineChoice]] = None,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         self.config = config
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn or stage_loss(stage_modules.get(config.num_stages - 1))
         self.tied = tied
         self.pp_group = pp_group
         self.device = device
         n = config.num_stages
         self.stages = [
-            PipelineStage(mod, idx, n, device, group=pp_group) for idx, mod in sorted(stage_modules.items())
+            ReducibleStage(mod, idx, n, device, group=pp_group) for idx, mod in sorted(stage_modules.items())
         ]
+        # FSDP2 keeps these stages' gradients itself until a step reduces them (ReducibleStage)
+        self.sharded = any(is_fsdp_module(mod) for mod in stage_modules.values())
         self.has_first = any(idx == 0 for idx in stage_modules)
         self.has_last = any(idx == n - 1 for idx in stage_modules)
         self.last_global_rank = dist.get_global_rank(pp_group, config.last_stage_rank())
@@ -646,6 +684,7 @@ class PipelineRunner:
         *,
         loss_factor: float = 1.0,
         scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        reduce_grads: bool = True,
     ) -> torch.Tensor:
         """Forward and backward over all microbatches; gradients accumulate into ``.grad``.
 
@@ -653,19 +692,31 @@ class PipelineRunner:
         gradients are those of the batch mean times ``loss_factor``) and then passed through
         ``scale_loss`` (fp16 loss scaling). Tied copies (``tied``) get the sum of both stages'
         gradients. Returns the unscaled batch-mean loss (detached) on every pipeline rank.
+
+        ``reduce_grads=False``, for a non-final micro-batch of gradient accumulation: stages sharded by FSDP2
+        keep this step's gradients unsharded and unreduced inside FSDP2 (:class:`ReducibleStage`), their
+        parameters resharded; the next call adds to them and the first call with ``reduce_grads=True``
+        reduce-scatters them all at once (and sums the tied copies then). Stages without FSDP2 leave their
+        gradients in ``.grad`` either way (reducing them over data parallelism is the caller's).
         """
         self.prepare(inputs.shape[0], inputs.shape[-1])  # before any send/recv
         self._raw = []
         self._factor = loss_factor / float(self.config.num_microbatches or 1)
         self._scale = scale_loss or (lambda t: t)
-        held = self.tied.hold_grads() if self.tied is not None else []
+        # sharded and deferred: no gradient in .grad to sum over the tied copies until the reducing step
+        sum_tied = self.tied is not None and (reduce_grads or not self.sharded)
+        held = self.tied.hold_grads() if sum_tied else []  # type: ignore[union-attr]
+        for stage in self.stages:
+            stage.reduce_grads = reduce_grads
         try:
             self._run(self.schedule.step, inputs, targets)
         finally:
             self._scale = lambda t: t
-        if self.tied is not None:
+            for stage in self.stages:
+                stage.reduce_grads = True
+        if sum_tied:
             # the copies of a tied parameter: this step's gradients summed, so both take one update
-            self.tied.reduce_grads_(held)
+            self.tied.reduce_grads_(held)  # type: ignore[union-attr]
         return self._batch_loss()
 
     def _eval_schedule(self, batch_size: int, seq_len: int) -> tuple[Any, int]:
@@ -678,7 +729,7 @@ class PipelineRunner:
         cached = self._eval_schedules.get(shape)
         if cached is not None:
             return cached
-        from torch.distributed.pipelining import PipelineStage, schedules
+        from torch.distributed.pipelining import schedules
 
         limit = max(1, min(self.config.num_microbatches or self.config.pipeline_parallel_size, shape[0]))
         m = max(d for d in range(1, limit + 1) if shape[0] % d == 0)
