@@ -237,11 +237,18 @@ def test_model_preset_and_accelerator_checks_pass_what_runs():
         _check_model_preset("llama-9b", "prog")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
-def test_gpu_recipe_without_a_gpu_names_the_cpu_ways(tmp_path):
+def test_gpu_recipe_without_a_gpu_names_the_cpu_ways(tmp_path, monkeypatch):
+    import os
+
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+
     from lightning_perf.cli.errors import _check_accelerator
 
-    proc = _cli(["fit", "--config", "gpt2-124m"], tmp_path)
+    # a machine without a GPU, also where the tests run on one: no device visible to the command
+    proc = python(["-m", "lightning_perf", "fit", "--config", "gpt2-124m"], cwd=tmp_path, timeout=300,
+                  env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: False))
+    monkeypatch.setattr(MPSAccelerator, "is_available", staticmethod(lambda: False))
     text = _short_error(proc, "trainer.accelerator is 'gpu'", "--trainer.accelerator cpu",
                         "lightning-perf fit --config gpt-tiny-cpu")
     assert "lightning-perf fit: error: trainer.accelerator is 'gpu'" in proc.stderr

@@ -47,6 +47,8 @@ import os
 import sys
 from typing import Optional
 
+import torch
+
 import lightning_perf  # noqa: F401  (registers the strategy names)
 from lightning_perf.cli.errors import DEBUG_ENV, _exit_on_user_error, _pop_debug, user_error_message
 from lightning_perf.cli.generate import _generate, load_module
@@ -112,7 +114,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     # CUDA's caching allocator grows segments instead of splitting them (the memory planner's headroom assumes
     # it); read when the first CUDA allocation is made, inherited by the ranks Lightning starts. A value the
     # user set stays.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if torch.cuda.is_available():  # (does not start CUDA)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         _main(args)
     except Exception as err:

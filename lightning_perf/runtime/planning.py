@@ -87,7 +87,7 @@ def _model_shape(module: Any) -> ModelShape:
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "n_layer"):
         raise TypeError(
-            f"estimate_memory covers the pack's GPT (GPTLightningModule, GPTConfig or a preset name); "
+            f"estimate_memory covers the pack's GPT (a GPTLightningModule or a GPTConfig); "
             f"{type(module).__name__} has no GPTConfig-like .config"
         )
     return ModelShape.from_config(config)
@@ -106,9 +106,7 @@ def _compile_scope(module: Any) -> str:
 
 def _as_module(module: Any) -> Any:
     if isinstance(module, str):
-        from lightning_perf.models.gpt.config import GPTConfig
-
-        module = GPTConfig.from_name(module)
+        raise TypeError(f"estimate_memory takes a module or a config: GPTConfig.from_name({module!r}), not the name")
     if hasattr(module, "n_layer"):  # a bare config
         class _Bare:
             config = module
@@ -171,8 +169,8 @@ def estimate_memory(
     """Predicted peak allocated GPU memory per rank of training ``module`` under ``strategy``.
 
     Args:
-        module: a ``GPTLightningModule`` (its config, ``compile`` and ``activation_checkpointing``), a
-            ``GPTConfig`` or a preset name.
+        module: a ``GPTLightningModule`` (its config, ``compile`` and ``activation_checkpointing``) or a
+            ``GPTConfig`` (``GPTConfig.from_name("llama-8b")``).
         strategy: a strategy name (``"zero3"``, ``"parallel3d"``, ``"ddp"``, ...), an instance (the pack's or
             Lightning's), or ``None`` / ``"auto"`` for one device.
         devices: GPUs per node; ``num_nodes``: nodes.

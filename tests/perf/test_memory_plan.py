@@ -10,6 +10,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from _gpu import ON_GPU
 
 import lightning_perf
 from lightning_perf.models import GPTConfig, GPTLightningModule
@@ -213,7 +214,7 @@ def test_plan_command_table_and_errors(capsys) -> None:
     assert "peak allocated per GPU" in out and "fits" in out and "activations" in out
     with pytest.raises(SystemExit, match="--gpu-memory-gb takes a number"):
         main(["plan", "--config", "gpt-1.3b", "--gpu-memory-gb", "lots"])
-    if not torch.cuda.is_available():
+    if not ON_GPU:
         with pytest.raises(SystemExit, match="no GPU on this machine"):
             main(["plan", "--config", "gpt-1.3b"])
 

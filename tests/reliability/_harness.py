@@ -61,7 +61,7 @@ def make_module(**hooks: Any):
         def training_step(self, batch, batch_idx):
             x, _ = batch
             # the synthetic windows are random: the first 4 tokens identify a sample
-            ids = (x[:, :4].long() * torch.tensor([1, VOCAB, VOCAB**2, VOCAB**3])).sum(1)
+            ids = (x[:, :4].long() * torch.tensor([1, VOCAB, VOCAB**2, VOCAB**3], device=x.device)).sum(1)
             self.samples.append((self.trainer.global_step, ids.tolist()))
             if batch_idx in skip_batches:
                 return None

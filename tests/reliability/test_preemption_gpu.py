@@ -25,6 +25,8 @@ TIMEOUT = 60.0
 @pytest.mark.gpu
 def test_preemption_on_a_full_gpu_saves_the_stop_step_and_resumes_exactly(tmp_path) -> None:
     world = min(2, torch.cuda.device_count())
+    free, _ = torch.cuda.mem_get_info(device="cuda")
+    assert free > LEFT_FREE  # each rank fills its card to LEFT_FREE
     stopped = launch(interrupted, world, tmp_path / "out_stop", tmp_path, FULL_GPU, "gpu", TIMEOUT, timeout=120)
     assert stopped.exitcodes == [128 + signal.SIGTERM] * world, (stopped.exitcodes, stopped.errors)
     for r in stopped.results:
