@@ -442,7 +442,8 @@ def main(argv: list[str] | None = None, run: Callable = run_command) -> Path:
         "overrides": {"trainer.devices": 1, "data.source": "synthetic"},
         "steps": args.steps,
         "warmup": args.warmup,
-        "batch_size": args.batch_size or int(data.get("batch_size", 8)),
+        # the recipe's own, or "auto" (the memory planner's choice in the run, logged there)
+        "batch_size": args.batch_size or data.get("batch_size", 8),
         "seq_len": SMOKE_SEQ_LEN if args.smoke else int(data.get("seq_len", 1024)),
         "headline": "tokens / wall-clock seconds over the timed window (mean); hf_vs_scratch = hf / scratch",
         "model": {

@@ -52,7 +52,11 @@ def test_smoke_trains_both_sides_through_the_recipe(smoke):
     recipe = yaml.safe_load(
         (ROOT / "lightning_perf" / "configs" / f"{bench.RECIPE}.yaml").read_text()
     )
-    tokens = recipe["data"]["batch_size"] * bench.SMOKE_SEQ_LEN * 2  # 2 timed steps
+    data = recipe["data"]
+    batch = data["batch_size"]
+    if batch == "auto":  # the recipe's global batch on the one GPU the benchmark runs it on
+        batch = data["global_batch_size"] // data.get("global_batch_per_gpus", 1)
+    tokens = batch * bench.SMOKE_SEQ_LEN * 2  # 2 timed steps
     for side in ("hf", "scratch"):
         r = report[side]
         assert (r["steps_timed"], r["tokens"]) == (2, tokens)
