@@ -73,6 +73,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import _phases  # noqa: E402  (benchmarks/ is on the path from here)
 
 PEAK_BF16 = {"h100": 989e12, "h200": 989e12}  # dense bf16 datasheet, SXM parts
 
@@ -161,24 +162,45 @@ def _smoke_overrides(recipe: dict) -> list[str]:
     return args
 
 
+def _without_checkpoints(recipe: dict, path: Path) -> Path:
+    """The recipe written to ``path`` without its ``ModelCheckpoint`` callbacks (whose ``save_last`` saves the
+    whole training state when the fit ends), for ``--no_checkpoint``; the run adds
+    ``--trainer.enable_checkpointing false`` so that Lightning adds no default one either."""
+    import yaml
+
+    trainer = dict(recipe.get("trainer") or {})
+    trainer["callbacks"] = [c for c in trainer.get("callbacks") or []
+                            if not (isinstance(c, dict) and str(c.get("class_path", "")).endswith("ModelCheckpoint"))]
+    path.write_text(yaml.safe_dump(dict(recipe, trainer=trainer), sort_keys=False))
+    return path
+
+
 def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
-    """Child process: the recipe through ``lightning_perf.cli.main`` with the window callback added."""
+    """Child process: the recipe through ``lightning_perf.cli.main`` with the window callback added, and
+    its phase marks (``_phases.PhaseTimes``) written beside the result."""
     from lightning_perf.cli import main
 
+    _phases.mark("imports_done")
     recipe = _recipe(name)
     data = recipe.get("data") or {}
     total = warmup + steps
     os.environ["BENCH_WINDOW_OUT"] = str(out)
     os.environ["BENCH_WINDOW_WARMUP"] = str(warmup)
+    config = name
+    if os.environ.get("BENCH_WINDOW_CHECKPOINT") == "0":  # --no_checkpoint: nothing saved, the recipe's saves too
+        config = str(_without_checkpoints(recipe, out.with_name(f"{out.stem}-no-checkpoint.yaml")))
     args = [
-        "fit", "--config", name,
+        "fit", "--config", config,
         "--data.source", "synthetic", "--data.data_dir", "null",
         "--data.synthetic_train_samples", str(int(data.get("batch_size", 8)) * (total + 4) * 8),
         "--trainer.max_steps", str(total),
         "--trainer.val_check_interval", str(total),
         "--trainer.default_root_dir", str(out.parent / f"run-{name}"),
         "--trainer.callbacks+=_timing.WallClockWindow",
+        "--trainer.profiler=" + json.dumps({"class_path": "_phases.PhaseTimes", "init_args": {"out": str(phases_file(out))}}),
     ]
+    if config != name:
+        args += ["--trainer.enable_checkpointing", "false"]
     if smoke:
         args += _smoke_overrides(recipe)
     if os.environ.get("BENCH_NO_VALIDATION") == "1":  # no validation pass after the window (nor its compile)
@@ -200,7 +222,20 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
         from lightning_perf.plugins import precision
 
         precision.fold_clip_into_fused_step = lambda optimizer, max_norm: False
-    main(args + extra)
+    main(args + extra, command=True)  # as `lightning-perf fit` runs: its caches, its end
+    _phases.mark("fit_returned")
+    if config != name:
+        Path(config).unlink(missing_ok=True)
+    record = phases_file(out)
+    if record.is_file():  # the marks the Trainer's profiler wrote, and this process's own
+        data = json.loads(record.read_text())
+        data["marks"].update(_phases.MARKS)
+        record.write_text(json.dumps(data, indent=1))
+
+
+def phases_file(out: Path) -> Path:
+    """Where a child's phase marks go (``_phases.PhaseTimes``), beside its result ``out``."""
+    return out.with_name(out.name + ".phases")
 
 
 def _fp8_overrides(recipe: dict, fp8: str, smoke: bool) -> list[str]:
@@ -370,7 +405,11 @@ def run_model_parallel(name: str, steps: int, warmup: int, out: Path, smoke: boo
                   baseline="ModelParallelStrategy + fully_shard")
 
 
-def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str = "") -> dict:
+def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str = "",
+           cache: Optional[Path] = None) -> dict:
+    """Run one side in a process of its own (a session of its own: a timeout kills the ranks Lightning's
+    launcher started with it); its output goes to a log file, so the process's exit is its own, not that
+    of a helper holding a pipe. ``cache``: the compile caches it uses (``compile_cache_env``)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--recipes", name,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out.parent),
            f"--child_args={extra}"]
@@ -382,23 +421,77 @@ def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str
         cmd += ["--baseline_batch", str(args.baseline_batch)]
     window = out.with_name(out.name + ".window")  # written when the window closes (see _timing)
     window.unlink(missing_ok=True)
+    phases_file(out).unlink(missing_ok=True)
+    env = dict(os.environ, **(compile_cache_env(cache) if cache is not None else {}))
+    log = out.with_name(out.name + ".log")
+    launched = time.time()
     t = time.perf_counter()
-    # a session of its own: on a timeout the ranks Lightning's launcher started are killed with it
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        stderr += f"\ntimed out after {args.timeout}s"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+        timed_out = False
+        try:
+            proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        exited = time.time()
+        left = _kill_session(proc.pid)  # on a timeout the child, otherwise what it left running
+        proc.wait()
     elapsed = time.perf_counter() - t
-    tail = (stdout[-1500:] + stderr[-3000:]) if proc.returncode else ""
+    output = log.read_text(errors="replace")
+    log.unlink(missing_ok=True)
+    if timed_out:
+        output += f"\ntimed out after {args.timeout}s"
+    tail = output[-4500:] if proc.returncode else ""
     result = child_result(out, proc.returncode, tail, elapsed)
+    startup = startup_record(phases_file(out), launched, None if timed_out else exited)
+    if startup:
+        result["startup"] = dict(startup, **({"left_running_after_exit": left} if left and not timed_out else {}))
+    phases_file(out).unlink(missing_ok=True)
     if "warning" in result:
         print(f"[{kind} {name}] ended with rc={proc.returncode} after its window; the window stands", flush=True)
     elif "error" in result:
         print(f"[{kind} {name}] failed (rc={proc.returncode}):\n{tail}", flush=True)
     return result
+
+
+def _kill_session(pgid: int) -> list[str]:
+    """SIGKILL every process left in session ``pgid`` (its leader's group); their command lines, as found."""
+    left = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getpgid(int(entry.name)) == pgid:
+                left.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160])
+        except (OSError, ValueError):
+            continue
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return left
+
+
+def startup_record(path: Path, launched: float, exited: Optional[float]) -> dict:
+    """A child's phase marks (``path``, written by ``_phases.PhaseTimes`` and the child) with its launch and
+    exit as the parent saw them, and the durations between them (``_phases.phases``); {} without marks."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    marks = dict(data.get("marks") or {})
+    marks["launched"] = launched
+    marks.setdefault("process_start", launched)  # no /proc: the parent's clock just before it started it
+    if exited is not None:
+        marks["process_exit"] = exited
+    return dict(_phases.phases(marks), steps_seen=data.get("steps"),
+                checkpoint_save_s=data.get("checkpoint_save_s"), marks=marks)
+
+
+def compile_cache_env(root: Path) -> dict[str, str]:
+    """Environment that puts a child's compile caches under ``root``: Inductor's (FX graph, AOT autograd,
+    autotuning of Triton kernels), Triton's and the pack's (``lightning-perf``'s own settings; see
+    docs/performance.md)."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton"),
+            "LIGHTNING_PERF_CACHE_DIR": str(root)}
 
 
 def child_result(out: Path, returncode: int, tail: str, elapsed: float) -> dict:
@@ -444,6 +537,13 @@ def main() -> None:
                    help="sequences per GPU of the multi-GPU baselines (default: the recipe's sequences per step "
                         "over its GPUs), for a recipe whose batch the baseline cannot hold in memory; tokens/s "
                         "per GPU are compared either way")
+    p.add_argument("--no_baseline", action="store_true", help="run the recipe side only (startup measurements)")
+    p.add_argument("--warm_cache", action="store_true",
+                   help="run each recipe a second time against the compile caches its first run filled, and report "
+                        "both runs' startup and exit (the first run starts from empty caches)")
+    p.add_argument("--cache_root", default=None,
+                   help="where the children's compile caches go (one folder per side and recipe, emptied before "
+                        "its first run); default: a temporary folder removed at the end")
     p.add_argument("--child_args", default="", help=argparse.SUPPRESS)
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                    help="also run each recipe with these CLI overrides, e.g. 'block=--model.compile_scope block'")
@@ -452,7 +552,7 @@ def main() -> None:
         # that rank 0's CLI saw (``fit --config NAME ...``), with the window's settings in its environment
         from lightning_perf.cli import main as cli_main
 
-        return cli_main(sys.argv[1:])
+        return cli_main(sys.argv[1:], command=True)
     args = p.parse_args()
     global _BASELINE_BATCH
     _BASELINE_BATCH = args.baseline_batch
@@ -464,6 +564,10 @@ def main() -> None:
         args.warmup = 2 if args.smoke else 20
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.child is None:
+        import tempfile
+
+        cache_root = Path(args.cache_root or tempfile.mkdtemp(prefix="bench_recipes_cache_"))
     if args.no_checkpoint:
         os.environ["BENCH_WINDOW_CHECKPOINT"] = "0"
     if args.no_validation:
@@ -524,8 +628,8 @@ def main() -> None:
         data = recipe.get("data") or {}
         seq_len = SMOKE_SEQ_LEN if args.smoke else int(data.get("seq_len", 1024))
         devices = _devices(recipe)
-        bases = [b for b in args.baselines.split(",") if b] if devices > 1 else ["plain"]
-        base = bases[0]
+        bases = [] if args.no_baseline else [b for b in args.baselines.split(",") if b] if devices > 1 else ["plain"]
+        base = bases[0] if bases else None
         row: dict = {"name": name, "devices": devices, "baseline": base, "baselines": bases}
         rows.append(row)
         plain_key = json.dumps([dataclasses.asdict(_plain_config(recipe)), data.get("seq_len"), data.get("batch_size"),
@@ -540,12 +644,19 @@ def main() -> None:
                 continue
             target = out_dir / f"_{side}-{name}.json"
             target.unlink(missing_ok=True)
-            row[side] = _child(side, name, args, target)
+            cache = fresh_cache(cache_root / f"{side}-{name}")
+            row[side] = _child(side, name, args, target, cache=cache)
             if side == "plain" and "tokens_per_s" in row[side]:
                 plain_cache[plain_key] = dict(row[side], recipe=name)
             target.unlink(missing_ok=True)
             print(f"[{name}] {side}: " + json.dumps({k: row[side].get(k) for k in
                   ("tokens_per_s", "step_ms_mean", "step_ms_median", "step_ms_p90", "peak_mem_gb", "peak_reserved_gb")}), flush=True)
+            if "startup" in row[side]:
+                print(f"[{name}] {side} startup (empty caches): {startup_line(row[side])}", flush=True)
+            if side == "recipe" and args.warm_cache and not over_budget():
+                row["recipe_warm"] = _child(side, name, args, target, cache=cache)
+                target.unlink(missing_ok=True)
+                print(f"[{name}] recipe startup (warm caches): {startup_line(row['recipe_warm'])}", flush=True)
         write()
         for spec in args.variant:
             label, _, extra = spec.partition("=")
@@ -553,7 +664,7 @@ def main() -> None:
                 break
             target = out_dir / f"_recipe-{name}.json"
             target.unlink(missing_ok=True)
-            result = _child("recipe", name, args, target, extra)
+            result = _child("recipe", name, args, target, extra, cache=fresh_cache(cache_root / f"{label}-{name}"))
             target.unlink(missing_ok=True)
             result["args"] = extra
             for b in bases:
@@ -575,7 +686,27 @@ def main() -> None:
                     row[f"mfu_{side}"] = fpt * row[side]["tokens_per_s"] / devices / PEAK_BF16[kind]
         write()
     write()
+    if args.cache_root is None:
+        import shutil
+
+        shutil.rmtree(cache_root, ignore_errors=True)
     print(f"wrote {path}")
+
+
+def fresh_cache(root: Path) -> Path:
+    """``root`` emptied: a run starting from it compiles and tunes everything (a cold start)."""
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    return root
+
+
+def startup_line(result: dict) -> str:
+    """One line of a side's startup and exit: the headlines, then each span that was reached."""
+    startup = result.get("startup") or {}
+    shown = {k: v for k, v in startup.items() if k.endswith("_s") and v is not None}
+    return json.dumps(shown) if shown else "no phase marks"
 
 
 if __name__ == "__main__":

@@ -26,17 +26,20 @@ What the CLI adds to Lightning's:
 - ``--ckpt_path last`` never starts over silently: see :func:`lightning_perf.runtime.resume.resume_path`.
 
 The modules: ``recipes`` (``--config`` names, the default recipe, a GPU recipe on the CPU),
-``perf_cli`` (:class:`PerfCLI`, the Lightning subcommands), ``errors`` (short errors) and
-``generate`` (``lightning-perf generate``, :func:`load_module`).
+``perf_cli`` (:class:`PerfCLI`, the Lightning subcommands), ``errors`` (short errors),
+``generate`` (``lightning-perf generate``, :func:`load_module`) and ``caches`` (where compiled kernels
+and tuning results persist between runs).
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from typing import Optional
 
 import lightning_perf  # noqa: F401  (registers the strategy names)
+from lightning_perf.cli.caches import cache_dirs, leave_objects_to_exit, use_cache_dirs
 from lightning_perf.cli.errors import DEBUG_ENV, _exit_on_user_error, _pop_debug, user_error_message
 from lightning_perf.cli.generate import _generate, load_module
 from lightning_perf.cli.perf_cli import PerfCLI, _run_lightning_cli, perf_precision_for
@@ -94,14 +97,27 @@ def _print_help() -> None:
     print(_HELP.format(own=own, recipes=", ".join(recipe_names())))
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None, *, command: Optional[bool] = None) -> None:
+    """The ``lightning-perf`` command on ``argv`` (default: the command line).
+
+    ``command``: run as the command, whose process ends when this returns (default: when ``argv`` is
+    None): compiled kernels and tuning results go to their persistent folders
+    (:mod:`lightning_perf.cli.caches`), and the objects left at the end are left to the exit
+    (:func:`~lightning_perf.cli.caches.leave_objects_to_exit`). A caller that goes on running (a test, a
+    notebook) keeps its environment and collector as they were.
+    """
+    command = argv is None if command is None else command
     args, debug = _pop_debug(list(sys.argv[1:] if argv is None else argv))
+    if command:
+        use_cache_dirs(cache_dirs(os.environ), environ=os.environ)
     try:
         _main(args)
     except Exception as err:
         if not debug:
             _exit_on_user_error(err, args)
         raise
+    if command:
+        leave_objects_to_exit()
 
 
 def _main(args: list[str]) -> None:
