@@ -11,7 +11,9 @@ caches live somewhere that survives the process, the job and the node's ``/tmp``
   ``attention="auto"`` choices (``kernels.dispatch.AttentionSelector``): ``<root>/attention``.
 
 ``root`` is ``LIGHTNING_PERF_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_perf``, else
-``~/.cache/lightning_perf``; a variable already set is kept. Every entry is keyed by what it depends on
+``~/.cache/lightning_perf``; a variable already set is kept (``TORCHINDUCTOR_CACHE_DIR`` unless it
+holds torch's own default, ``/tmp/torchinductor_<user>``, which importing ``torch._dynamo`` writes
+into the environment). Every entry is keyed by what it depends on
 (graph, inputs, configuration, compiler and library versions, GPU name), so sharing the folders between
 runs, jobs and nodes is safe; deleting them costs one cold start. See docs/performance.md.
 
@@ -58,13 +60,22 @@ def cache_dirs(environ: Mapping[str, str]) -> CacheDirs:
     else:
         root = Path(environ.get("HOME") or Path.home()) / ".cache" / "lightning_perf"
     root = root.expanduser().absolute()
+    inductor = environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor and Path(inductor) == Path(_torch_default_inductor_dir()):
+        inductor = None  # written by torch at import (torch._dynamo), not asked for
     return CacheDirs(
         root=root,
-        inductor=Path(environ.get("TORCHINDUCTOR_CACHE_DIR") or root / "inductor").expanduser().absolute(),
+        inductor=Path(inductor or root / "inductor").expanduser().absolute(),
         triton=Path(environ.get("TRITON_CACHE_DIR") or root / "triton").expanduser().absolute(),
         autotune=root / "autotune",
         attention=root / "attention",
     )
+
+
+def _torch_default_inductor_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
 
 
 def use_cache_dirs(dirs: CacheDirs, *, environ: MutableMapping[str, str]) -> None:
