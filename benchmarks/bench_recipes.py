@@ -32,6 +32,20 @@ median and p90 step, the slowest steps, garbage collections and Dynamo recompila
 window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. The JSON row holds
 ``recipe_vs_plain`` or ``recipe_vs_fsdp``.
 
+Startup and exit: each recipe run (and each variant) also reports ``startup``, the seconds from its
+process's start to the end of its first training step (``start_to_first_step_s``) and from the end of
+its last step to its process's exit (``last_step_to_exit_s``), with the phases between: imports,
+CLI and Trainer, environment (device, process group), model build, strategy set-up, the first
+steps (compilation and tuning), the final hooks (a checkpoint), teardown and interpreter exit
+(``_phases.phases``). The marks come from the run itself (``_phases.PhaseTimes``, a Lightning profiler
+that sees every hook the Trainer calls, added to the recipe's command line) and from the OS (the
+process's start); the exit is when the process ended, as this script saw it, and
+``left_running_after_exit`` lists what the process left behind in its session (killed). Every side
+compiles into caches of its own, emptied first (a cold start; ``--cache_root``, default a temporary
+folder); ``--warm_cache`` runs the recipe a second time against the caches its first run filled
+(``recipe_warm``). The children run as ``lightning-perf`` does (``main(..., command=True)``: its cache
+settings, its end).
+
     python benchmarks/bench_recipes.py --out $OUT                               # the single-GPU recipes
     python benchmarks/bench_recipes.py --recipes gpt2-124m --steps 60           # one recipe
     python benchmarks/bench_recipes.py --recipes gpt-1.3b-zero3,gpt-1.3b-tp2,gpt-1.3b-pp2 --steps 30 --warmup 10
@@ -45,6 +59,8 @@ window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. Th
         # the FP8 recipe, and the same with its MLPs as two delayed layers around a separate GELU
     python benchmarks/bench_recipes.py --recipes gpt-1.3b --variant clip-in-place=--bench.clip=in_place
         # the recipe, and the recipe with its clipping as a separate pass before the fused step
+    python benchmarks/bench_recipes.py --recipes gpt-1.3b-fp8 --steps 20 --warmup 10 --no_baseline --warm_cache \
+        --no_checkpoint --no_validation --timeout 200 --tag startup   # startup and exit, cold then warm (1 GPU)
     python benchmarks/bench_recipes.py --smoke                                  # CPU: the code paths only
 
 A multi-GPU recipe runs as Lightning launches it: the child process this script starts is rank 0,
@@ -519,7 +535,9 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--no_checkpoint", action="store_true", help="skip timing one checkpoint save")
+    p.add_argument("--no_checkpoint", action="store_true",
+                   help="no checkpoint at all: skip timing one save, and take the recipe's own checkpoint "
+                        "callbacks out (their save_last saves the whole training state when the fit ends)")
     p.add_argument("--no_validation", action="store_true",
                    help="skip the recipe's validation pass after the window (and the eval-mode compile it costs)")
     p.add_argument("--budget_s", type=float, default=None, help="start no further run after this many seconds")
@@ -612,6 +630,9 @@ def main() -> None:
             "steps": args.steps,
             "warmup": args.warmup,
             "headline": "tokens / wall-clock seconds over the timed window (mean)",
+            "startup": "per run: seconds from process start to the end of the first training step, and from the "
+                       "end of the last step to process exit (recipe: empty compile caches; recipe_warm: the "
+                       "caches the first run filled)",
             "rows": rows,
         }, indent=2))
 
