@@ -475,8 +475,10 @@ def _kill_session(pgid: int) -> list[str]:
     left = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if os.getpgid(int(entry.name)) == pgid:
-                left.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160])
+            stat = (entry / "stat").read_text()
+            if os.getpgid(int(entry.name)) != pgid or stat[stat.rindex(")") + 2] == "Z":
+                continue  # another session's, or one that has exited and waits to be reaped
+            left.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160])
         except (OSError, ValueError):
             continue
     try:

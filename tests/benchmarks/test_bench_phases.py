@@ -165,3 +165,16 @@ def test_bench_recipes_reports_cold_and_warm_startup(tmp_path):
     # both runs used the same caches, under the folder given; no child's scratch file is left in --out
     assert any((tmp_path / "caches" / "recipe-gpt-tiny-cpu").iterdir())
     assert not list(tmp_path.glob("_*")), list(tmp_path.glob("_*"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads Linux's /proc")
+def test_what_a_child_leaves_running_after_its_exit_is_listed_and_killed():
+    code = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    proc.wait()
+    left = bench_recipes._kill_session(proc.pid)
+    assert len(left) == 1 and "time.sleep(120)" in left[0]
+    deadline = time.time() + 10
+    while bench_recipes._kill_session(proc.pid) and time.time() < deadline:  # killed: gone once the OS says so
+        time.sleep(0.05)
+    assert bench_recipes._kill_session(proc.pid) == []
