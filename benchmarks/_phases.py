@@ -191,3 +191,59 @@ def phases(marks: dict[str, float]) -> dict[str, Any]:
     if start is not None:
         out["at_s"] = {k: round(v - start, 3) for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
     return out
+
+
+# the compile stages torch times in every process (torch._dynamo.utils.compile_times), in seconds summed
+# over the graphs compiled: what the first step's time went to
+COMPILE_STAGES = {
+    "compile_s": "_compile.compile_inner",  # all of it: Dynamo, then the backend below
+    "dynamo_trace_s": "bytecode_tracing",
+    "backend_s": "OutputGraph.call_user_compiler",  # AOTAutograd and Inductor
+    "aot_autograd_s": "create_aot_dispatcher_function",
+    "inductor_s": "compile_fx_inner",
+    "kernel_build_wait_s": "async_compile.wait",  # waiting for the kernels the compile workers build
+}
+
+
+def compile_record() -> dict[str, Any]:
+    """What torch compiled in this process: :data:`COMPILE_STAGES` and the caches' hits, misses and bypasses
+    (Inductor's FX graph cache, AOTAutograd's cache), with the reasons of the bypasses :func:`watch_bypasses`
+    saw."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import compile_times, counters
+
+    names, values = compile_times(repr="csv")
+    times = dict(zip(names, values))
+    out: dict[str, Any] = {}
+    for label, stage in COMPILE_STAGES.items():
+        if stage in times:
+            out[label] = round(sum(float(v) for v in str(times[stage]).split(",") if v.strip()), 3)
+    for group in ("inductor", "aot_autograd"):
+        out.update({k: v for k, v in counters[group].items() if "cache" in k})
+    if BYPASSES:
+        out["cache_bypass_reasons"] = sorted(set(BYPASSES))[:5]
+    return out
+
+
+# why a compile cache was bypassed in this process (see watch_bypasses)
+BYPASSES: list[str] = []
+
+
+def watch_bypasses() -> None:
+    """Keep the reasons torch logs when it bypasses the FX graph cache or AOTAutograd's cache."""
+    import logging
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if "ypass" in message:
+                BYPASSES.append(" ".join(message.split())[:300])
+
+    for name in ("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.codecache"):
+        logger = logging.getLogger(name)
+        logger.addHandler(_Keep(level=logging.INFO))
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)

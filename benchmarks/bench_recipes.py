@@ -197,6 +197,7 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
     from lightning_perf.cli import main
 
     _phases.mark("imports_done")
+    _phases.watch_bypasses()
     recipe = _recipe(name)
     data = recipe.get("data") or {}
     total = warmup + steps
@@ -246,6 +247,7 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
     if record.is_file():  # the marks the Trainer's profiler wrote, and this process's own
         data = json.loads(record.read_text())
         data["marks"].update(_phases.MARKS)
+        data["compile"] = _phases.compile_record()
         record.write_text(json.dumps(data, indent=1))
 
 
@@ -501,7 +503,7 @@ def startup_record(path: Path, launched: float, exited: Optional[float]) -> dict
     if exited is not None:
         marks["process_exit"] = exited
     return dict(_phases.phases(marks), steps_seen=data.get("steps"),
-                checkpoint_save_s=data.get("checkpoint_save_s"), marks=marks)
+                checkpoint_save_s=data.get("checkpoint_save_s"), compile=data.get("compile") or {}, marks=marks)
 
 
 def compile_cache_env(root: Path) -> dict[str, str]:
@@ -729,6 +731,7 @@ def startup_line(result: dict) -> str:
     """One line of a side's startup and exit: the headlines, then each span that was reached."""
     startup = result.get("startup") or {}
     shown = {k: v for k, v in startup.items() if k.endswith("_s") and v is not None}
+    shown.update(startup.get("compile") or {})
     return json.dumps(shown) if shown else "no phase marks"
 
 
