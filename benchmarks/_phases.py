@@ -5,11 +5,12 @@ and from the last step to process exit, recorded by the run itself.
 module's ``configure_model``, ``configure_optimizers``, ``on_fit_start``, each training batch,
 ``save_checkpoint``, the hooks of every callback) in the profiler's ``start`` / ``stop``, so it sees
 the boundaries of each phase without touching the module or the strategy. It keeps the first start
-and the last stop of each action (no per-step list), synchronises the GPU once at the end of the
-first step (so the first step's end is its device's end, compilation and tuning included), and
-writes the marks as JSON. The process that runs the fit adds what only it knows (its start from the
-OS, when its imports finished, when ``fit`` returned: :func:`mark`, :func:`process_start_time`);
-the parent that waited for it adds the exit, and :func:`phases` turns the marks into durations.
+and the last stop of each action (no per-step list), synchronises the GPU at the end of the first
+steps (so the first step's end is its device's end, compilation and tuning included), and writes the
+marks as JSON after the first step and when the Trainer has torn down, with what torch compiled
+(:func:`compile_record`). The process adds what only it knows (its start from the OS, when its
+imports finished: :func:`mark`, :func:`process_start_time`); the parent that waited for it adds the
+exit, and :func:`phases` turns the marks into durations.
 
 Every mark is ``time.time()`` (seconds since the epoch), so marks taken in the parent and in the
 child compare.
@@ -140,6 +141,7 @@ class PhaseTimes(Profiler):
             return
         record = self.marks
         record["marks"].update(MARKS)
+        record["compile"] = compile_record()
         start = process_start_time()
         if start is not None:
             record["marks"].setdefault("process_start", start)
@@ -167,8 +169,8 @@ SPANS = (
     ("first_step_s", "first_step_start", "first_step_end"),
     ("second_step_s", "first_step_end", "second_step_end"),
     ("train_end_s", "last_step_end", "train_end_done"),
-    ("teardown_s", "train_end_done", "fit_returned"),
-    ("interpreter_exit_s", "fit_returned", "process_exit"),
+    ("teardown_s", "train_end_done", "trainer_teardown"),  # loaders, loggers, strategy, teardown hooks
+    ("process_exit_s", "trainer_teardown", "process_exit"),  # the command's end: exit handlers, interpreter
 )
 
 # the two headlines: process start to the end of the first training step, last step to process exit

@@ -36,7 +36,7 @@ Startup and exit: each recipe run (and each variant) also reports ``startup``, t
 process's start to the end of its first training step (``start_to_first_step_s``) and from the end of
 its last step to its process's exit (``last_step_to_exit_s``), with the phases between: imports,
 CLI and Trainer, environment (device, process group), model build, strategy set-up, the first
-steps (compilation and tuning), the final hooks (a checkpoint), teardown and interpreter exit
+steps (compilation and tuning), the final hooks (a checkpoint), teardown and the process's end
 (``_phases.phases``). The marks come from the run itself (``_phases.PhaseTimes``, a Lightning profiler
 that sees every hook the Trainer calls, added to the recipe's command line) and from the OS (the
 process's start); the exit is when the process ended, as this script saw it, and
@@ -239,16 +239,7 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
         from lightning_perf.plugins import precision
 
         precision.fold_clip_into_fused_step = lambda optimizer, max_norm: False
-    main(args + extra, command=True)  # as `lightning-perf fit` runs: its caches, its end
-    _phases.mark("fit_returned")
-    if config != name:
-        Path(config).unlink(missing_ok=True)
-    record = phases_file(out)
-    if record.is_file():  # the marks the Trainer's profiler wrote, and this process's own
-        data = json.loads(record.read_text())
-        data["marks"].update(_phases.MARKS)
-        data["compile"] = _phases.compile_record()
-        record.write_text(json.dumps(data, indent=1))
+    main(args + extra, command=True)  # as `lightning-perf fit` runs: its caches, and its end (this process's)
 
 
 def phases_file(out: Path) -> Path:
@@ -465,6 +456,7 @@ def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str
     if startup:
         result["startup"] = dict(startup, **({"left_running_after_exit": left} if left and not timed_out else {}))
     phases_file(out).unlink(missing_ok=True)
+    out.with_name(f"{out.stem}-no-checkpoint.yaml").unlink(missing_ok=True)  # run_recipe's --no_checkpoint recipe
     if "warning" in result:
         print(f"[{kind} {name}] ended with rc={proc.returncode} after its window; the window stands", flush=True)
     elif "error" in result:

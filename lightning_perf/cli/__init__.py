@@ -27,8 +27,8 @@ What the CLI adds to Lightning's:
 
 The modules: ``recipes`` (``--config`` names, the default recipe, a GPU recipe on the CPU),
 ``perf_cli`` (:class:`PerfCLI`, the Lightning subcommands), ``errors`` (short errors),
-``generate`` (``lightning-perf generate``, :func:`load_module`) and ``caches`` (where compiled kernels
-and tuning results persist between runs).
+``generate`` (``lightning-perf generate``, :func:`load_module`), ``caches`` (where compiled kernels
+and tuning results persist between runs) and ``shutdown`` (how the command's process ends).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import sys
 from typing import Optional
 
 import lightning_perf  # noqa: F401  (registers the strategy names)
-from lightning_perf.cli.caches import cache_dirs, leave_objects_to_exit, use_cache_dirs
+from lightning_perf.cli.caches import cache_dirs, use_cache_dirs
 from lightning_perf.cli.errors import DEBUG_ENV, _exit_on_user_error, _pop_debug, user_error_message
 from lightning_perf.cli.generate import _generate, load_module
 from lightning_perf.cli.perf_cli import PerfCLI, _run_lightning_cli, perf_precision_for
@@ -53,6 +53,7 @@ from lightning_perf.cli.recipes import (
     recipe_names,
     resolve_recipe,
 )
+from lightning_perf.cli.shutdown import end_process
 
 __all__ = [
     "main",
@@ -100,11 +101,11 @@ def _print_help() -> None:
 def main(argv: Optional[list[str]] = None, *, command: Optional[bool] = None) -> None:
     """The ``lightning-perf`` command on ``argv`` (default: the command line).
 
-    ``command``: run as the command, whose process ends when this returns (default: when ``argv`` is
-    None): compiled kernels and tuning results go to their persistent folders
-    (:mod:`lightning_perf.cli.caches`), and the objects left at the end are left to the exit
-    (:func:`~lightning_perf.cli.caches.leave_objects_to_exit`). A caller that goes on running (a test, a
-    notebook) keeps its environment and collector as they were.
+    ``command``: run as the command, whose process ends with it (default: when ``argv`` is None):
+    compiled kernels and tuning results go to their persistent folders (:mod:`lightning_perf.cli.caches`),
+    and a Lightning subcommand that completes ends the process without the interpreter's teardown
+    (:func:`lightning_perf.cli.shutdown.end_process`). A caller that goes on running (a test, a notebook)
+    keeps its environment and its process.
     """
     command = argv is None if command is None else command
     args, debug = _pop_debug(list(sys.argv[1:] if argv is None else argv))
@@ -116,8 +117,8 @@ def main(argv: Optional[list[str]] = None, *, command: Optional[bool] = None) ->
         if not debug:
             _exit_on_user_error(err, args)
         raise
-    if command:
-        leave_objects_to_exit()
+    if command and args and args[0] in _LIGHTNING_SUBCOMMANDS:
+        end_process(0)
 
 
 def _main(args: list[str]) -> None:

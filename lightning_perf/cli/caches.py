@@ -27,14 +27,13 @@ constants in it.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["CacheDirs", "cache_dirs", "use_cache_dirs", "allow_aot_autograd_cache", "leave_objects_to_exit", "ROOT_ENV"]
+__all__ = ["CacheDirs", "cache_dirs", "use_cache_dirs", "allow_aot_autograd_cache", "ROOT_ENV"]
 
 ROOT_ENV = "LIGHTNING_PERF_CACHE_DIR"
 _AUTOCAST_REGION = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
@@ -111,11 +110,3 @@ def allow_aot_autograd_cache() -> None:
 
 
 
-
-def leave_objects_to_exit() -> None:
-    """Move every object alive now out of the cyclic collector's reach (``gc.freeze``), for a process about
-    to exit. At exit the interpreter runs full collections while it tears its modules down, each walking
-    every tracked object: after a fit (torch, Lightning, Dynamo's and Inductor's structures, the model)
-    those cost seconds, and nothing the fit left needs them: its files, loggers and checkpoints were
-    closed when the Trainer tore down, and the memory goes back to the OS with the process."""
-    gc.freeze()

@@ -29,19 +29,19 @@ def test_phases_are_the_differences_of_the_marks():
     marks = {"process_start": 100.0, "imports_done": 103.0, "trainer_built": 103.5, "environment_ready": 104.0,
              "configure_model_start": 104.25, "model_built": 106.0, "strategy_setup_done": 106.5,
              "first_step_start": 107.0, "first_step_end": 150.0, "second_step_end": 151.0,
-             "last_step_end": 160.0, "train_end_done": 161.0, "fit_returned": 161.5, "process_exit": 164.0}
+             "last_step_end": 160.0, "train_end_done": 161.0, "trainer_teardown": 161.5, "process_exit": 164.0}
     got = _phases.phases(marks)
     assert got["start_to_first_step_s"] == 50.0 and got["start_to_first_step_start_s"] == 7.0
     assert got["last_step_to_exit_s"] == 4.0
     assert (got["imports_s"], got["cli_s"], got["environment_s"], got["model_build_s"]) == (3.0, 0.5, 0.5, 1.75)
     assert (got["strategy_setup_s"], got["to_first_step_s"], got["first_step_s"], got["second_step_s"]) == (
         0.5, 0.5, 43.0, 1.0)
-    assert (got["train_end_s"], got["teardown_s"], got["interpreter_exit_s"]) == (1.0, 0.5, 2.5)
+    assert (got["train_end_s"], got["teardown_s"], got["process_exit_s"]) == (1.0, 0.5, 2.5)
     assert got["at_s"]["first_step_end"] == 50.0 and list(got["at_s"])[0] == "process_start"
     # a run killed before its end: the spans it did not reach are left out, none made up
     cut = _phases.phases({k: v for k, v in marks.items() if v <= 150.0})
     assert cut["start_to_first_step_s"] == 50.0
-    assert not {"last_step_to_exit_s", "train_end_s", "teardown_s", "interpreter_exit_s"} & set(cut)
+    assert not {"last_step_to_exit_s", "train_end_s", "teardown_s", "process_exit_s"} & set(cut)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="process start times come from Linux's /proc")
@@ -108,7 +108,7 @@ def test_phase_times_marks_a_fit_in_order_and_write_after_the_first_step(tmp_pat
     if _phases.process_start_time() is not None:
         assert marks["process_start"] <= marks["imports_done"]
     spans = _phases.phases(marks)
-    assert spans["first_step_s"] >= 0 and spans["model_build_s"] >= 0 and "interpreter_exit_s" not in spans
+    assert spans["first_step_s"] >= 0 and spans["model_build_s"] >= 0 and "process_exit_s" not in spans
 
 
 def test_a_checkpoint_saved_at_the_end_is_timed_inside_the_exit(tmp_path):
@@ -127,10 +127,10 @@ def test_a_checkpoint_saved_at_the_end_is_timed_inside_the_exit(tmp_path):
 def test_startup_record_adds_the_parents_launch_and_exit(tmp_path):
     path = tmp_path / "x.phases"
     path.write_text(json.dumps({"marks": {"process_start": 10.0, "first_step_end": 40.0, "last_step_end": 70.0,
-                                          "fit_returned": 71.0}, "steps": 30, "checkpoint_save_s": 0.0}))
+                                          "trainer_teardown": 71.0}, "steps": 30, "checkpoint_save_s": 0.0}))
     record = bench_recipes.startup_record(path, launched=9.99, exited=72.5)
     assert record["start_to_first_step_s"] == 30.0 and record["last_step_to_exit_s"] == 2.5
-    assert record["interpreter_exit_s"] == 1.5 and record["steps_seen"] == 30
+    assert record["process_exit_s"] == 1.5 and record["steps_seen"] == 30
     # killed at a timeout: no exit is made up
     assert "last_step_to_exit_s" not in bench_recipes.startup_record(path, launched=9.99, exited=None)
     assert bench_recipes.startup_record(tmp_path / "missing", launched=1.0, exited=2.0) == {}
@@ -160,7 +160,7 @@ def test_bench_recipes_reports_cold_and_warm_startup(tmp_path):
     for run in ("recipe", "recipe_warm"):
         startup = row[run]["startup"]
         assert startup["start_to_first_step_s"] > startup["imports_s"] > 0
-        assert startup["last_step_to_exit_s"] >= startup["interpreter_exit_s"] >= 0
+        assert startup["last_step_to_exit_s"] >= startup["process_exit_s"] >= 0
         assert startup["steps_seen"] == 3 and "tokens_per_s" in row[run]
     # both runs used the same caches, under the folder given; no child's scratch file is left in --out
     assert any((tmp_path / "caches" / "recipe-gpt-tiny-cpu").iterdir())
