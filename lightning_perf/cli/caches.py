@@ -13,9 +13,9 @@ caches live somewhere that survives the process, the job and the node's ``/tmp``
 ``root`` is ``LIGHTNING_PERF_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_perf``, else
 ``~/.cache/lightning_perf``; a variable already set is kept (``TORCHINDUCTOR_CACHE_DIR`` unless it
 holds torch's own default, ``/tmp/torchinductor_<user>``, which importing ``torch._dynamo`` writes
-into the environment). Every entry is keyed by what it depends on
-(graph, inputs, configuration, compiler and library versions, GPU name), so sharing the folders between
-runs, jobs and nodes is safe; deleting them costs one cold start. See docs/performance.md.
+into the environment). Every entry is keyed by what it depends on (graph, inputs, configuration,
+compiler and library versions, GPU name), so sharing the folders between runs, jobs and nodes is
+safe; deleting them costs one cold start. See docs/performance.md.
 
 AOTAutograd skips its cache for a graph that holds an autograd ``Function`` or an autocast region
 (torch keeps both behind switches while it widens its own tests): the FP8 linears are both, so by
@@ -107,6 +107,3 @@ def allow_aot_autograd_cache() -> None:
         # the value is part of the cache key: a new torch version starts new entries
         inductor_config.unsafe_marked_cacheable_functions = {**marked, **{f: torch.__version__
                                                                            for f in _AUTOCAST_REGION}}
-
-
-
