@@ -191,13 +191,18 @@ def _without_checkpoints(recipe: dict, path: Path) -> Path:
     return path
 
 
-def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
-    """Child process: the recipe through ``lightning_perf.cli.main`` with the window callback added, and
-    its phase marks (``_phases.PhaseTimes``) written beside the result."""
+def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str], *,
+               command: bool = False) -> None:
+    """Child process: the recipe through ``lightning_perf.cli.main`` with the window callback added.
+
+    ``command``: as ``lightning-perf fit`` runs (its cache settings; the process ends with the fit), with
+    the phase marks (``_phases.PhaseTimes``) written beside the result: this script's children. Without
+    it the caller goes on after the fit (``bench_hf_import.py`` adds to the result)."""
     from lightning_perf.cli import main
 
-    _phases.mark("imports_done")
-    _phases.watch_bypasses()
+    if command:
+        _phases.mark("imports_done")
+        _phases.watch_bypasses()
     recipe = _recipe(name)
     data = recipe.get("data") or {}
     total = warmup + steps
@@ -214,8 +219,10 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
         "--trainer.val_check_interval", str(total),
         "--trainer.default_root_dir", str(out.parent / f"run-{name}"),
         "--trainer.callbacks+=_timing.WallClockWindow",
-        "--trainer.profiler=" + json.dumps({"class_path": "_phases.PhaseTimes", "init_args": {"out": str(phases_file(out))}}),
     ]
+    if command:
+        profiler = {"class_path": "_phases.PhaseTimes", "init_args": {"out": str(phases_file(out))}}
+        args.append("--trainer.profiler=" + json.dumps(profiler))
     if config != name:
         args += ["--trainer.enable_checkpointing", "false"]
     if smoke:
@@ -239,7 +246,9 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
         from lightning_perf.plugins import precision
 
         precision.fold_clip_into_fused_step = lambda optimizer, max_norm: False
-    main(args + extra, command=True)  # as `lightning-perf fit` runs: its caches, and its end (this process's)
+    main(args + extra, command=command)
+    if config != name:
+        Path(config).unlink(missing_ok=True)
 
 
 def phases_file(out: Path) -> Path:
@@ -596,9 +605,10 @@ def main() -> None:
                      compile_scope=args.fsdp_compile_scope)
         elif args.child == "mp":
             run_model_parallel(name, args.steps, args.warmup, target, args.smoke, args.child_args.split())
+        elif args.child == "recipe":
+            run_recipe(name, args.steps, args.warmup, target, args.smoke, args.child_args.split(), command=True)
         else:
-            (run_recipe if args.child == "recipe" else run_plain)(name, args.steps, args.warmup, target, args.smoke,
-                                                                   args.child_args.split())
+            run_plain(name, args.steps, args.warmup, target, args.smoke, args.child_args.split())
         return
 
     import torch
