@@ -83,6 +83,8 @@ class PhaseTimes(Profiler):
         self.first_start.setdefault(action_name, t)
         if action_name == "save_checkpoint":
             self._open[action_name] = t
+        elif action_name.startswith("[LightningModule]") and action_name.endswith(".on_validation_start"):
+            self._open["validation"] = t
 
     def stop(self, action_name: str) -> None:
         step = action_name == self.STEP
@@ -92,6 +94,10 @@ class PhaseTimes(Profiler):
         self.last_stop[action_name] = t
         if action_name in self._open:
             self.seconds[action_name] = self.seconds.get(action_name, 0.0) + t - self._open.pop(action_name)
+        elif "validation" in self._open and action_name.startswith("[LightningModule]") and action_name.endswith(
+                ".on_validation_end"):
+            which = "validation" if self.steps else "sanity_validation"  # the check before the first step
+            self.seconds[which] = self.seconds.get(which, 0.0) + t - self._open.pop("validation")
         if step:
             self.steps += 1
             if self.steps <= 3:
@@ -134,7 +140,9 @@ class PhaseTimes(Profiler):
             "trainer_teardown": self.last_stop.get("trainer_teardown"),
         }
         return {"marks": {k: v for k, v in marks.items() if v is not None}, "steps": self.steps,
-                "checkpoint_save_s": self.seconds.get("save_checkpoint", 0.0)}
+                "checkpoint_save_s": self.seconds.get("save_checkpoint", 0.0),
+                "validation_s": self.seconds.get("validation", 0.0),
+                "sanity_validation_s": self.seconds.get("sanity_validation", 0.0)}
 
     def write(self) -> None:
         if not self.out or self._local_rank not in (None, 0) or int(os.environ.get("NODE_RANK", 0)):
@@ -168,7 +176,7 @@ SPANS = (
     ("to_first_step_s", "strategy_setup_done", "first_step_start"),
     ("first_step_s", "first_step_start", "first_step_end"),
     ("second_step_s", "first_step_end", "second_step_end"),
-    ("train_end_s", "last_step_end", "train_end_done"),
+    ("train_end_s", "last_step_end", "train_end_done"),  # a validation pass, the final checkpoint, end hooks
     ("teardown_s", "train_end_done", "trainer_teardown"),  # loaders, loggers, strategy, teardown hooks
     ("process_exit_s", "trainer_teardown", "process_exit"),  # the command's end: exit handlers, interpreter
 )

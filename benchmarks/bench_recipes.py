@@ -503,8 +503,9 @@ def startup_record(path: Path, launched: float, exited: Optional[float]) -> dict
     marks.setdefault("process_start", launched)  # no /proc: the parent's clock just before it started it
     if exited is not None:
         marks["process_exit"] = exited
-    return dict(_phases.phases(marks), steps_seen=data.get("steps"),
-                checkpoint_save_s=data.get("checkpoint_save_s"), compile=data.get("compile") or {}, marks=marks)
+    return dict(_phases.phases(marks), steps_seen=data.get("steps"), checkpoint_save_s=data.get("checkpoint_save_s"),
+                validation_s=data.get("validation_s"), sanity_validation_s=data.get("sanity_validation_s"),
+                compile=data.get("compile") or {}, marks=marks)
 
 
 def compile_cache_env(root: Path) -> dict[str, str]:

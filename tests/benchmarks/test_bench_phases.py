@@ -111,17 +111,26 @@ def test_phase_times_marks_a_fit_in_order_and_write_after_the_first_step(tmp_pat
     assert spans["first_step_s"] >= 0 and spans["model_build_s"] >= 0 and "process_exit_s" not in spans
 
 
-def test_a_checkpoint_saved_at_the_end_is_timed_inside_the_exit(tmp_path):
+class _SlowValidation(_Regression):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.05)
+
+
+def test_validation_and_checkpoints_are_timed_beside_the_marks(tmp_path):
     out = tmp_path / "phases.json"
     data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path,
-                        profiler=_phases.PhaseTimes(out=str(out)),
+                        enable_model_summary=False, default_root_dir=tmp_path, val_check_interval=2,
+                        limit_val_batches=3, num_sanity_val_steps=1, profiler=_phases.PhaseTimes(out=str(out)),
                         callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
-    trainer.fit(_Regression(), DataLoader(data, batch_size=4))
+    trainer.fit(_SlowValidation(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
     written = json.loads(out.read_text())
+    # the sanity check's one batch before the first step, the three batches after the last
+    assert 0.05 <= written["sanity_validation_s"] < written["validation_s"] and written["validation_s"] >= 0.15
     assert written["checkpoint_save_s"] > 0
-    assert written["marks"]["last_step_end"] <= written["marks"]["train_end_done"]
+    marks = written["marks"]
+    assert marks["last_step_end"] + written["validation_s"] <= marks["train_end_done"]
+    assert marks["train_start"] - marks["strategy_setup_done"] >= written["sanity_validation_s"]
 
 
 def test_startup_record_adds_the_parents_launch_and_exit(tmp_path):
