@@ -32,6 +32,20 @@ median and p90 step, the slowest steps, garbage collections and Dynamo recompila
 window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. The JSON row holds
 ``recipe_vs_plain`` or ``recipe_vs_fsdp``.
 
+Startup and exit: each recipe run (and each variant) also reports ``startup``, the seconds from its
+process's start to the end of its first training step (``start_to_first_step_s``) and from the end of
+its last step to its process's exit (``last_step_to_exit_s``), with the phases between: imports,
+CLI and Trainer, environment (device, process group), model build, strategy set-up, the first
+steps (compilation and tuning), the final hooks (a checkpoint), teardown and the process's end
+(``_phases.phases``). The marks come from the run itself (``_phases.PhaseTimes``, a Lightning profiler
+that sees every hook the Trainer calls, added to the recipe's command line) and from the OS (the
+process's start); the exit is when the process ended, as this script saw it, and
+``left_running_after_exit`` lists what the process left behind in its session (killed). Every side
+compiles into caches of its own, emptied first (a cold start; ``--cache_root``, default a temporary
+folder); ``--warm_cache`` runs the recipe a second time against the caches its first run filled
+(``recipe_warm``). The children run as ``lightning-perf`` does (``main(..., command=True)``: its cache
+settings, its end).
+
     python benchmarks/bench_recipes.py --out $OUT                               # the single-GPU recipes
     python benchmarks/bench_recipes.py --recipes gpt2-124m --steps 60           # one recipe
     python benchmarks/bench_recipes.py --recipes gpt-1.3b-zero3,gpt-1.3b-tp2,gpt-1.3b-pp2 --steps 30 --warmup 10
@@ -45,6 +59,8 @@ window, peak memory (rank 0) and MFU per GPU against the bf16 datasheet peak. Th
         # the FP8 recipe, and the same with its MLPs as two delayed layers around a separate GELU
     python benchmarks/bench_recipes.py --recipes gpt-1.3b --variant clip-in-place=--bench.clip=in_place
         # the recipe, and the recipe with its clipping as a separate pass before the fused step
+    python benchmarks/bench_recipes.py --recipes gpt-1.3b-fp8 --steps 20 --warmup 10 --no_baseline --warm_cache \
+        --no_checkpoint --no_validation --timeout 200 --tag startup   # startup and exit, cold then warm (1 GPU)
     python benchmarks/bench_recipes.py --smoke                                  # CPU: the code paths only
 
 A multi-GPU recipe runs as Lightning launches it: the child process this script starts is rank 0,
@@ -73,6 +89,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import _phases  # noqa: E402  (benchmarks/ is on the path from here)
 
 PEAK_BF16 = {"h100": 989e12, "h200": 989e12}  # dense bf16 datasheet, SXM parts
 
@@ -180,17 +197,41 @@ def _smoke_overrides(recipe: dict) -> list[str]:
     return args
 
 
-def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str]) -> None:
-    """Child process: the recipe through ``lightning_perf.cli.main`` with the window callback added."""
+def _without_checkpoints(recipe: dict, path: Path) -> Path:
+    """The recipe written to ``path`` without its ``ModelCheckpoint`` callbacks (whose ``save_last`` saves the
+    whole training state when the fit ends), for ``--no_checkpoint``; the run adds
+    ``--trainer.enable_checkpointing false`` so that Lightning adds no default one either."""
+    import yaml
+
+    trainer = dict(recipe.get("trainer") or {})
+    trainer["callbacks"] = [c for c in trainer.get("callbacks") or []
+                            if not (isinstance(c, dict) and str(c.get("class_path", "")).endswith("ModelCheckpoint"))]
+    path.write_text(yaml.safe_dump(dict(recipe, trainer=trainer), sort_keys=False))
+    return path
+
+
+def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: list[str], *,
+               command: bool = False) -> None:
+    """Child process: the recipe through ``lightning_perf.cli.main`` with the window callback added.
+
+    ``command``: as ``lightning-perf fit`` runs (its cache settings; the process ends with the fit), with
+    the phase marks (``_phases.PhaseTimes``) written beside the result: this script's children. Without
+    it the caller goes on after the fit (``bench_hf_import.py`` adds to the result)."""
     from lightning_perf.cli import main
 
+    if command:
+        _phases.mark("imports_done")
+        _phases.watch_bypasses()
     recipe = _recipe(name)
     data = recipe.get("data") or {}
     total = warmup + steps
     os.environ["BENCH_WINDOW_OUT"] = str(out)
     os.environ["BENCH_WINDOW_WARMUP"] = str(warmup)
+    config = name
+    if os.environ.get("BENCH_WINDOW_CHECKPOINT") == "0":  # --no_checkpoint: nothing saved, the recipe's saves too
+        config = str(_without_checkpoints(recipe, out.with_name(f"{out.stem}-no-checkpoint.yaml")))
     args = [
-        "fit", "--config", name,
+        "fit", "--config", config,
         "--data.source", "synthetic", "--data.data_dir", "null",
         "--data.synthetic_train_samples", str(_replica_batch(recipe) * (total + 4) * 8),
         "--trainer.max_steps", str(total),
@@ -198,6 +239,11 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
         "--trainer.default_root_dir", str(out.parent / f"run-{name}"),
         "--trainer.callbacks+=_timing.WallClockWindow",
     ]
+    if command:
+        profiler = {"class_path": "_phases.PhaseTimes", "init_args": {"out": str(phases_file(out))}}
+        args.append("--trainer.profiler=" + json.dumps(profiler))
+    if config != name:
+        args += ["--trainer.enable_checkpointing", "false"]
     if smoke:
         args += _smoke_overrides(recipe)
     if os.environ.get("BENCH_NO_VALIDATION") == "1":  # no validation pass after the window (nor its compile)
@@ -219,7 +265,14 @@ def run_recipe(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra
         from lightning_perf.plugins import precision
 
         precision.fold_clip_into_fused_step = lambda optimizer, max_norm: False
-    main(args + extra)
+    main(args + extra, command=command)
+    if config != name:
+        Path(config).unlink(missing_ok=True)
+
+
+def phases_file(out: Path) -> Path:
+    """Where a child's phase marks go (``_phases.PhaseTimes``), beside its result ``out``."""
+    return out.with_name(out.name + ".phases")
 
 
 def _fp8_overrides(recipe: dict, fp8: str, smoke: bool) -> list[str]:
@@ -389,7 +442,11 @@ def run_model_parallel(name: str, steps: int, warmup: int, out: Path, smoke: boo
                   baseline="ModelParallelStrategy + fully_shard")
 
 
-def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str = "") -> dict:
+def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str = "",
+           cache: Optional[Path] = None) -> dict:
+    """Run one side in a process of its own (a session of its own: a timeout kills the ranks Lightning's
+    launcher started with it); its output goes to a log file, so the process's exit is its own, not that
+    of a helper holding a pipe. ``cache``: the compile caches it uses (``compile_cache_env``)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--recipes", name,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out.parent),
            f"--child_args={extra}"]
@@ -401,23 +458,81 @@ def _child(kind: str, name: str, args: argparse.Namespace, out: Path, extra: str
         cmd += ["--baseline_batch", str(args.baseline_batch)]
     window = out.with_name(out.name + ".window")  # written when the window closes (see _timing)
     window.unlink(missing_ok=True)
+    phases_file(out).unlink(missing_ok=True)
+    env = dict(os.environ, **(compile_cache_env(cache) if cache is not None else {}))
+    log = out.with_name(out.name + ".log")
+    launched = time.time()
     t = time.perf_counter()
-    # a session of its own: on a timeout the ranks Lightning's launcher started are killed with it
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        stderr += f"\ntimed out after {args.timeout}s"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+        timed_out = False
+        try:
+            proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        exited = time.time()
+        left = _kill_session(proc.pid)  # on a timeout the child, otherwise what it left running
+        proc.wait()
     elapsed = time.perf_counter() - t
-    tail = (stdout[-1500:] + stderr[-3000:]) if proc.returncode else ""
+    output = log.read_text(errors="replace")
+    log.unlink(missing_ok=True)
+    if timed_out:
+        output += f"\ntimed out after {args.timeout}s"
+    tail = output[-4500:] if proc.returncode else ""
     result = child_result(out, proc.returncode, tail, elapsed)
+    startup = startup_record(phases_file(out), launched, None if timed_out else exited)
+    if startup:
+        result["startup"] = dict(startup, **({"left_running_after_exit": left} if left and not timed_out else {}))
+    phases_file(out).unlink(missing_ok=True)
+    out.with_name(f"{out.stem}-no-checkpoint.yaml").unlink(missing_ok=True)  # run_recipe's --no_checkpoint recipe
     if "warning" in result:
         print(f"[{kind} {name}] ended with rc={proc.returncode} after its window; the window stands", flush=True)
     elif "error" in result:
         print(f"[{kind} {name}] failed (rc={proc.returncode}):\n{tail}", flush=True)
     return result
+
+
+def _kill_session(pgid: int) -> list[str]:
+    """SIGKILL every process left in session ``pgid`` (its leader's group); their command lines, as found."""
+    left = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            if os.getpgid(int(entry.name)) != pgid or stat[stat.rindex(")") + 2] == "Z":
+                continue  # another session's, or one that has exited and waits to be reaped
+            left.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160])
+        except (OSError, ValueError):
+            continue
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return left
+
+
+def startup_record(path: Path, launched: float, exited: Optional[float]) -> dict:
+    """A child's phase marks (``path``, written by ``_phases.PhaseTimes`` and the child) with its launch and
+    exit as the parent saw them, and the durations between them (``_phases.phases``); {} without marks."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    marks = dict(data.get("marks") or {})
+    marks["launched"] = launched
+    marks.setdefault("process_start", launched)  # no /proc: the parent's clock just before it started it
+    if exited is not None:
+        marks["process_exit"] = exited
+    return dict(_phases.phases(marks), steps_seen=data.get("steps"), checkpoint_save_s=data.get("checkpoint_save_s"),
+                validation_s=data.get("validation_s"), sanity_validation_s=data.get("sanity_validation_s"),
+                compile=data.get("compile") or {}, marks=marks)
+
+
+def compile_cache_env(root: Path) -> dict[str, str]:
+    """Environment that puts a child's compile caches under ``root``: Inductor's (FX graph, AOT autograd,
+    autotuning of Triton kernels), Triton's and the pack's (``lightning-perf``'s own settings; see
+    docs/performance.md)."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton"),
+            "LIGHTNING_PERF_CACHE_DIR": str(root)}
 
 
 def child_result(out: Path, returncode: int, tail: str, elapsed: float) -> dict:
@@ -445,7 +560,9 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--tag", default="")
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--no_checkpoint", action="store_true", help="skip timing one checkpoint save")
+    p.add_argument("--no_checkpoint", action="store_true",
+                   help="no checkpoint at all: skip timing one save, and take the recipe's own checkpoint "
+                        "callbacks out (their save_last saves the whole training state when the fit ends)")
     p.add_argument("--no_validation", action="store_true",
                    help="skip the recipe's validation pass after the window (and the eval-mode compile it costs)")
     p.add_argument("--budget_s", type=float, default=None, help="start no further run after this many seconds")
@@ -463,6 +580,13 @@ def main() -> None:
                    help="sequences per GPU of the multi-GPU baselines (default: the recipe's sequences per step "
                         "over its GPUs), for a recipe whose batch the baseline cannot hold in memory; tokens/s "
                         "per GPU are compared either way")
+    p.add_argument("--no_baseline", action="store_true", help="run the recipe side only (startup measurements)")
+    p.add_argument("--warm_cache", action="store_true",
+                   help="run each recipe a second time against the compile caches its first run filled, and report "
+                        "both runs' startup and exit (the first run starts from empty caches)")
+    p.add_argument("--cache_root", default=None,
+                   help="where the children's compile caches go (one folder per side and recipe, emptied before "
+                        "its first run); default: a temporary folder removed at the end")
     p.add_argument("--child_args", default="", help=argparse.SUPPRESS)
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                    help="also run each recipe with these CLI overrides, e.g. 'block=--model.compile_scope block'")
@@ -471,7 +595,7 @@ def main() -> None:
         # that rank 0's CLI saw (``fit --config NAME ...``), with the window's settings in its environment
         from lightning_perf.cli import main as cli_main
 
-        return cli_main(sys.argv[1:])
+        return cli_main(sys.argv[1:], command=True)
     args = p.parse_args()
     global _BASELINE_BATCH
     _BASELINE_BATCH = args.baseline_batch
@@ -483,6 +607,10 @@ def main() -> None:
         args.warmup = 2 if args.smoke else 20
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.child is None:
+        import tempfile
+
+        cache_root = Path(args.cache_root or tempfile.mkdtemp(prefix="bench_recipes_cache_"))
     if args.no_checkpoint:
         os.environ["BENCH_WINDOW_CHECKPOINT"] = "0"
     if args.no_validation:
@@ -497,9 +625,10 @@ def main() -> None:
                      compile_scope=args.fsdp_compile_scope)
         elif args.child == "mp":
             run_model_parallel(name, args.steps, args.warmup, target, args.smoke, args.child_args.split())
+        elif args.child == "recipe":
+            run_recipe(name, args.steps, args.warmup, target, args.smoke, args.child_args.split(), command=True)
         else:
-            (run_recipe if args.child == "recipe" else run_plain)(name, args.steps, args.warmup, target, args.smoke,
-                                                                   args.child_args.split())
+            run_plain(name, args.steps, args.warmup, target, args.smoke, args.child_args.split())
         return
 
     import torch
@@ -527,6 +656,9 @@ def main() -> None:
             "steps": args.steps,
             "warmup": args.warmup,
             "headline": "tokens / wall-clock seconds over the timed window (mean)",
+            "startup": "per run: seconds from process start to the end of the first training step, and from the "
+                       "end of the last step to process exit (recipe: empty compile caches; recipe_warm: the "
+                       "caches the first run filled)",
             "rows": rows,
         }, indent=2))
 
@@ -543,7 +675,8 @@ def main() -> None:
         data = recipe.get("data") or {}
         seq_len = SMOKE_SEQ_LEN if args.smoke else int(data.get("seq_len", 1024))
         devices = _devices(recipe)
-        bases = [b for b in args.baselines.split(",") if b and b != "none"] if devices > 1 else ["plain"]
+        bases = [] if args.no_baseline else (
+            [b for b in args.baselines.split(",") if b and b != "none"] if devices > 1 else ["plain"])
         base = bases[0] if bases else None
         row: dict = {"name": name, "devices": devices, "baseline": base, "baselines": bases}
         rows.append(row)
@@ -559,12 +692,19 @@ def main() -> None:
                 continue
             target = out_dir / f"_{side}-{name}.json"
             target.unlink(missing_ok=True)
-            row[side] = _child(side, name, args, target)
+            cache = fresh_cache(cache_root / f"{side}-{name}")
+            row[side] = _child(side, name, args, target, cache=cache)
             if side == "plain" and "tokens_per_s" in row[side]:
                 plain_cache[plain_key] = dict(row[side], recipe=name)
             target.unlink(missing_ok=True)
             print(f"[{name}] {side}: " + json.dumps({k: row[side].get(k) for k in
                   ("tokens_per_s", "step_ms_mean", "step_ms_median", "step_ms_p90", "peak_mem_gb", "peak_reserved_gb")}), flush=True)
+            if "startup" in row[side]:
+                print(f"[{name}] {side} startup (empty caches): {startup_line(row[side])}", flush=True)
+            if side == "recipe" and args.warm_cache and not over_budget():
+                row["recipe_warm"] = _child(side, name, args, target, cache=cache)
+                target.unlink(missing_ok=True)
+                print(f"[{name}] recipe startup (warm caches): {startup_line(row['recipe_warm'])}", flush=True)
         write()
         for spec in args.variant:
             label, _, extra = spec.partition("=")
@@ -572,7 +712,7 @@ def main() -> None:
                 break
             target = out_dir / f"_recipe-{name}.json"
             target.unlink(missing_ok=True)
-            result = _child("recipe", name, args, target, extra)
+            result = _child("recipe", name, args, target, extra, cache=fresh_cache(cache_root / f"{label}-{name}"))
             target.unlink(missing_ok=True)
             result["args"] = extra
             for b in bases:
@@ -594,7 +734,28 @@ def main() -> None:
                     row[f"mfu_{side}"] = fpt * row[side]["tokens_per_s"] / devices / PEAK_BF16[kind]
         write()
     write()
+    if args.cache_root is None:
+        import shutil
+
+        shutil.rmtree(cache_root, ignore_errors=True)
     print(f"wrote {path}")
+
+
+def fresh_cache(root: Path) -> Path:
+    """``root`` emptied: a run starting from it compiles and tunes everything (a cold start)."""
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    return root
+
+
+def startup_line(result: dict) -> str:
+    """One line of a side's startup and exit: the headlines, then each span that was reached."""
+    startup = result.get("startup") or {}
+    shown = {k: v for k, v in startup.items() if k.endswith("_s") and v is not None}
+    shown.update(startup.get("compile") or {})
+    return json.dumps(shown) if shown else "no phase marks"
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ What the CLI adds to Lightning's:
 
 The modules: ``recipes`` (``--config`` names, the default recipe, a GPU recipe on the CPU),
 ``perf_cli`` (:class:`PerfCLI`, the Lightning subcommands), ``errors`` (short errors), ``progress``
-(the step-counting progress bar), ``quiet`` (Lightning's notices left out) and ``generate``
-(``lightning-perf generate``, :func:`load_module`).
+(the step-counting progress bar), ``quiet`` (Lightning's notices left out), ``generate``
+(``lightning-perf generate``, :func:`load_module`), ``plan`` (``lightning-perf plan``), ``oom`` (out-of-memory
+errors), ``caches`` (where compiled kernels and tuning results persist between runs) and ``shutdown`` (how the
+command's process ends).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from typing import Optional
 import torch
 
 import lightning_perf  # noqa: F401  (registers the strategy names)
+from lightning_perf.cli.caches import cache_dirs, use_cache_dirs
 from lightning_perf.cli.errors import DEBUG_ENV, _exit_on_user_error, _pop_debug, user_error_message
 from lightning_perf.cli.generate import _generate, load_module
 from lightning_perf.cli.oom import is_out_of_memory, report_out_of_memory
@@ -64,6 +67,7 @@ from lightning_perf.cli.recipes import (
     recipe_names,
     resolve_recipe,
 )
+from lightning_perf.cli.shutdown import end_process
 
 __all__ = [
     "main",
@@ -109,13 +113,24 @@ def _print_help() -> None:
     print(_HELP.format(own=own, recipes=", ".join(recipe_names())))
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None, *, command: Optional[bool] = None) -> None:
+    """The ``lightning-perf`` command on ``argv`` (default: the command line).
+
+    ``command``: run as the command, whose process ends with it (default: when ``argv`` is None):
+    compiled kernels and tuning results go to their persistent folders (:mod:`lightning_perf.cli.caches`),
+    and a Lightning subcommand that completes ends the process without the interpreter's teardown
+    (:func:`lightning_perf.cli.shutdown.end_process`). A caller that goes on running (a test, a notebook)
+    keeps its environment and its process.
+    """
+    command = argv is None if command is None else command
     args, debug = _pop_debug(list(sys.argv[1:] if argv is None else argv))
-    # CUDA's caching allocator grows segments instead of splitting them (the memory planner's headroom assumes
-    # it); read when the first CUDA allocation is made, inherited by the ranks Lightning starts. A value the
-    # user set stays.
-    if torch.cuda.is_available():  # (does not start CUDA)
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if command:
+        use_cache_dirs(cache_dirs(os.environ), environ=os.environ)
+        # CUDA's caching allocator grows segments instead of splitting them (the memory planner's headroom
+        # assumes it); read at the first CUDA allocation, inherited by the ranks Lightning starts. A value the
+        # user set stays.
+        if torch.cuda.is_available():  # (does not start CUDA)
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         _main(args)
     except Exception as err:
@@ -124,6 +139,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 raise SystemExit(report_out_of_memory(err, args, args[0] if args else "fit")) from None
             _exit_on_user_error(err, args)
         raise
+    if command and args and args[0] in _LIGHTNING_SUBCOMMANDS:
+        end_process(0)
 
 
 def _main(args: list[str]) -> None:

@@ -6,7 +6,8 @@ with one of them. On a CUDA device each candidate is timed once with CUDA
 events and the fastest is kept, in memory and in a JSON file per (kernel, GPU
 name) whose keys hold the shape bucket and dtype, so a second run starts
 without re-tuning. Elsewhere (the CPU interpreter) the first candidate is used
-and nothing is timed.
+and nothing is timed. The file's name holds the torch and Triton versions too
+(:func:`software_versions`): a configuration timed under one is never read under another.
 
 The files are safe to share between concurrent runs: each write re-reads the
 file, merges, writes a temporary file beside it and ``os.replace``-s it in.
@@ -26,7 +27,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["AutotuneCache", "KernelTuner", "default_tuner", "configure", "shape_bucket", "hold_gpu"]
+__all__ = ["AutotuneCache", "KernelTuner", "default_tuner", "configure", "shape_bucket", "hold_gpu",
+           "software_versions", "default_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +51,35 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "lightning_perf" / "autotune"
 
 
+def software_versions() -> str:
+    """``torch-<version>--triton-<version>``: what a timing depends on besides the GPU and the shape (the
+    compiler that built the kernel, the library around it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    triton = "none"
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            triton = version(dist)
+            break
+        except PackageNotFoundError:
+            continue
+    return f"torch-{torch.__version__}--triton-{triton}"
+
+
 @dataclass(kw_only=True)
 class AutotuneCache:
-    """Tuned configurations on disk: ``<directory>/<kernel>--<gpu name>.json`` = {key: config}."""
+    """Tuned configurations on disk: ``<directory>/<kernel>--<gpu name>--<software>.json`` = {key: config},
+    ``software`` being :func:`software_versions`."""
 
     directory: Path = field(default_factory=default_cache_dir)
     enabled: bool = True
+    software: str = field(default_factory=software_versions)
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory).expanduser()
 
     def path(self, kernel: str, device_name: str) -> Path:
-        return self.directory / f"{_slug(kernel)}--{_slug(device_name)}.json"
+        return self.directory / f"{_slug(kernel)}--{_slug(device_name)}--{_slug(self.software)}.json"
 
     def _read(self, path: Path) -> dict[str, Config]:
         try:

@@ -7,7 +7,9 @@ dtype / shape a kernel does not take. Attention by name (``impl="flex"``, ``"fa3
 ``impl="auto"`` it is routed by an :class:`AttentionSelector`, which times each SDPA
 backend (cuDNN, flash, efficient), FlexAttention and the installed flash-attention
 packages once per (shape, dtype, device, causal), forward + backward, keeps the
-fastest and logs the choice.
+fastest and logs the choice. Given an :class:`~lightning_perf.kernels.autotune.AutotuneCache`, the
+selector keeps its choices on disk too (per GPU name, torch and Triton versions, shape, dtype, and the
+flash-attention packages installed), so a restarted run times nothing it timed before.
 
 Packed documents (``doc_ids``): only the backends that take a document mask run
 (``AttentionBackends.DOCUMENT_MASKED``: FlexAttention, the Triton kernel, SDPA's memory-efficient
@@ -30,8 +32,10 @@ from lightning_perf.kernels.attention_backends import (
     LIBRARY_BACKENDS,
     SDPA_BACKENDS,
     AttentionBackends,
+    missing_requirement,
     sdpa,
 )
+from lightning_perf.kernels.autotune import AutotuneCache
 from lightning_perf.kernels.dtensor import is_dtensor as _is_dtensor
 
 __all__ = [
@@ -67,6 +71,11 @@ class AttentionSelector:
 
     Under ``torch.compile`` tracing nothing is timed: the cached choice among the candidates Dynamo
     can trace (``traced_choices``; FA4 is not one) is used, else SDPA's default.
+
+    ``cache``: where choices persist between runs (None: in memory only). A choice read back is used
+    without timing when its backend can still take the tensors; the disk is consulted only where the
+    selector would otherwise time (never while tracing), so a compiled model's graph does not depend
+    on what earlier runs left there.
     """
 
     candidates: tuple[str, ...] = SDPA_BACKENDS + LIBRARY_BACKENDS
@@ -78,6 +87,7 @@ class AttentionSelector:
     traced_choices: dict[tuple, str] = field(default_factory=dict)
     timings: dict[tuple, dict[str, float]] = field(default_factory=dict)
     skipped: dict[tuple, dict[str, str]] = field(default_factory=dict)
+    cache: Optional[AutotuneCache] = None
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.candidates + self.fallback if c not in _CANDIDATES]
@@ -111,6 +121,8 @@ class AttentionSelector:
             return self.choices[key]
         if not self.can_time(q):
             return None
+        if self._load(key, q, k, v, causal, doc_ids):
+            return self.choices[key]
         timings, skipped = self._time_all(self.candidates, q, k, v, causal, doc_ids)
         if not timings:
             timings, more = self._time_all(tuple(n for n in self.fallback if n not in self.candidates), q, k, v, causal,
@@ -127,7 +139,42 @@ class AttentionSelector:
                  "" if self.traced_choices[key] == best else f"; under torch.compile: {self.traced_choices[key]}")
         for name, reason in skipped.items():
             log.debug("attention candidate %s unavailable for %s: %s", name, key, reason)
+        if self.cache is not None:
+            self.cache.store("attention_auto", self.device_name(q), self._disk_key(q, k, causal, doc_ids),
+                             {"choice": best, "traced": self.traced_choices[key], "timings": timings})
         return best
+
+    def device_name(self, q: torch.Tensor) -> str:
+        return torch.cuda.get_device_name(q.device)
+
+    def _disk_key(self, q, k, causal: bool, doc_ids: Optional[torch.Tensor]) -> str:
+        """What a stored choice depends on besides the GPU and the software versions (the file's name):
+        the shape, kv heads, dtype, masking, the candidates asked for and the flash-attention packages
+        installed now (one installed later is timed)."""
+        installed = [n for n in LIBRARY_BACKENDS if missing_requirement(n) is None]
+        masking = "documents" if doc_ids is not None else f"causal={causal}"
+        return (f"q{tuple(q.shape)}|kv{k.shape[1]}|{q.dtype}|{masking}|candidates={','.join(self.candidates)}"
+                f"|fallback={','.join(self.fallback)}|installed={','.join(installed)}")
+
+    def _load(self, key: tuple, q, k, v, causal: bool, doc_ids: Optional[torch.Tensor]) -> bool:
+        """Take the choice an earlier run stored for this key, if it can still run here; whether it did."""
+        if self.cache is None:
+            return False
+        entry = self.cache.load("attention_auto", self.device_name(q), self._disk_key(q, k, causal, doc_ids))
+        if not isinstance(entry, dict):
+            return False
+        best, traced = entry.get("choice"), entry.get("traced")
+        extra = () if doc_ids is None else (doc_ids,)
+        runnable = (best == "sdpa" or (best in self.candidates + self.fallback
+                                       and self.backends.unsupported(best, q, k, v, *extra) is None))
+        if not runnable or traced not in AttentionBackends.TRACEABLE + ("sdpa",):
+            return False
+        self.choices[key], self.traced_choices[key] = best, traced
+        self.timings[key] = dict(entry.get("timings") or {})
+        self.skipped[key] = {}
+        log.info("attention='auto' for q%s kv_heads=%d %s: %s (timed by an earlier run, %s)", tuple(q.shape),
+                 k.shape[1], q.dtype, best, self.cache.path("attention_auto", self.device_name(q)))
+        return True
 
     def _time_all(self, names, q, k, v, causal: bool,
                   doc_ids: Optional[torch.Tensor] = None) -> tuple[dict[str, float], dict[str, str]]:

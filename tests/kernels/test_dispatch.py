@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_perf.kernels import dispatch, flash_attention, fused_linear_cross_entropy, layer_norm, swiglu
 from lightning_perf.kernels.attention_backends import LIBRARY_BACKENDS, SDPA_BACKENDS
-from lightning_perf.kernels.autotune import AutotuneCache, KernelTuner, shape_bucket
+from lightning_perf.kernels.autotune import AutotuneCache, KernelTuner, shape_bucket, software_versions
 from lightning_perf.kernels.ops.flash_attention import attention_reference
 from lightning_perf.models.gpt import GPT, GPTConfig
 
@@ -334,7 +334,10 @@ def test_tuner_picks_fastest_and_second_run_reads_disk(tmp_path):
     best = first.pick("my_kernel", (shape_bucket(1000), torch.bfloat16), configs, launched.append, cuda)
     assert best == dict(BLOCK=128) and first.timed == [64, 128, 256]
     files = list(tmp_path.iterdir())
-    assert [f.name for f in files] == ["my_kernel--Fake_GPU_80GB.json"]  # no temp files left behind
+    # one file per (kernel, GPU, torch and Triton versions); no temp files left behind
+    assert [f.name for f in files] == [first.cache.path("my_kernel", "Fake GPU 80GB").name]
+    assert files[0].name.startswith("my_kernel--Fake_GPU_80GB--torch-" + torch.__version__.split("+")[0])
+    assert software_versions().startswith(f"torch-{torch.__version__}--triton-")
     assert json.loads(files[0].read_text()) == {"1024|torch.bfloat16": {"BLOCK": 128}}
     # a second run (fresh process = fresh tuner) reuses the file and times nothing
     second = _FakeTuner(AutotuneCache(directory=tmp_path), times)
