@@ -276,10 +276,14 @@ class AsyncCheckpointer:
         self.reserved_bytes = need
         return need
 
-    def _release(self) -> None:
+    def _committed(self) -> None:
+        """Wait for the writer thread's commit of the reserved buffers' pages, if one is under way."""
         if self._committing is not None:
             self._committing.result()
             self._committing = None
+
+    def _release(self) -> None:
+        self._committed()
         if self._reserved is not None:
             self._reserved.close()
         self._reserved, self.reserved_bytes = None, 0
@@ -303,9 +307,7 @@ class AsyncCheckpointer:
         path = Path(path)
         self._deferred = [(p, a) for p, a in self._deferred if p != path]  # a new save of it cancels its removal
         tmp = ckpt.prepare_tmp(path, group=self._group)
-        if self._committing is not None:  # the reserved buffers' pages, committed in the background
-            self._committing.result()
-            self._committing = None
+        self._committed()  # the reserved buffers' pages, committed in the background
         stager = self._reserved if self._reserved is not None else HostStager()
 
         def stage() -> tuple[Any, dict[str, Any]]:
