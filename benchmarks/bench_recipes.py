@@ -147,10 +147,23 @@ def _data_parallel_size(recipe: dict) -> int:
     return devices
 
 
-def _activation_checkpointing(recipe: dict) -> str:
+def _activation_checkpointing(recipe: dict, name: Optional[str] = None) -> str:
+    """The recipe's checkpointing mode; for ``"auto"``, what the memory planner chooses for it on this machine's
+    GPU (``lightning-perf plan --json``), so a baseline checkpoints only where the recipe does."""
     strategy = (recipe.get("trainer") or {}).get("strategy")
     args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
-    return args.get("activation_checkpointing") or (recipe.get("model") or {}).get("activation_checkpointing", "none")
+    mode = args.get("activation_checkpointing") or (recipe.get("model") or {}).get("activation_checkpointing", "none")
+    if mode != "auto" or name is None:
+        return mode
+    import torch
+
+    cmd = [sys.executable, "-m", "lightning_perf", "plan", "--config", name, "--json"]
+    if not torch.cuda.is_available():
+        cmd += ["--gpu-memory-gb", "85"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0 or "{" not in out.stdout:
+        raise SystemExit(f"lightning-perf plan --config {name} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout[out.stdout.index("{"):])["activation_checkpointing"]
 
 
 def _replica_batch(recipe: dict) -> int:
@@ -413,7 +426,7 @@ def run_fsdp(name: str, steps: int, warmup: int, out: Path, smoke: bool, extra: 
     cfg, seq_len, batch, compile_mode = _baseline_shape(recipe, smoke)
     module = FSDPClippedGPT(cfg, **_schedule(recipe), fused_adam=True, compile=compile_mode,
                             compile_scope=compile_scope)
-    checkpointing = _activation_checkpointing(recipe) != "none"
+    checkpointing = _activation_checkpointing(recipe, name) != "none"
     strategy = FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, state_dict_type="sharded",
                             activation_checkpointing_policy={Block} if checkpointing else None)
     precision = (recipe.get("trainer") or {}).get("precision", "bf16-mixed")
@@ -433,7 +446,7 @@ def run_model_parallel(name: str, steps: int, warmup: int, out: Path, smoke: boo
 
     recipe = _recipe(name)
     cfg, seq_len, batch, compile_mode = _baseline_shape(recipe, smoke)
-    checkpointing = "full" if _activation_checkpointing(recipe) != "none" else "none"
+    checkpointing = "full" if _activation_checkpointing(recipe, name) != "none" else "none"
     module = ModelParallelGPT(cfg, compile=compile_mode, activation_checkpointing=checkpointing,
                               learning_rate=float((recipe.get("model") or {}).get("learning_rate", 3e-4)))
     # the MixedPrecisionPolicy casts (bf16 compute, fp32 master weights and reduction): no autocast

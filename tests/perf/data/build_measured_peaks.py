@@ -702,6 +702,7 @@ def build() -> list[dict[str, Any]]:
         add_gpt(fname, fp8_impl=impl, commit=commit)
 
     add_recipes()
+    add_planned_recipes()
     add_offload()
     add_memory()
     add_hf_import()
@@ -937,6 +938,62 @@ def add_llama_recipes() -> None:
                 model=llama_model(False), training=mp_training, strategy=mp_strategy, baseline=mp_baseline,
                 measured=msr, notes=("--baseline_batch 1 without checkpointing: out of memory on 80 GB H100s",),
                 **common)
+
+
+def add_planned_recipes() -> None:
+    """Recipes as shipped with their batch, checkpointing and accumulation left to the memory planner (2026-11-28)."""
+    llama = model("llama-8b", model_class=PACK_GPT, fp8_impl="torchao+pack", kernels="triton", attention="auto",
+                  fp8="tensorwise", fused_qkv=True)
+    for fname, commit in (("bench_recipes_4xh100_20261128_llama-8b-zero3-auto.json", "c4a452b"),
+                          ("bench_recipes_4xh100_20261128_llama-8b-zero3-auto-again.json", "3ab37e8")):
+        path = f"{RESULTS}/{fname}"
+        doc = load(path)
+        rec = doc["rows"][0]["recipe"]
+        train = training(precision="bf16-mixed", mixed_precision=MP_ZERO, batch=1, seq_len=8192, ac="none",
+                         compile_mode="default", compile_scope="block", optimizer=ADAMW_MODULE, clip=1.0,
+                         warmup=doc["warmup"], timed=doc["steps"], global_batch=64)
+        train.update(accumulate_grad_batches=16, accumulation="reduce_each")
+        add(f"recipes-{_tag(fname)}", path, "/rows/0/recipe", device_name=doc["device"], world=4, side="pack",
+            harness={"script": "benchmarks/bench_recipes.py", "recipe": "llama-8b-zero3", "variant": None,
+                     "variant_args": None, "result_commit": commit, "precision_plugin": "PerfPrecision"},
+            model=llama, training=train, strategy=zero(3, 4, fp8_all_gather=True, init="meta"),
+            measured=measured(rec, allocated_from=["peak_mem_gb", "peak_mem_gb_before_window"], ranks="rank0",
+                              scope="run", window="peak_mem_gb", before="peak_mem_gb_before_window",
+                              reserved="peak_reserved_gb"),
+            notes=(RECIPE_NOTE, "batch_size, activation_checkpointing and accumulation 'auto': the planner took micro-"
+                   "batch 1, no checkpointing, 16 micro-batches per step with gradients reduce-scattered after "
+                   "each (ZeroStrategy accumulation reduce_each), global batch 64 x 8192 tokens"))
+    fname = "bench_recipes_2xh100_20261128_gpt-1.3b-zero3-auto.json"
+    path = f"{RESULTS}/{fname}"
+    doc = load(path)
+    row = doc["rows"][0]
+    gpt = model("gpt-1.3b", model_class=PACK_GPT, fp8_impl="torchao+pack", kernels="triton", attention="auto",
+                fp8="tensorwise", fused_qkv=True)
+    train = training(precision="bf16-mixed", mixed_precision=MP_ZERO, batch=4, seq_len=2048, ac="none",
+                     compile_mode="default", compile_scope="block", optimizer=ADAMW_MODULE, clip=1.0, warmup=5,
+                     timed=10, global_batch=16)
+    train.update(accumulate_grad_batches=2, accumulation="gather_once")
+    harness = {"script": "benchmarks/bench_recipes.py", "recipe": "gpt-1.3b-zero3", "variant": None,
+               "variant_args": None, "result_commit": "e034f91", "precision_plugin": "PerfPrecision"}
+    add(f"recipes-{_tag(fname)}", path, "/rows/0/recipe", device_name=doc["device"], world=2, side="pack",
+        harness=harness, model=gpt, training=train, strategy=zero(3, 2, blocks_per_unit=2),
+        measured=measured(row["recipe"], allocated_from=["peak_mem_gb"], ranks="rank0", scope="window",
+                          window="peak_mem_gb", reserved="peak_reserved_gb"),
+        notes=(RECIPE_NOTE, "the planner of that run took 4 sequences x 2 micro-batches, parameters kept gathered "
+               "across them (gather_once)", doc["source"]))
+    mp_training = training(precision="32-true", mixed_precision="FSDP2 MixedPrecisionPolicy (bf16 compute, fp32 master)",
+                           batch=8, seq_len=2048, ac="full", compile_mode="default", compile_scope="block",
+                           optimizer=ADAMW_MODULE | {"param_groups": "decay on matrices only (ModelParallelGPT)"},
+                           clip=1.0, warmup=5, timed=10, global_batch=16)
+    mp_strategy, _, mp_baseline = parallel_strategy({"baseline": "model_parallel"}, 2)
+    add(f"recipes-{_tag(fname)}-mp", path, "/rows/0/mp", device_name=doc["device"], world=2, side="baseline",
+        harness=dict(harness, variant="mp", precision_plugin="Lightning Precision (32-true)"),
+        model=model("gpt-1.3b", model_class=MP_GPT, kernels="torch", attention="sdpa"), training=mp_training,
+        strategy=mp_strategy, baseline=mp_baseline,
+        measured=measured(row["mp"], allocated_from=["peak_mem_gb"], ranks="rank0", scope="window",
+                          window="peak_mem_gb", reserved="peak_reserved_gb"),
+        notes=("the harness of that day read the recipe's 'auto' checkpointing as checkpointing: the baseline ran "
+               "with full activation checkpointing per block", doc["source"]))
 
 
 def add_offload() -> None:
