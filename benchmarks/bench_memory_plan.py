@@ -31,8 +31,6 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 _LLAMA_FP8 = {"kernels": "triton", "attention": "auto", "fp8": "tensorwise", "fused_qkv": True}
 _GPT_FP8 = {"kernels": "triton", "attention": "auto", "fp8": "tensorwise", "fused_qkv": True}
 

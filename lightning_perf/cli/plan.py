@@ -22,7 +22,7 @@ import torch
 from lightning_perf.cli.perf_cli import PerfCLI, _run_lightning_cli
 from lightning_perf.cli.recipes import _option_value, _with_resolved_config
 from lightning_perf.perf.memory_plan import GB
-from lightning_perf.runtime.planning import TrainingPlan, global_batch_sequences, plan_training, usable_bytes
+from lightning_perf.runtime.planning import TrainingPlan, plan_run, usable_bytes
 
 __all__ = ["plan_main"]
 
@@ -71,16 +71,11 @@ def _strategy_name(strategy: Any) -> str:
 def make_plan(module: Any, datamodule: Any, trainer_config: dict[str, Any], *,
               capacity_bytes: Optional[float]) -> TrainingPlan:
     """The plan of a run with these objects and Trainer arguments."""
-    devices = _devices(trainer_config.get("devices", "auto"))
-    num_nodes = int(trainer_config.get("num_nodes") or 1)
-    accumulate = int(trainer_config.get("accumulate_grad_batches") or 1)
-    global_seqs = global_batch_sequences(datamodule, devices * num_nodes)
-    return plan_training(module, trainer_config.get("strategy"), devices=devices, num_nodes=num_nodes,
-                         seq_len=int(datamodule.seq_len), capacity_bytes=capacity_bytes,
-                         batch_size=datamodule.batch_size,
-                         accumulate_grad_batches=accumulate if (accumulate > 1 or global_seqs is None) else None,
-                         global_batch_sequences=global_seqs,
-                         precision=str(trainer_config.get("precision") or "32-true"))
+    return plan_run(module, trainer_config.get("strategy"), datamodule,
+                    devices=_devices(trainer_config.get("devices", "auto")),
+                    num_nodes=int(trainer_config.get("num_nodes") or 1),
+                    accumulate_grad_batches=int(trainer_config.get("accumulate_grad_batches") or 1),
+                    capacity_bytes=capacity_bytes, precision=str(trainer_config.get("precision") or "32-true"))
 
 
 def report(module: Any, datamodule: Any, trainer_config: dict[str, Any], *, capacity_bytes: Optional[float],

@@ -9,6 +9,8 @@ keeps Lightning's display. Rich's bar where ``rich`` is installed, tqdm's otherw
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from typing import Any, Union
 
 import lightning.pytorch as pl
@@ -80,11 +82,14 @@ class _StepCounting:
         # as wide as the validation bar's, as Lightning pads 'Epoch N', so the columns do not shift
         return f"{STEP_DESCRIPTION:{len(self.validation_description)}}"  # type: ignore[attr-defined]
 
+    # each bar below (Rich, tqdm) sets its own widget's position and text
+    @abstractmethod
     def _start_at_step(self, step: int, max_steps: int) -> None:
-        raise NotImplementedError
+        """Put the training bar at ``step`` of ``max_steps``."""
 
+    @abstractmethod
     def _describe_train_bar(self, description: str) -> None:
-        raise NotImplementedError
+        """Set the training bar's description."""
 
 
 class StepRichProgressBar(_StepCounting, RichProgressBar):

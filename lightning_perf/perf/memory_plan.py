@@ -42,7 +42,7 @@ Sizes are bytes; :attr:`MemoryEstimate.peak_gb` and friends are GB (10^9 bytes),
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 __all__ = [
@@ -349,10 +349,6 @@ class MemoryEstimate:
         """The largest rank's parts, GB."""
         return {k: v / GB for k, v in self.peak_rank.parts.items()}
 
-    def fits(self, capacity_bytes: float, *, headroom: float = 0.08) -> bool:
-        """Whether the peak stays under ``capacity_bytes`` less ``headroom`` (a share kept for fragmentation)."""
-        return self.peak_bytes <= capacity_bytes * (1.0 - headroom)
-
     def as_dict(self) -> dict[str, Any]:
         return {"peak_gb": self.peak_gb, "per_rank_gb": self.per_rank_gb, "parts_gb": self.parts_gb,
                 "peak_rank": self.peak_rank.rank, "moment": self.peak_rank.moment, "notes": list(self.notes)}
@@ -406,7 +402,6 @@ def estimate_peak(model: ModelShape, layout: MemoryLayout, step: StepShape, *,
     residual = cb if (fsdp or layout.engine == "deepspeed" or not mixed) else 4
     fp8 = model.fp8 != "none"
     fp8_gathered = fp8 and fsdp and layout.fp8_all_gather
-    notes: list[str] = []
     mode = step.activation_checkpointing
     tokens = step.micro_batch * step.seq_len // cp  # one micro-batch on this rank
     act_tokens = tokens  # the tensor-parallel split is in the per-block bytes below
@@ -459,14 +454,15 @@ def estimate_peak(model: ModelShape, layout: MemoryLayout, step: StepShape, *,
             state["gradient buckets"] = own * mb
         # gathered parameters live from the forward into the backward (bf16; FP8 linears gathered in FP8)
         if fsdp:
-            unit = min(n_blocks, layout.blocks_per_unit) * gathered_block
+            unit_blocks = min(n_blocks, layout.blocks_per_unit)
+            unit = unit_blocks * gathered_block
             if layout.resharded and not (accumulating and layout.accumulation == "gather_once"):
                 units_live = 2 + layout.prefetch  # the last unit (kept for the backward), the current, prefetched
                 gathered = root * cb + min(n_blocks * gathered_block, units_live * unit)
             else:  # ZeRO-2, or kept gathered across the micro-batches of a step
                 gathered = root * cb + n_blocks * gathered_block
         else:
-            unit = 0.0
+            unit_blocks, unit = 0, 0.0
             gathered = 0.0
             if fp8:  # FP8 linears cast their weights per forward, kept for the backward
                 gathered = n_blocks * linear_local
@@ -507,9 +503,8 @@ def estimate_peak(model: ModelShape, layout: MemoryLayout, step: StepShape, *,
         else:
             recompute = 0.0
         layer_bwd = recompute + LAYER_BACKWARD_SHARE * per_block_none * act_tokens
-        if fsdp:
-            layer_bwd += (unit / max(gathered_block, 1) * block_local) * (cb + step.reduce_bytes) + unit * \
-                min(layout.prefetch, 1)
+        if fsdp:  # the unit's unsharded gradients and their reduction copy, and the next unit prefetched
+            layer_bwd += unit_blocks * block_local * (cb + step.reduce_bytes) + unit * min(layout.prefetch, 1)
         # the three moments
         moments: dict[str, dict[str, float]] = {}
         moments["start of backward"] = {
@@ -525,9 +520,5 @@ def estimate_peak(model: ModelShape, layout: MemoryLayout, step: StepShape, *,
             "logits and loss": 0.0, "backward temporaries": 0.0}
         moment = max(moments, key=lambda k: sum(moments[k].values()))
         ranks.append(RankMemory(rank=pp_rank, parts=moments[moment], moment=moment))
-    return MemoryEstimate(ranks=ranks, notes=notes)
+    return MemoryEstimate(ranks=ranks)
 
-
-def with_step(step: StepShape, **changes: Any) -> StepShape:
-    """``step`` with ``changes`` (a convenience for searching over micro-batches and modes)."""
-    return replace(step, **changes)

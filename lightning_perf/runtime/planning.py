@@ -49,6 +49,8 @@ __all__ = [
     "PlanLayout",
     "TrainingPlan",
     "estimate_memory",
+    "global_batch_sequences",
+    "plan_run",
     "plan_training",
     "relative_speed",
     "resolve_auto_settings",
@@ -401,7 +403,8 @@ def _accumulation_modes(mode: Optional[str], accum: int) -> list[Optional[str]]:
 
 # ---- applying the plan to a run -----------------------------------------------------------------------------
 
-def _global_batch_sequences(datamodule: Any, world: int) -> Optional[int]:
+def global_batch_sequences(datamodule: Any, world: int) -> Optional[int]:
+    """The data module's global batch in sequences for ``world`` GPUs (None: none given)."""
     tokens = getattr(datamodule, "global_batch_tokens", None)
     sequences = getattr(datamodule, "global_batch_size", None)
     per_gpus = getattr(datamodule, "global_batch_per_gpus", None)
@@ -429,6 +432,18 @@ def _needs_plan(module: Any, datamodule: Any, strategy: Any) -> bool:
             or getattr(datamodule, "global_batch_size", None) is not None)
 
 
+def plan_run(module: Any, strategy: Any, datamodule: Any, *, devices: int, num_nodes: int,
+             accumulate_grad_batches: int, capacity_bytes: Optional[float], precision: str) -> TrainingPlan:
+    """:func:`plan_training` for a run's data module and Trainer settings: an ``accumulate_grad_batches`` above 1 is
+    the user's and wins; otherwise the data module's global batch (if any) sets the accumulation."""
+    global_seqs = global_batch_sequences(datamodule, devices * num_nodes)
+    explicit = accumulate_grad_batches > 1 or global_seqs is None
+    return plan_training(module, strategy, devices=devices, num_nodes=num_nodes, seq_len=int(datamodule.seq_len),
+                         capacity_bytes=capacity_bytes, batch_size=datamodule.batch_size,
+                         accumulate_grad_batches=accumulate_grad_batches if explicit else None,
+                         global_batch_sequences=global_seqs, precision=precision)
+
+
 def resolve_auto_settings(trainer: Any, module: Any, datamodule: Any, *, check_fit: bool = True) -> Optional[TrainingPlan]:
     """Turn a run's ``"auto"`` settings into values (in place: ``datamodule.batch_size``, the module's
     ``activation_checkpointing``, ``trainer.accumulate_grad_batches``, the strategy's ``accumulation``).
@@ -450,16 +465,10 @@ def resolve_auto_settings(trainer: Any, module: Any, datamodule: Any, *, check_f
     if not asked and (capacity is None or not check_fit):
         return None
     devices = max(1, len(getattr(strategy, "parallel_devices", None) or [None]))
-    num_nodes = int(getattr(trainer, "num_nodes", 1) or 1)
-    world = devices * num_nodes
-    explicit_accum = int(trainer.accumulate_grad_batches)
-    global_seqs = _global_batch_sequences(datamodule, world)
     batch = datamodule.batch_size
-    plan = plan_training(
-        module, strategy, devices=devices, num_nodes=num_nodes, seq_len=seq_len, capacity_bytes=capacity,
-        batch_size=batch, accumulate_grad_batches=explicit_accum if (explicit_accum > 1 or global_seqs is None)
-        else None, global_batch_sequences=global_seqs, precision=str(getattr(trainer, "precision", "bf16-mixed")),
-    )
+    plan = plan_run(module, strategy, datamodule, devices=devices, num_nodes=int(getattr(trainer, "num_nodes", 1) or 1),
+                    accumulate_grad_batches=int(trainer.accumulate_grad_batches), capacity_bytes=capacity,
+                    precision=str(getattr(trainer, "precision", "bf16-mixed")))
     if capacity is not None and not plan.fits and check_fit:
         over = plan.estimate.peak_bytes / usable_bytes(capacity) - 1
         if over > REFUSE_MARGIN or asked:
@@ -499,9 +508,4 @@ def _refusal(plan: TrainingPlan, capacity: float) -> str:
         second = ("Nothing at this layout fits: shard more (more GPUs, zero3, tensor or pipeline parallelism) or "
                   "offload (strategy zero3_offload).")
     return f"{first}\n{second} Details: lightning-perf plan (same arguments)."
-
-
-def global_batch_sequences(datamodule: Any, world: int) -> Optional[int]:
-    """The data module's global batch in sequences for ``world`` GPUs (None: none given)."""
-    return _global_batch_sequences(datamodule, world)
 

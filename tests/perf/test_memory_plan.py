@@ -124,7 +124,7 @@ def test_plan_picks_the_fastest_that_fits_and_accumulates_to_the_global_batch() 
 
 
 def test_explicit_settings_are_kept_and_checked() -> None:
-    module = _llama(activation_checkpointing=None) if False else _llama()
+    module = _llama()
     plan = plan_training(module, ZeroStrategy(stage=3, init="meta"), devices=4, seq_len=8192, capacity_bytes=85e9,
                          batch_size=3)
     assert plan.batch_size == 3 and plan.activation_checkpointing == "none"
